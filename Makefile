@@ -1,0 +1,38 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   creates .venv, installs mla, runs `python -m mla demo` (CPU unless --device says otherwise)
+#   make test   installs the test, docs and tutorial extras and runs the whole suite
+PYTHON   ?= python3
+VENV     := .venv
+BIN      := $(VENV)/bin
+PIP      := $(BIN)/python -m pip install -q -c constraints.txt
+DEMO_ARGS ?=
+
+.PHONY: demo test docs docs-serve clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# One stamp per set of extras, remade when pyproject.toml or the pins change.
+$(VENV)/.installed-run: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) -e .
+	@touch $@
+
+$(VENV)/.installed-test: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) -e '.[test,docs,tutorials]'
+	@touch $@ $(VENV)/.installed-run
+
+demo: $(VENV)/.installed-run
+	$(BIN)/python -m mla demo $(DEMO_ARGS)
+
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q
+
+docs: $(VENV)/.installed-test
+	$(BIN)/mkdocs build --strict
+
+docs-serve: $(VENV)/.installed-test
+	$(BIN)/mkdocs serve
+
+clean:
+	rm -rf $(VENV) site build *.egg-info .pytest_cache

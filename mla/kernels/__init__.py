@@ -1,0 +1,17 @@
+"""The paged tier's kernels: concat_and_cache (CUDA / C++ / torch) and the Triton split-KV decode.
+
+On a machine without a CUDA GPU the Triton kernels run in Triton's interpreter; TRITON_INTERPRET
+must be set before triton is first imported, so this package sets it when no GPU is visible.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from .concat_cache import concat_and_cache, concat_and_cache_reference  # noqa: E402
+from .decode import mla_decode, mla_decode_reference  # noqa: E402
+
+__all__ = ["concat_and_cache", "concat_and_cache_reference", "mla_decode", "mla_decode_reference"]
