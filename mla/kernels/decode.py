@@ -1,0 +1,532 @@
+"""Split-KV paged decode for Multi-head Latent Attention, in Triton.
+
+In the absorbed form, MLA decode is multi-query attention over the latent cache: every head of a
+sequence attends to the same cached rows ``[kv_c | k_pe]`` (c + r values a token), the key is the
+whole row and the value is its first c values. One decode step of one sequence, for h heads:
+
+    scores[h, t] = softmax_scale * (q_lat[h] . kv_c[t] + q_pe[h] . k_pe[t])     (b, h, t)
+    out[h]       = sum_t softmax(scores[h])[t] * kv_c[t]                         (b, h, c)
+    lse[h]       = log sum_t exp(scores[h, t])                                   (b, h)
+
+Goals, in the order they shape the code:
+
+1. Read the cache once. Decode is memory bound at few heads (16 a GPU under tensor parallelism)
+   and compute bound at many (128), so a program takes up to 64 heads (``BLOCK_H``) and reads
+   each latent tile once for all of them, and the value is the nope part of that same tile: no
+   second load. Heads past ``h`` (h = 1, 3, 20, ...) are padding rows, masked.
+2. Fill the GPU when the batch is small. The sequence is cut into ``num_kv_splits`` pieces, each
+   its own program (split-KV, "flash decoding"); a second, small kernel merges the pieces by
+   log-sum-exp. The split count comes from batch, head blocks, length and SM count
+   (``choose_num_kv_splits``). With one split, stage 1 writes the result directly.
+3. Paged cache. Token ``pos`` of sequence ``i`` lives in page ``block_table[i, pos // page]`` at
+   row ``pos % page``; it is looked up per token, so a tile of ``BLOCK_N`` tokens may span pages
+   and any page size >= 1 works. Nothing outside a sequence's pages is read: tokens past
+   ``seq_len`` and block-table entries past ``ceil(seq_len / page)`` are masked loads. Page
+   offsets are int64, so caches beyond 2^31 elements work.
+4. fp32 softmax statistics and accumulators whatever the input dtype (bf16, fp16, fp32).
+
+Blocked pseudo-code of stage 1, one program per (sequence i, head block, split):
+
+    q_nope, q_pe = q[i, heads, :c], q[i, heads, c:]                  (BLOCK_H, c), (BLOCK_H, r)
+    m, l, acc = -inf, 0, 0                                           (BLOCK_H,), (BLOCK_H, c)
+    for each tile of BLOCK_N positions n in this split:
+        page, row = block_table[i, n // page_size], n % page_size
+        kv_nope, kv_pe = cache[page, row, :c], cache[page, row, c:]  (BLOCK_N, c), (BLOCK_N, r)
+        s = (q_nope @ kv_nope^T + q_pe @ kv_pe^T) * scale            (BLOCK_H, BLOCK_N)
+        m_new = max(m, rowmax(s));  p = exp(s - m_new)
+        l   = l * exp(m - m_new) + rowsum(p)
+        acc = acc * exp(m - m_new) + p @ kv_nope                     (value = the nope part)
+        m = m_new
+    partial_out = acc / l ;  partial_lse = m + log(l)                (-inf for an empty split)
+
+Stage 2, one program per (sequence, head): ``lse = logsumexp_s(partial_lse[s])``,
+``out = sum_s exp(partial_lse[s] - lse) * partial_out[s]``.
+
+The exponentials run in base 2 (``exp2``, the cheap instruction), with the scale folded into
+``softmax_scale * log2(e)``; the lse is turned back into natural log on the way out.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "mla_decode",
+    "mla_decode_reference",
+    "choose_num_kv_splits",
+    "default_config",
+]
+
+_LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
+_LN2 = 0.6931471805599453  # ln(2):    log(x) = log2(x) * ln(2)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_CPU_NUM_SMS = 132  # an H100/H200's SM count, so CPU runs choose the splits a GPU would
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 1: one program per (sequence, head block, split)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    # pointers
+    q_ptr,  # (b, h, c + r)
+    kv_ptr,  # (num_pages, page_size, c + r)
+    block_table_ptr,  # (b, max_pages) int32
+    seq_lens_ptr,  # (b,) int32
+    part_out_ptr,  # (b, h, splits, c) fp32 workspace, or out (b, h, c) when splits == 1
+    part_lse_ptr,  # (b, h, splits) fp32 workspace, or lse (b, h) when splits == 1
+    # sizes
+    num_heads,
+    kv_lora_rank,  # c
+    rope_dim,  # r
+    page_size,
+    num_splits,
+    scale_log2,  # softmax_scale * log2(e)
+    # strides
+    stride_qb, stride_qh,
+    stride_kvp, stride_kvn,  # page, token within the page (the last dim is contiguous)
+    stride_btb, stride_btp,
+    stride_slb,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh, stride_ls,
+    # meta-parameters
+    BLOCK_H: tl.constexpr,  # heads a program
+    BLOCK_N: tl.constexpr,  # tokens a step
+    BLOCK_C: tl.constexpr,  # next_power_of_2(c)
+    BLOCK_R: tl.constexpr,  # next_power_of_2(r), at least 16 (tl.dot's smallest K)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32 rounding), else "tf32"
+):
+    pid_b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_s = tl.program_id(2)
+
+    # ---- this split's token range: whole BLOCK_N tiles, the last split may be short or empty
+    seq_len = tl.load(seq_lens_ptr + pid_b * stride_slb)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+    split_start = pid_s * tiles_per_split * BLOCK_N
+    split_end = tl.minimum(split_start + tiles_per_split * BLOCK_N, seq_len)
+
+    # ---- the query of BLOCK_H heads, as its nope (latent) part and its rope part
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_h = offs_h < num_heads
+    mask_c = offs_c < kv_lora_rank
+    mask_r = offs_r < rope_dim
+    q_rows = q_ptr + pid_b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
+    q_nope = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+    q_pe = tl.load(
+        q_rows + kv_lora_rank + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0
+    )
+
+    # ---- online softmax over the split, fp32 statistics
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max (log2 units)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of exp2(s - m_i)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)  # running sum of p * value
+    block_table_row = block_table_ptr + pid_b.to(tl.int64) * stride_btb
+    for start_n in range(split_start, split_end, BLOCK_N):
+        # -- where each token of the tile lives: its page (through the block table) and row;
+        #    the block-table load is masked too, so entries past the sequence are never read
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < split_end
+        page = tl.load(block_table_row + (offs_n // page_size) * stride_btp, mask=mask_n, other=0)
+        row = page.to(tl.int64) * stride_kvp + (offs_n % page_size) * stride_kvn  # (BLOCK_N,)
+
+        # -- one load of the latent tile: the nope part is both key and value
+        kv_rows = kv_ptr + row[:, None]
+        kv_nope = tl.load(kv_rows + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0)
+        kv_pe = tl.load(
+            kv_rows + kv_lora_rank + offs_r[None, :],
+            mask=mask_n[:, None] & mask_r[None, :],
+            other=0.0,
+        )
+
+        # -- scores, (BLOCK_H, BLOCK_N), in log2 units; tokens past the split are -inf
+        s = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PRECISION)
+        s = tl.dot(q_pe, tl.trans(kv_pe), s, input_precision=DOT_PRECISION)
+        s = tl.where(mask_n[None, :], s * scale_log2, float("-inf"))
+
+        # -- online softmax update; every tile holds >= 1 real token, so m_new is finite
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # ---- normalise and write; an empty split (l = 0) writes zeros and lse = -inf
+    nonempty = l_i > 0.0
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+
+    out_ptrs = (
+        part_out_ptr
+        + pid_b.to(tl.int64) * stride_ob
+        + offs_h[:, None] * stride_oh
+        + pid_s * stride_os
+        + offs_c[None, :]
+    )
+    tl.store(out_ptrs, out.to(part_out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_c[None, :])
+    lse_ptrs = part_lse_ptr + pid_b.to(tl.int64) * stride_lb + offs_h * stride_lh + pid_s * stride_ls
+    tl.store(lse_ptrs, lse, mask=mask_h)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 2: one program per (sequence, head) merges the splits by log-sum-exp
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mla_decode_merge_kernel(
+    # pointers
+    part_out_ptr,  # (b, h, splits, c) fp32
+    part_lse_ptr,  # (b, h, splits) fp32
+    out_ptr,  # (b, h, c) in q's dtype
+    lse_ptr,  # (b, h) fp32
+    # sizes
+    kv_lora_rank,
+    num_splits,
+    # strides
+    stride_pob, stride_poh, stride_pos,
+    stride_plb, stride_plh, stride_pls,
+    stride_ob, stride_oh,
+    stride_lb, stride_lh,
+    # meta-parameters
+    BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # next_power_of_2(num_splits)
+):
+    pid_b = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+
+    # ---- the global max over the splits' lse; subtracted so no exp overflows
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_row = part_lse_ptr + pid_b * stride_plb + pid_h * stride_plh
+    lse_parts = tl.load(lse_row + offs_s * stride_pls, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse_parts, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights exp(-inf) = 0, no NaN
+    total = tl.sum(tl.exp(lse_parts - m), 0)
+
+    # ---- out = sum_s exp(lse_s - m) * out_s / total
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_c = offs_c < kv_lora_rank
+    out_row = part_out_ptr + pid_b * stride_pob + pid_h * stride_poh
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for split in range(0, num_splits):
+        weight = tl.exp(tl.load(lse_row + split * stride_pls) - m)
+        acc += weight * tl.load(out_row + split * stride_pos + offs_c, mask=mask_c, other=0.0)
+
+    nonempty = total > 0.0
+    total_safe = tl.where(nonempty, total, 1.0)
+    out = acc / total_safe
+    lse = tl.where(nonempty, m + tl.log(total_safe), float("-inf"))
+    tl.store(out_ptr + pid_b * stride_ob + pid_h * stride_oh + offs_c, out.to(out_ptr.dtype.element_ty), mask=mask_c)
+    tl.store(lse_ptr + pid_b * stride_lb + pid_h * stride_lh, lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch parameters
+# ---------------------------------------------------------------------------------------------
+
+
+def default_config(num_heads: int) -> dict:
+    """The stage-1 launch parameters used unless ``_config=`` overrides them.
+
+    ``BLOCK_H``: heads a program, the power of two >= ``num_heads`` between 16 (``tl.dot``'s
+    smallest M) and 64 (beyond that the (BLOCK_H, c) fp32 accumulator no longer fits in
+    registers at c = 512). ``BLOCK_N``: tokens a step. ``num_warps``, ``num_stages``: as in
+    ``triton.Config``. ``benchmarks/bench_decode.py --sweep`` measures the alternatives.
+    """
+    block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
+    if block_h >= 64:
+        return {"BLOCK_H": block_h, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_H": block_h, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def choose_num_kv_splits(
+    batch: int,
+    heads: int,
+    max_seq_len: int,
+    num_sms: int,
+    *,
+    block_h: int | None = None,
+    block_n: int | None = None,
+    min_tiles_per_split: int = 4,
+    max_splits: int = 64,
+) -> int:
+    """How many pieces to cut each sequence into so that stage 1 fills the GPU.
+
+    Stage 1 runs ``batch * ceil(heads / block_h)`` programs per split. If that already covers
+    ``num_sms`` the answer is 1 (no merge, no workspace). Otherwise it is the smallest count that
+    reaches ``num_sms`` programs, but no more than gives every split ``min_tiles_per_split``
+    tiles of ``block_n`` tokens of the longest sequence (short splits spend their time starting
+    up and writing partials) and no more than ``max_splits`` (the merge reads every split).
+
+    Args:
+        batch: sequences in the batch (b).
+        heads: query heads (h).
+        max_seq_len: the longest ``seq_lens`` entry.
+        num_sms: the device's streaming multiprocessors
+            (``torch.cuda.get_device_properties(d).multi_processor_count``).
+        block_h, block_n: the stage-1 tile; ``default_config(heads)``'s when None.
+    Returns:
+        An int in ``[1, max_splits]``.
+    """
+    config = default_config(heads)
+    block_h = config["BLOCK_H"] if block_h is None else block_h
+    block_n = config["BLOCK_N"] if block_n is None else block_n
+    programs = batch * triton.cdiv(heads, block_h)
+    if programs <= 0 or programs >= num_sms:
+        return 1
+    wanted = triton.cdiv(num_sms, programs)
+    by_length = max(1, max_seq_len // (min_tiles_per_split * block_n))
+    return max(1, min(wanted, by_length, max_splits))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _CPU_NUM_SMS
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks, shared by the kernel wrapper and the reference
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scale, num_kv_splits):
+    """Raise a ValueError/TypeError naming the argument at fault; read-only."""
+    for name, t in (("q", q), ("kv_cache", kv_cache), ("block_table", block_table), ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"mla_decode: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 3:
+        raise ValueError(f"mla_decode: q must be (batch, heads, c + r), got shape {tuple(q.shape)}")
+    b, h, d = q.shape
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"mla_decode: q must be bfloat16, float16 or float32, got {q.dtype}")
+    if kv_cache.dim() != 3:
+        raise ValueError(
+            f"mla_decode: kv_cache must be (num_blocks, block_size, c + r), got shape {tuple(kv_cache.shape)}"
+        )
+    if kv_cache.dtype != q.dtype:
+        raise TypeError(f"mla_decode: kv_cache must have q's dtype {q.dtype}, got {kv_cache.dtype}")
+    if kv_cache.shape[2] != d:
+        raise ValueError(
+            f"mla_decode: kv_cache's last dim must equal q's (c + r = {d}), got {kv_cache.shape[2]}"
+        )
+    if kv_cache.shape[1] < 1:
+        raise ValueError("mla_decode: kv_cache's block_size (dim 1) must be >= 1")
+    if block_table.dim() != 2 or block_table.shape[0] != b:
+        raise ValueError(
+            f"mla_decode: block_table must be (batch={b}, max_blocks), got shape {tuple(block_table.shape)}"
+        )
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"mla_decode: block_table must be int32, got {block_table.dtype}")
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != b:
+        raise ValueError(f"mla_decode: seq_lens must be (batch={b},), got shape {tuple(seq_lens.shape)}")
+    if seq_lens.dtype != torch.int32:
+        raise TypeError(f"mla_decode: seq_lens must be int32, got {seq_lens.dtype}")
+    for name, t in (("kv_cache", kv_cache), ("block_table", block_table), ("seq_lens", seq_lens)):
+        if t.device != q.device:
+            raise ValueError(f"mla_decode: {name} is on {t.device} but q is on {q.device}")
+    for name, t in (("q", q), ("kv_cache", kv_cache)):
+        if t.numel() > 0 and t.stride(-1) != 1:
+            raise ValueError(f"mla_decode: {name}'s last dim must be contiguous (stride 1), got strides {t.stride()}")
+    if isinstance(kv_lora_rank, bool) or not isinstance(kv_lora_rank, numbers.Integral):
+        raise TypeError(f"mla_decode: kv_lora_rank must be an int, got {type(kv_lora_rank).__name__}")
+    if not 0 < kv_lora_rank < d:
+        raise ValueError(
+            f"mla_decode: kv_lora_rank must be in [1, {d - 1}] (q's last dim is c + r = {d}, r >= 1), "
+            f"got {kv_lora_rank}"
+        )
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"mla_decode: softmax_scale must be a float, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"mla_decode: softmax_scale must be finite, got {softmax_scale}")
+    if num_kv_splits is not None:
+        if isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, numbers.Integral):
+            raise TypeError(f"mla_decode: num_kv_splits must be an int or None, got {type(num_kv_splits).__name__}")
+        if num_kv_splits < 1:
+            raise ValueError(f"mla_decode: num_kv_splits must be >= 1, got {num_kv_splits}")
+
+
+def _check_seq_lens(seq_lens, block_table, block_size) -> int:
+    """Check seq_lens' values against the block table; return max(seq_lens). One host sync."""
+    if seq_lens.numel() == 0:
+        return 0
+    lo, hi = (int(x) for x in torch.stack(torch.aminmax(seq_lens)).tolist())
+    if lo < 0:
+        raise ValueError(f"mla_decode: seq_lens must be >= 0, got a min of {lo}")
+    capacity = block_table.shape[1] * block_size
+    if hi > capacity:
+        raise ValueError(
+            f"mla_decode: block_table is too short: a seq_len of {hi} needs {triton.cdiv(hi, block_size)} "
+            f"blocks of {block_size}, but block_table has {block_table.shape[1]} columns"
+        )
+    return hi
+
+
+# ---------------------------------------------------------------------------------------------
+# The wrapper: check, allocate, launch
+# ---------------------------------------------------------------------------------------------
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    softmax_scale: float,
+    num_kv_splits: int | None = None,
+    _config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA decode attention over a paged latent cache (one new token per sequence).
+
+    Args:
+        q: (b, h, c + r), bfloat16 / float16 / float32: the absorbed query ``[q_nope · W_UK | q_pe]``
+            of each sequence's one new token; the last dim contiguous.
+        kv_cache: (num_blocks, block_size, c + r), q's dtype: the paged cache of ``[kv_c | k_pe]``
+            rows. Key = the whole row, value = its first c values. Last dim contiguous.
+        block_table: (b, max_blocks) int32: ``block_table[i, j]`` is the cache block holding
+            tokens ``j*block_size ... (j+1)*block_size - 1`` of sequence i. Entries past
+            ``ceil(seq_lens[i] / block_size)`` are never read.
+        seq_lens: (b,) int32: cached tokens of each sequence, the new one included; 0 means the
+            row sits this call out (out 0, lse -inf).
+        kv_lora_rank: c; the rope dim is ``r = q.shape[-1] - c``.
+        softmax_scale: multiplies q·k before the softmax.
+        num_kv_splits: pieces each sequence is cut into. None: ``choose_num_kv_splits`` picks
+            from the batch, heads, ``max(seq_lens)`` and the SM count, which reads seq_lens on
+            the host (one sync, and seq_lens' values are checked against block_table then).
+            Give it to launch without a host sync (e.g. inside a CUDA graph); seq_lens' values
+            are then trusted on a GPU (still checked on the CPU, where that costs nothing).
+        _config: private tuning hook for benchmarks: any of ``BLOCK_H``, ``BLOCK_N``,
+            ``num_warps``, ``num_stages`` (see ``default_config``).
+
+    Returns:
+        out: (b, h, c) in q's dtype, ``softmax(scores) @ value``.
+        lse: (b, h) float32, ``log(sum(exp(scores)))`` in natural log, -inf for an empty row.
+    """
+    _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scale, num_kv_splits)
+    b, h, d = q.shape
+    c, r = kv_lora_rank, d - kv_lora_rank
+    block_size = kv_cache.shape[1]
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "mla_decode: q is on the CPU, which Triton runs only in its interpreter; set "
+            "TRITON_INTERPRET=1 before triton is imported (mla.kernels does so when no GPU is visible)"
+        )
+    config = default_config(h)
+    if _config:
+        unknown = set(_config) - set(config)
+        if unknown:
+            raise ValueError(f"mla_decode: unknown _config keys {sorted(unknown)}; known: {sorted(config)}")
+        config.update(_config)
+
+    if num_kv_splits is None or q.device.type == "cpu":
+        max_seq_len = _check_seq_lens(seq_lens, block_table, block_size)
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(
+            b, h, max_seq_len, _num_sms(q.device), block_h=config["BLOCK_H"], block_n=config["BLOCK_N"]
+        )
+
+    out = torch.empty((b, h, c), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h), dtype=torch.float32, device=q.device)
+    if b == 0 or h == 0:
+        return out, lse
+
+    if num_kv_splits == 1:  # stage 1 writes the answer; no workspace, no merge
+        part_out, part_lse = out, lse
+        part_out_strides = (out.stride(0), out.stride(1), 0)
+        part_lse_strides = (lse.stride(0), lse.stride(1), 0)
+    else:
+        part_out = torch.empty((b, h, num_kv_splits, c), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((b, h, num_kv_splits), dtype=torch.float32, device=q.device)
+        part_out_strides = part_out.stride()[:3]
+        part_lse_strides = part_lse.stride()
+
+    block_h = config["BLOCK_H"]
+    grid = (b, triton.cdiv(h, block_h), num_kv_splits)
+    _mla_decode_split_kernel[grid](
+        q, kv_cache, block_table, seq_lens, part_out, part_lse,
+        h, c, r, block_size, num_kv_splits, float(softmax_scale) * _LOG2E,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0), block_table.stride(1),
+        seq_lens.stride(0),
+        *part_out_strides,
+        *part_lse_strides,
+        BLOCK_H=block_h,
+        BLOCK_N=config["BLOCK_N"],
+        BLOCK_C=max(16, triton.next_power_of_2(c)),
+        BLOCK_R=max(16, triton.next_power_of_2(r)),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )
+    if num_kv_splits > 1:
+        _mla_decode_merge_kernel[(b, h)](
+            part_out, part_lse, out, lse,
+            c, num_kv_splits,
+            *part_out_strides,
+            *part_lse_strides,
+            out.stride(0), out.stride(1),
+            lse.stride(0), lse.stride(1),
+            BLOCK_C=triton.next_power_of_2(c),
+            BLOCK_S=triton.next_power_of_2(num_kv_splits),
+            num_warps=4 if c >= 256 else 1,
+        )
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference: plain torch, one sequence at a time, in float64
+# ---------------------------------------------------------------------------------------------
+
+
+def mla_decode_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    softmax_scale: float,
+    num_kv_splits: int | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mla_decode``'s arguments and results, computed by gathering each sequence's pages.
+
+    ``num_kv_splits`` is accepted and ignored (splitting does not change the math).
+    ``compute_dtype`` (float64 by default) is what the scores and softmax are computed in; tests
+    of large shapes on a GPU may pass float32 to keep it fast. Returns out in q's dtype and lse
+    in float32, like the kernel.
+    """
+    _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scale, num_kv_splits)
+    b, h, d = q.shape
+    c = kv_lora_rank
+    block_size = kv_cache.shape[1]
+    _check_seq_lens(seq_lens, block_table, block_size)
+    out = torch.zeros((b, h, c), dtype=compute_dtype, device=q.device)
+    lse = torch.full((b, h), float("-inf"), dtype=compute_dtype, device=q.device)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            continue
+        pos = torch.arange(seq_len, device=q.device)
+        pages = block_table[i, : triton.cdiv(seq_len, block_size)].long()
+        latent = kv_cache[pages[pos // block_size], pos % block_size].to(compute_dtype)  # (t, c+r)
+        # scores_{ht} = scale * sum_d q_{hd} latent_{td}
+        scores = torch.einsum("hd,td->ht", q[i].to(compute_dtype), latent) * softmax_scale
+        lse[i] = torch.logsumexp(scores, dim=-1)
+        # out_{hc} = sum_t softmax(scores)_{ht} latent_{tc}
+        out[i] = torch.einsum("ht,tc->hc", torch.softmax(scores, dim=-1), latent[:, :c])
+    return out.to(q.dtype), lse.to(torch.float32)
