@@ -1,0 +1,133 @@
+"""What all three tiers share: construction from MLAWeights, the call's checks, `build`.
+
+Every tier is an `MLAAttention` with the same two calls:
+
+    cache = attn.new_cache(batch_size, max_seq_len)
+    y = attn(x, cache, lengths=None)        # x (b, s, hidden) -> y (b, s, hidden)
+
+`attn(x, cache, lengths)` appends the real tokens of each row to that row's cache at positions
+seq_lens[i], seq_lens[i]+1, ... and attends causally over everything cached for the row. lengths
+(b,) says how many of the s tokens of each row are real (right padding); 0 means the row sits
+this call out. One call can mix prefill (a long row on an empty cache), extend (chunked
+prefill: a long row on a cached prefix) and decode (one token). Outputs at padded positions are
+zeros. Bad input raises before anything is written, so the cache is unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .cache import LatentCache
+from .weights import MLAWeights
+
+TIERS = ("naive", "absorbed", "paged")
+
+
+class MLAAttention(nn.Module):
+    """Base of the tiers: holds the shared MLAWeights (a reference, never a copy)."""
+
+    tier: str = "base"
+
+    def __init__(self, weights: MLAWeights, *, process_group: Any = None):
+        super().__init__()
+        if not isinstance(weights, MLAWeights):
+            raise TypeError(f"weights must be an mla.MLAWeights, got {type(weights).__name__}")
+        self.weights = weights
+        self.config = weights.config
+        self.process_group = process_group
+        self.softmax_scale = self.config.softmax_scale
+
+    # ---- the cache ----------------------------------------------------------------------
+    def new_cache(self, batch_size: int, max_seq_len: int) -> LatentCache:
+        """An empty latent cache for `batch_size` sequences of up to `max_seq_len` tokens."""
+        cfg = self.config
+        return LatentCache.empty(batch_size, max_seq_len, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                                 dtype=self.weights.dtype, device=self.weights.device)
+
+    # ---- checks shared by every tier -----------------------------------------------------
+    def check_inputs(self, x: torch.Tensor, cache: Any, lengths: Any,
+                     cache_type: type = LatentCache) -> torch.Tensor:
+        """Validate one call; return lengths as a CPU int64 (b,) tensor. Writes nothing."""
+        cfg, w = self.config, self.weights
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != cfg.hidden_size:
+            raise ValueError(f"x must have shape (batch, tokens, hidden_size={cfg.hidden_size}), "
+                             f"got {tuple(x.shape)}")
+        b, s, _ = x.shape
+        if s == 0:
+            raise ValueError("x must hold at least one token per row (shape (b, s>=1, hidden))")
+        if x.dtype != w.dtype:
+            raise TypeError(f"x has dtype {x.dtype} but the weights are {w.dtype}; cast one of them")
+        if x.device != w.device:
+            raise ValueError(f"x is on {x.device} but the weights are on {w.device}")
+        if not isinstance(cache, cache_type):
+            raise TypeError(f"cache must be a {cache_type.__name__} from this tier's new_cache(), "
+                            f"got {type(cache).__name__}")
+        if cache.batch_size != b:
+            raise ValueError(f"x has batch {b} but the cache was made for batch {cache.batch_size}")
+        lengths = _as_lengths(lengths, b, s)
+        room = cache.max_seq_len - cache.seq_lens
+        over = torch.nonzero(lengths > room).flatten().tolist()
+        if over:
+            i = over[0]
+            raise ValueError(
+                f"appending {int(lengths[i])} tokens to row {i} (holding {int(cache.seq_lens[i])}) "
+                f"would pass max_seq_len={cache.max_seq_len}")
+        return lengths
+
+    # ---- the output projection, all-reduced under tensor parallelism ---------------------
+    def output_projection(self, o: torch.Tensor) -> torch.Tensor:
+        """Eq. (47): u = W^O [o_1; ...; o_h]. o (b, s, h, v) -> (b, s, hidden)."""
+        return self.reduce_and_bias(torch.einsum("bshv,xhv->bsx", o, self.weights.W_O))
+
+    def reduce_and_bias(self, y: torch.Tensor) -> torch.Tensor:
+        """Sum the heads' partial outputs over the process group, then add o_proj's bias once."""
+        if self.process_group is not None:
+            dist.all_reduce(y, group=self.process_group)
+        if self.weights.o_proj.bias is not None:
+            y = y + self.weights.o_proj.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return f"tier={self.tier!r}, config={self.config.name!r}"
+
+
+def _as_lengths(lengths: Any, b: int, s: int) -> torch.Tensor:
+    if lengths is None:
+        return torch.full((b,), s, dtype=torch.int64)
+    if not isinstance(lengths, torch.Tensor):
+        try:
+            lengths = torch.tensor(lengths)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"lengths must be a (batch,) integer tensor or list, got {lengths!r}") \
+                from err
+    if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+        raise TypeError(f"lengths must hold integers, got dtype {lengths.dtype}")
+    if lengths.shape != (b,):
+        raise ValueError(f"lengths must have shape (batch,) = ({b},), got {tuple(lengths.shape)}")
+    lengths = lengths.to("cpu", torch.int64)
+    if bool(((lengths < 0) | (lengths > s)).any()):
+        raise ValueError(f"lengths must lie in [0, tokens={s}], got {lengths.tolist()}")
+    return lengths
+
+
+def build(weights: MLAWeights, tier: str, **options: Any) -> MLAAttention:
+    """The attention layer of `tier` ("naive", "absorbed" or "paged") over `weights`.
+
+    Options go to the tier's class: `process_group` for every tier; `precompute` and `prefill`
+    for "absorbed"; `block_size`, `num_blocks` for "paged".
+    """
+    if tier == "naive":
+        from .naive import NaiveMLA as cls
+    elif tier == "absorbed":
+        from .absorbed import AbsorbedMLA as cls
+    elif tier == "paged":
+        from .paged import PagedMLA as cls
+    else:
+        raise ValueError(f"unknown tier {tier!r}; expected one of {list(TIERS)}")
+    return cls(weights, **options)

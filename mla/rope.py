@@ -1,0 +1,114 @@
+"""DeepSeek's rotary position embedding: interleaved pairs, YaRN scaling, the softmax mscale.
+
+RoPE rotates the r rotary dims of a query or key as r/2 independent pairs. DeepSeek checkpoints
+pair *neighbouring* dims, (x0, x1), (x2, x3), ... (DeepSeek-V3 `inference/model.py` views the last
+dim as complex numbers). Rotating the halves instead, (x0, x_{r/2}), ... (Llama's `rotate_half`),
+still gives a working model, but one that silently disagrees with every real checkpoint.
+
+Pair i at position m turns by the angle m·θ_i, θ_i = base^(-2i/r). YaRN (arXiv:2309.00071)
+stretches the context by `factor`: the slow pairs (wavelength longer than the original context)
+are interpolated (θ_i / factor), the fast pairs kept, and a linear ramp between two correction
+dims blends the two. It also rescales attention logits: cos/sin are multiplied by
+mscale(factor, mscale) / mscale(factor, mscale_all_dim), and the softmax scale by
+mscale(factor, mscale_all_dim)^2, with mscale(s, m) = 0.1·m·ln(s) + 1.
+
+Angles are computed in float32 as HF and DeepSeek's inference code do, then cast to the
+activations' dtype: the checkpoints were trained that way, and float64 angles would move
+positions in the thousands by ~1e-4 rad.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import MLAConfig
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: 0.1·mscale·ln(scale) + 1 (1 when scale <= 1)."""
+    if scale <= 1.0:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def softmax_scale(config: MLAConfig) -> float:
+    """(d + r)^-0.5, times mscale(factor, mscale_all_dim)^2 when YaRN is on and mscale_all_dim != 0."""
+    scale = config.qk_head_dim ** -0.5
+    yarn = config.yarn
+    if yarn is not None and yarn["mscale_all_dim"]:
+        mscale = yarn_get_mscale(yarn["factor"], yarn["mscale_all_dim"])
+        scale = scale * mscale * mscale
+    return scale
+
+
+def _yarn_correction_dim(num_rotations: float, dim: int, base: float, original_len: int) -> float:
+    # The pair index whose wavelength fits `num_rotations` times in the original context.
+    return (dim * math.log(original_len / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+
+def yarn_correction_range(config: MLAConfig) -> tuple[int, int]:
+    """The pair indices [low, high] between which YaRN blends interpolated and original θ_i."""
+    yarn = config.yarn
+    assert yarn is not None
+    dim, base = config.qk_rope_head_dim, config.rope_theta
+    original = yarn["original_max_position_embeddings"]
+    low = math.floor(_yarn_correction_dim(yarn["beta_fast"], dim, base, original))
+    high = math.ceil(_yarn_correction_dim(yarn["beta_slow"], dim, base, original))
+    return max(low, 0), min(high, dim - 1)
+
+
+def rope_inv_freq(config: MLAConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """θ_i for the r/2 pairs, float32 (r/2,), with YaRN applied when the config has it."""
+    dim, base = config.qk_rope_head_dim, config.rope_theta
+    # base^(2i/r): the same float32 operations, in the same order, as HF's implementation
+    pos_freqs = base ** (torch.arange(0, dim, 2, device=device).to(torch.float32) / dim)
+    inv_freq = 1.0 / pos_freqs
+    yarn = config.yarn
+    if yarn is None:
+        return inv_freq
+    inv_freq_interpolated = 1.0 / (yarn["factor"] * pos_freqs)
+    low, high = yarn_correction_range(config)
+    high_f = high + 0.001 if low == high else float(high)  # no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low)
+            / (high_f - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: pair keeps θ_i (fast, short wavelength); 0: pair takes θ_i / factor
+    return inv_freq_interpolated * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(config: MLAConfig) -> float:
+    """YaRN's multiplier on cos and sin: mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    yarn = config.yarn
+    if yarn is None:
+        return 1.0
+    if yarn["mscale"] and yarn["mscale_all_dim"]:
+        return yarn_get_mscale(yarn["factor"], yarn["mscale"]) / yarn_get_mscale(
+            yarn["factor"], yarn["mscale_all_dim"])
+    return yarn_get_mscale(yarn["factor"])
+
+
+def rope_cos_sin(config: MLAConfig, positions: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos(m·θ_i) and sin(m·θ_i) for integer positions m of any shape: (..., r/2) in `dtype`.
+
+    Both carry YaRN's attention factor, as in HF's implementation.
+    """
+    inv_freq = rope_inv_freq(config, device=positions.device)  # (r/2,)
+    angles = positions[..., None].to(torch.float32) * inv_freq  # (..., r/2), float32
+    factor = rope_attention_factor(config)
+    cos = angles.cos() * factor
+    sin = angles.sin() * factor
+    return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the interleaved pairs (x0, x1), (x2, x3), ... of the last dim.
+
+    x: (..., r); cos, sin: broadcastable to (..., r/2). Returns a new tensor in x's layout:
+    out[2i] = x[2i]·cos_i - x[2i+1]·sin_i,  out[2i+1] = x[2i+1]·cos_i + x[2i]·sin_i.
+    """
+    pairs = x.unflatten(-1, (-1, 2))  # (..., r/2, 2)
+    x_even, x_odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((x_even * cos - x_odd * sin, x_odd * cos + x_even * sin), dim=-1)
+    return rotated.flatten(-2)
