@@ -1,0 +1,100 @@
+// The CPU twin of concat_and_cache_mla.cu: same schema, same semantics, plain loops.
+// It exists so that CI (no GPU) exercises the extension path end to end: the schema, the
+// dispatcher, the argument checks and the fp8 rounding all run the same way as on the GPU.
+#include "concat_and_cache_mla.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace mla {
+namespace {
+
+// e4m3(clamp(x / scale, -448, 448)), rounding to nearest even; NaN stays NaN like torch.clamp.
+inline c10::Float8_e4m3fn quantize_e4m3(float x, float scale) {
+  float v = x / scale;
+  if (!std::isnan(v)) v = std::fmin(std::fmax(v, -448.0f), 448.0f);
+  return c10::Float8_e4m3fn(v);
+}
+
+template <typename in_t>
+void write_rows_fp8(const at::Tensor& kv_c, const at::Tensor& k_pe, at::Tensor& kv_cache,
+                    const int64_t* slots, float scale, const ConcatAndCacheArgs& a) {
+  const in_t* kv_c_ptr = kv_c.const_data_ptr<in_t>();
+  const in_t* k_pe_ptr = k_pe.const_data_ptr<in_t>();
+  auto* cache_ptr = static_cast<c10::Float8_e4m3fn*>(kv_cache.data_ptr());
+  const int64_t stride_kv_c = kv_c.stride(0), stride_k_pe = k_pe.stride(0);
+  const int64_t c = a.kv_lora_rank, r = a.rope_dim, W = c + r;
+  at::parallel_for(0, a.num_tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t slot = slots[i];
+      if (slot < 0) continue;
+      c10::Float8_e4m3fn* row = cache_ptr + slot * W;  // (c + r,)
+      const in_t* src_c = kv_c_ptr + i * stride_kv_c;
+      const in_t* src_r = k_pe_ptr + i * stride_k_pe;
+      for (int64_t e = 0; e < c; ++e) row[e] = quantize_e4m3(static_cast<float>(src_c[e]), scale);
+      for (int64_t e = 0; e < r; ++e)
+        row[c + e] = quantize_e4m3(static_cast<float>(src_r[e]), scale);
+    }
+  });
+}
+
+void write_rows_copy(const at::Tensor& kv_c, const at::Tensor& k_pe, at::Tensor& kv_cache,
+                     const int64_t* slots, const ConcatAndCacheArgs& a) {
+  const int64_t es = kv_c.element_size();
+  const char* kv_c_ptr = static_cast<const char*>(kv_c.const_data_ptr());
+  const char* k_pe_ptr = static_cast<const char*>(k_pe.const_data_ptr());
+  char* cache_ptr = static_cast<char*>(kv_cache.data_ptr());
+  const int64_t stride_kv_c = kv_c.stride(0) * es, stride_k_pe = k_pe.stride(0) * es;
+  const int64_t c_bytes = a.kv_lora_rank * es, r_bytes = a.rope_dim * es;
+  const int64_t row_bytes = c_bytes + r_bytes;
+  at::parallel_for(0, a.num_tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t slot = slots[i];
+      if (slot < 0) continue;
+      char* row = cache_ptr + slot * row_bytes;
+      std::memcpy(row, kv_c_ptr + i * stride_kv_c, c_bytes);
+      std::memcpy(row + c_bytes, k_pe_ptr + i * stride_k_pe, r_bytes);
+    }
+  });
+}
+
+void concat_and_cache_mla_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe,
+                              at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                              const std::string& kv_cache_dtype,
+                              const std::optional<at::Tensor>& scale) {
+  const ConcatAndCacheArgs a =
+      check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale);
+  if (a.num_tokens == 0) return;
+
+  // Every slot is checked before the first write, so a bad mapping leaves the cache unchanged.
+  const at::Tensor slots_c = slot_mapping.contiguous();
+  const int64_t* slots = slots_c.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < a.num_tokens; ++i) {
+    TORCH_CHECK(slots[i] >= -1 && slots[i] < a.num_slots, "slot_mapping[", i, "] = ", slots[i],
+                " is outside [-1, ", a.num_slots, ")");
+  }
+
+  if (!a.fp8) {
+    write_rows_copy(kv_c, k_pe, kv_cache, slots, a);
+    return;
+  }
+  const float s = scale->item<float>();
+  TORCH_CHECK(std::isfinite(s) && s > 0.0f, "scale must be positive and finite, got ", s);
+  switch (kv_c.scalar_type()) {
+    case at::kBFloat16: write_rows_fp8<c10::BFloat16>(kv_c, k_pe, kv_cache, slots, s, a); break;
+    case at::kHalf: write_rows_fp8<c10::Half>(kv_c, k_pe, kv_cache, slots, s, a); break;
+    case at::kFloat: write_rows_fp8<float>(kv_c, k_pe, kv_cache, slots, s, a); break;
+    default: TORCH_CHECK(false, "unsupported input dtype ", kv_c.scalar_type());
+  }
+}
+
+}  // namespace
+}  // namespace mla
+
+TORCH_LIBRARY_IMPL(mla, CPU, m) {
+  m.impl("concat_and_cache_mla", &mla::concat_and_cache_mla_cpu);
+}
