@@ -264,11 +264,13 @@ def choose_num_kv_splits(
 ) -> int:
     """How many pieces to cut each sequence into so that stage 1 fills the GPU.
 
-    Stage 1 runs ``batch * ceil(heads / block_h)`` programs per split. If that already covers
-    ``num_sms`` the answer is 1 (no merge, no workspace). Otherwise it is the smallest count that
-    reaches ``num_sms`` programs, but no more than gives every split ``min_tiles_per_split``
-    tiles of ``block_n`` tokens of the longest sequence (short splits spend their time starting
-    up and writing partials) and no more than ``max_splits`` (the merge reads every split).
+    Stage 1 runs ``P = batch * ceil(heads / block_h)`` programs per split. If ``P`` already
+    covers ``num_sms`` the answer is 1 (no merge, no workspace). Otherwise it is the smallest
+    split count ``s`` whose ``P * s`` programs keep >= 90% of the SMs busy over all their waves
+    (``P*s / (ceil(P*s / num_sms) * num_sms)``; e.g. P = 4 on 132 SMs gives 30), or the best such
+    use if none reaches 90%, among counts that leave every split ``min_tiles_per_split`` tiles of
+    ``block_n`` tokens of the longest sequence (shorter splits spend their time starting up and
+    writing partials) and no more than ``max_splits`` (the merge reads every split).
 
     Args:
         batch: sequences in the batch (b).
@@ -286,9 +288,16 @@ def choose_num_kv_splits(
     programs = batch * triton.cdiv(heads, block_h)
     if programs <= 0 or programs >= num_sms:
         return 1
-    wanted = triton.cdiv(num_sms, programs)
-    by_length = max(1, max_seq_len // (min_tiles_per_split * block_n))
-    return max(1, min(wanted, by_length, max_splits))
+    most = max(1, min(max_splits, max_seq_len // (min_tiles_per_split * block_n)))
+    best, best_use = 1, 0.0
+    for splits in range(1, most + 1):
+        total = programs * splits
+        use = total / (triton.cdiv(total, num_sms) * num_sms)  # busy share of the SMs' waves
+        if use >= 0.9:
+            return splits
+        if use > best_use:
+            best, best_use = splits, use
+    return best
 
 
 def _num_sms(device: torch.device) -> int:

@@ -1,0 +1,388 @@
+"""Tests of mla.kernels.decode: the Triton split-KV paged decode against its float64 reference.
+
+On a machine without a GPU the kernel runs in Triton's interpreter (mla.kernels sets
+TRITON_INTERPRET=1), so the CPU tests keep shapes small: b <= 4, h in {1, 3, 16, 20}, c + r <= 80,
+lengths <= 200. bf16 is tested on the GPU only (the interpreter's tl.dot on bf16 is wrong).
+
+Every case is built hostile: pages in random order, unused pages and the tails of partial pages
+filled with NaN, unused block-table entries out of range (10**6, -7), so any read outside a
+sequence's pages turns the result into NaN or faults.
+"""
+
+import math
+
+import pytest
+import torch
+
+import mla.kernels  # noqa: F401  (sets TRITON_INTERPRET before triton is imported on a CPU machine)
+from mla.kernels import decode
+from mla.kernels.decode import choose_num_kv_splits, mla_decode, mla_decode_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GARBAGE_PAGES = (10**6, -7)  # what unused block-table entries hold
+
+
+def make_case(seq_lens, *, heads, c, r, block_size, dtype=torch.float32, device=DEVICE, spare_pages=3, seed=0):
+    """A paged cache holding len(seq_lens) sequences, pages shuffled, every unused value NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    b, d = len(seq_lens), c + r
+    pages_needed = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(pages_needed) + spare_pages
+    max_blocks = max(pages_needed, default=0) + 2
+    order = torch.randperm(num_blocks, generator=gen)  # page k of the concatenation -> block order[k]
+
+    kv_cache = torch.full((num_blocks, block_size, d), float("nan"))
+    block_table = torch.tensor(GARBAGE_PAGES * max_blocks, dtype=torch.int32)[:max_blocks].repeat(b, 1)
+    next_page = 0
+    for i, (n, pages) in enumerate(zip(seq_lens, pages_needed)):
+        blocks = order[next_page : next_page + pages]
+        next_page += pages
+        block_table[i, :pages] = blocks.int()
+        rows = torch.randn(n, d, generator=gen)
+        pos = torch.arange(n)
+        kv_cache[blocks[pos // block_size], pos % block_size] = rows  # partial-page tails stay NaN
+    q = torch.randn(b, heads, d, generator=gen)
+    return dict(
+        q=q.to(dtype).to(device),
+        kv_cache=kv_cache.to(dtype).to(device),
+        block_table=block_table.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        kv_lora_rank=c,
+        softmax_scale=d**-0.5,
+    )
+
+
+def rel_err(actual, expected):
+    """max |actual - expected| / max |expected|: the error in units of the output's scale."""
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
+
+
+def assert_matches(out, lse, ref_out, ref_lse, seq_lens, tol):
+    """out and lse against the reference; empty rows exactly (0, -inf); no NaN anywhere."""
+    assert not out.isnan().any() and not lse.isnan().any()
+    empty = seq_lens.cpu() == 0
+    out, lse, ref_out, ref_lse = out.cpu(), lse.cpu(), ref_out.cpu(), ref_lse.cpu()
+    assert (out[empty] == 0).all()
+    assert (lse[empty] == float("-inf")).all()
+    if (~empty).any():
+        assert rel_err(out[~empty], ref_out[~empty]) < tol
+        # lse is a log: compare absolutely, scaled by its size when it is large
+        lse_err = (lse[~empty].double() - ref_lse[~empty].double()).abs() / ref_lse[~empty].abs().clamp_min(1.0)
+        assert lse_err.max().item() < tol
+
+
+def run_both(case, **kwargs):
+    out, lse = mla_decode(**case, **kwargs)
+    ref_out, ref_lse = mla_decode_reference(**case)
+    return out, lse, ref_out, ref_lse
+
+
+# fp32: the kernel's fp32 dots over c + r <= 80 terms and its exp2 of fp32 scores err by a few
+# ulps (~1e-7 relative) each; accumulated over <= 200 tokens and a merge that stays ~1e-6 of the
+# output's scale, so 1e-5 leaves a 10x margin and still catches any real mistake (a dropped or
+# double-counted token moves the output by ~1/200 = 5e-3). fp16: inputs are exact in both, but
+# p is rounded to fp16 before p·V (2^-11 relative) and out is stored in fp16, hence 1e-2.
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
+
+
+# ---------------------------------------------------------------------------------------------
+# Against the reference
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("heads", [1, 3, 16])
+def test_matches_reference(dtype, block_size, heads):
+    # lengths: empty, one token, not a multiple of the page or of BLOCK_N, a few pages long
+    case = make_case([0, 1, 37, 200], heads=heads, c=32, r=8, block_size=block_size, dtype=dtype)
+    # 3 splits: the 1-token row has two empty splits, the others uneven ones
+    assert_matches(*run_both(case, num_kv_splits=3), case["seq_lens"], TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_split_counts_agree(dtype):
+    case = make_case([5, 64, 129, 200], heads=16, c=64, r=16, block_size=16, dtype=dtype, seed=1)
+    ref_out, ref_lse = mla_decode_reference(**case)
+    results = {s: mla_decode(**case, num_kv_splits=s) for s in (None, 1, 4, 8)}
+    for out, lse in results.values():
+        assert_matches(out, lse, ref_out, ref_lse, case["seq_lens"], TOL[dtype])
+    out1, lse1 = results[1]
+    for s in (4, 8):
+        assert rel_err(results[s][0], out1) < TOL[dtype]
+        assert (results[s][1] - lse1).abs().max().item() < TOL[dtype] * 10
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_all_rows_empty(num_kv_splits):
+    case = make_case([0, 0, 0], heads=3, c=32, r=8, block_size=16)
+    out, lse = mla_decode(**case, num_kv_splits=num_kv_splits)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+
+
+def test_sequences_shorter_than_split_count():
+    # 8 splits of 1..3 tokens: at most one split of each row holds anything
+    case = make_case([1, 2, 3], heads=3, c=32, r=8, block_size=1, seed=2)
+    assert_matches(*run_both(case, num_kv_splits=8), case["seq_lens"], TOL[torch.float32])
+
+
+@pytest.mark.parametrize(
+    "block_size, block_n",
+    [(1, 16), (5, 16), (16, 32), (64, 16), (3, 64)],
+    ids=["page1", "page5-odd", "tile-spans-pages", "tile-inside-page", "page3-tile64"],
+)
+def test_tiles_and_pages_unaligned(block_size, block_n):
+    case = make_case([1, 17, 95, 130], heads=3, c=32, r=8, block_size=block_size, seed=3)
+    out = run_both(case, num_kv_splits=2, _config={"BLOCK_N": block_n})
+    assert_matches(*out, case["seq_lens"], TOL[torch.float32])
+
+
+@pytest.mark.parametrize("heads, block_h", [(3, 16), (20, 16), (20, 32), (3, 64)])
+def test_padded_head_blocks(heads, block_h):
+    # heads not a multiple of BLOCK_H: the last head block is part padding
+    case = make_case([7, 100], heads=heads, c=48, r=12, block_size=16, seed=4)
+    out = run_both(case, num_kv_splits=2, _config={"BLOCK_H": block_h})
+    assert_matches(*out, case["seq_lens"], TOL[torch.float32])
+
+
+def test_peaky_softmax():
+    # a large scale: scores in the hundreds, so a softmax without max-subtraction overflows
+    case = make_case([50, 200], heads=3, c=32, r=8, block_size=16, seed=5)
+    case["softmax_scale"] = 20.0
+    assert_matches(*run_both(case, num_kv_splits=4), case["seq_lens"], TOL[torch.float32])
+
+
+def test_every_output_element_written(monkeypatch):
+    # the wrapper allocates out, lse and the split workspace with torch.empty: make that NaN
+    class PoisonedTorch:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*args, **kwargs):
+            return torch.empty(*args, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(decode, "torch", PoisonedTorch())
+    case = make_case([0, 1, 70, 33], heads=20, c=32, r=8, block_size=16, seed=6)
+    for splits in (1, 5):
+        out, lse = mla_decode(**case, num_kv_splits=splits)
+        assert not out.isnan().any() and not lse.isnan().any()
+
+
+def test_inputs_unchanged():
+    case = make_case([3, 120], heads=3, c=32, r=8, block_size=16, seed=7)
+    before = {k: v.clone() for k, v in case.items() if isinstance(v, torch.Tensor)}
+    mla_decode(**case, num_kv_splits=4)
+    for k, v in before.items():
+        torch.testing.assert_close(case[k], v, rtol=0, atol=0, equal_nan=True)
+
+
+def test_reference_is_dense_attention():
+    # the reference itself, against scaled-dot-product attention over the gathered latent (MQA)
+    case = make_case([40], heads=3, c=32, r=8, block_size=16, seed=8)
+    q, kv, bt = case["q"].double(), case["kv_cache"].double(), case["block_table"]
+    latent = kv[bt[0, :3].long()].reshape(-1, 40)[:40]  # (t, c + r)
+    scores = q[0] @ latent.T * case["softmax_scale"]
+    expected = torch.softmax(scores, -1) @ latent[:, :32]
+    out, lse = mla_decode_reference(**case)
+    assert rel_err(out[0], expected) < 1e-6
+    assert (lse[0].double() - torch.logsumexp(scores, -1)).abs().max().item() < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# The split heuristic
+# ---------------------------------------------------------------------------------------------
+
+
+def test_choose_num_kv_splits():
+    # enough programs already: no split
+    assert choose_num_kv_splits(132, 16, 100_000, 132) == 1
+    assert choose_num_kv_splits(64, 128, 100_000, 132) == 1  # 64 x 2 head blocks of 64
+    # one sequence, long: capped
+    assert choose_num_kv_splits(1, 16, 131_072, 132) == 64
+    # small batch: fill the SMs
+    s = choose_num_kv_splits(4, 16, 32_768, 132)
+    assert s == 30  # 120 programs: the first count that keeps >= 90% of 132 SMs busy
+    assert choose_num_kv_splits(1, 128, 32_768, 132) == 60  # 2 head blocks x 60 splits: 91%
+    # short sequences: every split keeps >= 4 tiles of 64 tokens
+    assert choose_num_kv_splits(1, 16, 512, 132) == 2
+    assert choose_num_kv_splits(1, 16, 100, 132) == 1
+    assert choose_num_kv_splits(0, 16, 0, 132) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: a clear error before anything runs, and nothing the caller gave is modified
+# ---------------------------------------------------------------------------------------------
+
+
+def _noncontiguous_last(t):
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+BAD_INPUTS = {
+    "q-2d": (lambda a: a.update(q=a["q"][:, 0]), ValueError, "q must be"),
+    "q-float64": (lambda a: a.update(q=a["q"].double()), TypeError, "q must be bfloat16"),
+    "q-int": (lambda a: a.update(q=a["q"].int()), TypeError, "q must be bfloat16"),
+    "q-not-tensor": (lambda a: a.update(q=a["q"].tolist()), TypeError, "q must be a torch.Tensor"),
+    "q-strided-last-dim": (lambda a: a.update(q=_noncontiguous_last(a["q"])), ValueError, "q's last dim"),
+    "kv-dtype": (lambda a: a.update(kv_cache=a["kv_cache"].half()), TypeError, "kv_cache must have q's dtype"),
+    "kv-2d": (lambda a: a.update(kv_cache=a["kv_cache"][0]), ValueError, "kv_cache must be"),
+    "kv-last-dim": (lambda a: a.update(kv_cache=a["kv_cache"][..., :-1]), ValueError, "kv_cache's last dim"),
+    "kv-strided-last-dim": (
+        lambda a: a.update(kv_cache=_noncontiguous_last(a["kv_cache"])),
+        ValueError,
+        "kv_cache's last dim must be contiguous",
+    ),
+    "kv-device": (lambda a: a.update(kv_cache=a["kv_cache"].to("meta")), ValueError, "kv_cache is on meta"),
+    "bt-int64": (lambda a: a.update(block_table=a["block_table"].long()), TypeError, "block_table must be int32"),
+    "bt-batch": (lambda a: a.update(block_table=a["block_table"][:1]), ValueError, "block_table must be"),
+    "bt-too-short": (lambda a: a.update(block_table=a["block_table"][:, :2]), ValueError, "block_table is too short"),
+    "sl-int64": (lambda a: a.update(seq_lens=a["seq_lens"].long()), TypeError, "seq_lens must be int32"),
+    "sl-shape": (lambda a: a.update(seq_lens=a["seq_lens"][None]), ValueError, "seq_lens must be"),
+    "sl-negative": (lambda a: a["seq_lens"].__setitem__(0, -1), ValueError, "seq_lens must be >= 0"),
+    "rank-0": (lambda a: a.update(kv_lora_rank=0), ValueError, "kv_lora_rank must be in"),
+    "rank-all": (lambda a: a.update(kv_lora_rank=40), ValueError, "kv_lora_rank must be in"),
+    "rank-too-big": (lambda a: a.update(kv_lora_rank=64), ValueError, "kv_lora_rank must be in"),
+    "rank-float": (lambda a: a.update(kv_lora_rank=32.0), TypeError, "kv_lora_rank must be an int"),
+    "scale-nan": (lambda a: a.update(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
+    "scale-str": (lambda a: a.update(softmax_scale="0.1"), TypeError, "softmax_scale must be a float"),
+    "splits-0": (lambda a: a.update(num_kv_splits=0), ValueError, "num_kv_splits must be >= 1"),
+    "splits-negative": (lambda a: a.update(num_kv_splits=-2), ValueError, "num_kv_splits must be >= 1"),
+    "splits-float": (lambda a: a.update(num_kv_splits=2.5), TypeError, "num_kv_splits must be an int"),
+    "config-key": (lambda a: a.update(_config={"BLOCK_M": 16}), ValueError, "unknown _config keys"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input(name):
+    mutate, error, message = BAD_INPUTS[name]
+    args = make_case([5, 40], heads=3, c=32, r=8, block_size=16, seed=9)
+    mutate(args)
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(error, match=message):
+        mla_decode(**args)
+    for k, v in before.items():
+        torch.testing.assert_close(args[k], v, rtol=0, atol=0, equal_nan=True)
+    if name != "config-key":  # the reference has no _config; it checks the rest the same way
+        args.pop("_config", None)
+        with pytest.raises(error, match=message):
+            mla_decode_reference(**args)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: bf16 at DeepSeek-V3 shapes (c = 512, r = 64, page 64), caches past 2^31 elements, graphs
+# ---------------------------------------------------------------------------------------------
+
+V3 = dict(c=512, r=64, block_size=64)
+
+
+def _gpu_case(seq_lens, heads, seed=0):
+    """make_case's layout built on the GPU directly (the CPU build is slow at 32k-token lengths)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    c, r, block_size = V3["c"], V3["r"], V3["block_size"]
+    b, d = len(seq_lens), c + r
+    pages_needed = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(pages_needed) + 3
+    max_blocks = max(pages_needed) + 2
+    order = torch.randperm(num_blocks, device="cuda", generator=gen).int()
+    kv_cache = torch.full((num_blocks, block_size, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    block_table = torch.full((b, max_blocks), GARBAGE_PAGES[0], dtype=torch.int32, device="cuda")
+    start = 0
+    for i, (n, pages) in enumerate(zip(seq_lens, pages_needed)):
+        blocks = order[start : start + pages]
+        start += pages
+        block_table[i, :pages] = blocks
+        pos = torch.arange(n, device="cuda")
+        rows = torch.randn(n, d, device="cuda", generator=gen).to(torch.bfloat16)
+        kv_cache[blocks[pos // block_size].long(), pos % block_size] = rows
+    q = torch.randn(b, heads, d, device="cuda", generator=gen).to(torch.bfloat16)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    return dict(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens, kv_lora_rank=c, softmax_scale=(192) ** -0.5)
+
+
+def _random_lengths(b, max_len, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1, max_len + 1, (b,), generator=gen).tolist()
+
+
+GPU_SHAPES = {
+    "b4-h16-32k": (16, [1, 64, 4097, 32768]),
+    "b2-h128-32k": (128, [32768, 17]),
+    "b16-h64-8k": (64, _random_lengths(16, 8192, 0)),
+    "b128-h128-2k": (128, _random_lengths(128, 2048, 1)),
+    "b128-h16-4k-with-empty": (16, [0] + _random_lengths(127, 4096, 2)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_SHAPES))
+def test_gpu_bf16_deepseek_v3_shapes(name):
+    heads, seq_lens = GPU_SHAPES[name]
+    case = _gpu_case(seq_lens, heads)
+    out, lse = mla_decode(**case)
+    ref_out, ref_lse = mla_decode_reference(**case, compute_dtype=torch.float32)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert_matches(out.float(), lse, ref_out.float(), ref_lse, case["seq_lens"], 1e-2)
+    # split counts agree with each other (1 split is the no-merge path)
+    out1, lse1 = mla_decode(**case, num_kv_splits=1)
+    out7, lse7 = mla_decode(**case, num_kv_splits=7)
+    assert rel_err(out1, out7) < 1e-2 and rel_err(out1, ref_out) < 1e-2
+    assert_matches(out7.float(), lse7, ref_out.float(), ref_lse, case["seq_lens"], 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_cache_past_int32_offsets(heads):
+    # num_blocks * 64 * 576 > 2^31 elements (~4.3 GB in bf16); the sequences' pages sit at the end
+    block_size, d, c = 64, 576, 512
+    num_blocks = 2**31 // (block_size * d) + 40
+    assert num_blocks * block_size * d > 2**31
+    kv_cache = torch.full((num_blocks, block_size, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    seq_lens = [1000, 1]
+    pages = [math.ceil(n / block_size) for n in seq_lens]
+    block_table = torch.full((2, 20), -7, dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    end = num_blocks
+    for i, (n, p) in enumerate(zip(seq_lens, pages)):
+        blocks = torch.arange(end - p, end, device="cuda", dtype=torch.int32).flip(0)  # reversed, at the end
+        end -= p
+        block_table[i, :p] = blocks
+        pos = torch.arange(n, device="cuda")
+        kv_cache[blocks[pos // block_size].long(), pos % block_size] = torch.randn(
+            n, d, device="cuda", generator=gen
+        ).to(torch.bfloat16)
+    assert int(block_table.max()) * block_size * d > 2**31  # the last page's offset needs int64
+    case = dict(
+        q=torch.randn(2, heads, d, device="cuda", generator=gen).to(torch.bfloat16),
+        kv_cache=kv_cache,
+        block_table=block_table,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        kv_lora_rank=c,
+        softmax_scale=192**-0.5,
+    )
+    for splits in (None, 1, 3):
+        out, lse = mla_decode(**case, num_kv_splits=splits)
+        ref_out, ref_lse = mla_decode_reference(**case, compute_dtype=torch.float32)
+        assert_matches(out.float(), lse, ref_out.float(), ref_lse, case["seq_lens"], 1e-2)
+    del kv_cache, case
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture():
+    # with num_kv_splits given the wrapper never syncs, so it can be captured in a CUDA graph
+    case = _gpu_case([100, 3000, 0, 64], heads=16, seed=3)
+    expected = mla_decode(**case, num_kv_splits=4)  # also compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mla_decode(**case, num_kv_splits=4)
+        with torch.cuda.graph(graph):
+            out, lse = mla_decode(**case, num_kv_splits=4)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(lse, expected[1], rtol=0, atol=0)
