@@ -1,0 +1,353 @@
+"""Benchmark mla_decode against the GPU's own ceilings, measured in the same run.
+
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --out benchmarks/results            # ~2-4 min
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --out benchmarks/results --sweep    # <= ~5 min
+
+Default run. Ceilings first: device-to-device copy bandwidth (a 2 GiB copy, read + write counted)
+and the bf16 matmul rate (8192^3, random data). Then, for DeepSeek-V3's cache (bf16, page 64,
+c + r = 576, value c = 512) at each (b, t, h) of ``SHAPES``: mla_decode, plain torch (gather the
+pages, einsum, softmax, einsum) and FlashMLA / FlashInfer when they import, each the median of
+triton.testing.do_bench (which clears L2 before every call; caches under 3x L2 are also rotated
+between copies). The floor of a shape is ``max(bytes / copy_bw, FLOPs / matmul_rate)`` with
+bytes = cache rows read + q + out and FLOPs = 2·b·h·t·(576 + 512). Prints a table and writes
+``h200-decode.json`` in DESIGN.md's schema.
+
+Sweep (``--sweep``): stage-1 configs (BLOCK_H, BLOCK_N, num_warps, num_stages) x split counts at
+a few shapes, the best per shape printed, everything written to ``h200-decode-sweep.json``. Each
+config compiles once (the compile dominates), and the sweep stops starting new configs after
+``--budget-s`` seconds.
+
+Importing this module touches no GPU, so ``python -c 'import benchmarks.bench_decode'`` works
+on a CPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+
+C, R, PAGE = 512, 64, 64  # DeepSeek-V3: kv_lora_rank, rope dim, page size
+D = C + R
+SCALE = 192**-0.5  # (qk_nope_head_dim + qk_rope_head_dim)^-0.5; the value does not change the time
+
+SHAPES = [  # (b, t, h)
+    *[(b, t, h) for (b, t) in [(64, 4096), (128, 8192), (64, 16384)] for h in (16, 128)],
+    *[(b, t, h) for (b, t) in [(1, 32768), (2, 65536), (4, 131072)] for h in (16, 128)],
+]
+SWEEP_SHAPES = [(64, 4096, 16), (64, 4096, 128), (2, 65536, 16), (2, 65536, 128)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing and ceilings
+# ---------------------------------------------------------------------------------------------
+
+
+def bench_us(fn, *, warmup_ms=25, rep_ms=100) -> float:
+    """Median time of fn() in microseconds (L2 cleared before each call by do_bench)."""
+    import triton.testing
+
+    return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def copy_bandwidth_GBps(nbytes=2 * 2**30) -> float:
+    """Device-to-device copy, bytes read + bytes written per second."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    us = bench_us(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def matmul_TFLOPs(n=8192) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    us = bench_us(lambda: a @ b)
+    return 2 * n**3 / (us * 1e-6) / 1e12
+
+
+def floor_us(b, t, h, copy_GBps, matmul_TFLOPs_) -> tuple[float, str]:
+    nbytes = 2 * (b * t * D + b * h * D + b * h * C)  # cache rows + q + out, bf16
+    flops = 2 * b * h * t * (D + C)
+    mem_us = nbytes / (copy_GBps * 1e3)
+    compute_us = flops / (matmul_TFLOPs_ * 1e6)
+    return (mem_us, "memory") if mem_us >= compute_us else (compute_us, "compute")
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs: b sequences of t tokens each, pages of 64 in random order
+# ---------------------------------------------------------------------------------------------
+
+
+def make_inputs(b, t, h, *, copies=1, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pages_per_seq = math.ceil(t / PAGE)
+    num_blocks = b * pages_per_seq
+    caches = [
+        torch.randn(num_blocks, PAGE, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(copies)
+    ]
+    block_table = torch.randperm(num_blocks, device="cuda", generator=gen).int().view(b, pages_per_seq)
+    seq_lens = torch.full((b,), t, dtype=torch.int32, device="cuda")
+    q = torch.randn(b, h, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return q, caches, block_table, seq_lens
+
+
+def rotation_copies(b, t):
+    """Copies of the cache so the ones a call reads total >= 3x L2 (do_bench also flushes L2)."""
+    cache_bytes = 2 * b * math.ceil(t / PAGE) * PAGE * D
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(1, min(8, math.ceil(3 * l2 / cache_bytes)))
+
+
+def rotating(fn, caches):
+    """fn(cache) over the copies in turn."""
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(caches)
+        return fn(caches[state["i"]])
+
+    return call
+
+
+def torch_decode(q, kv_cache, block_table, seq_lens):
+    """The plain-torch way: gather every sequence's pages, then dense MQA attention."""
+    b, h, _ = q.shape
+    latent = kv_cache[block_table].flatten(1, 2)  # (b, t_max, c + r)
+    scores = torch.einsum("bhd,btd->bht", q, latent).float() * SCALE
+    valid = torch.arange(latent.shape[1], device=q.device)[None, :] < seq_lens[:, None]  # (b, t)
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = torch.einsum("bht,btc->bhc", p, latent[..., :C])
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Other kernels, when installed (they are not on our machine; every failure is recorded, not raised)
+# ---------------------------------------------------------------------------------------------
+
+
+def flashmla_fn(q, kv_cache, block_table, seq_lens):
+    from flash_mla import flash_mla_with_kvcache, get_mla_metadata
+
+    h = q.shape[1]
+    metadata, num_splits = get_mla_metadata(seq_lens, h, 1)
+    q4, k4 = q.unsqueeze(1), kv_cache.unsqueeze(2)  # (b, s_q=1, h, d), (blocks, page, h_kv=1, d)
+    return lambda: flash_mla_with_kvcache(
+        q4, k4, block_table, seq_lens, C, metadata, num_splits, softmax_scale=SCALE, causal=False
+    )
+
+
+def flashinfer_fn(q, kv_cache, block_table, seq_lens):
+    import flashinfer
+
+    b, h, _ = q.shape
+    workspace = torch.empty(128 * 2**20, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace)
+    pages = block_table.shape[1]
+    wrapper.plan(
+        torch.arange(b + 1, dtype=torch.int32, device="cuda"),  # qo_indptr: one query a sequence
+        torch.arange(b + 1, dtype=torch.int32, device="cuda") * pages,  # kv_indptr
+        block_table.flatten(),  # kv_indices
+        seq_lens,  # kv_len_arr
+        h, C, R, PAGE, False, SCALE, q.dtype, kv_cache.dtype,
+    )
+    q_nope, q_pe = q[..., :C].contiguous(), q[..., C:].contiguous()
+    ckv, kpe = kv_cache[..., :C], kv_cache[..., C:]
+    return lambda: wrapper.run(q_nope, q_pe, ckv, kpe)
+
+
+OTHERS = {"flashmla": flashmla_fn, "flashinfer": flashinfer_fn}
+
+
+# ---------------------------------------------------------------------------------------------
+# Default run
+# ---------------------------------------------------------------------------------------------
+
+
+def run_default(out_dir):
+    from mla.kernels.decode import choose_num_kv_splits, default_config, mla_decode
+
+    t0 = time.time()
+    copy_GBps, mm_TFLOPs = copy_bandwidth_GBps(), matmul_TFLOPs()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"ceilings: copy {copy_GBps:.0f} GB/s (read + write), bf16 matmul {mm_TFLOPs:.0f} TFLOP/s, {num_sms} SMs")
+    available = {}
+    for name in OTHERS:
+        try:
+            __import__({"flashmla": "flash_mla", "flashinfer": "flashinfer"}[name])
+            available[name] = True
+        except Exception:  # noqa: BLE001  (not installed, or broken: either way not timed)
+            available[name] = False
+
+    rows = []
+    header = f"{'b':>4} {'t':>7} {'h':>4} {'floor us':>9} {'bound':>7} {'mla us':>9} {'share':>6} {'torch us':>9} {'splits':>6}  err"
+    print(header)
+    for b, t, h in SHAPES:
+        copies = rotation_copies(b, t)
+        q, caches, block_table, seq_lens = make_inputs(b, t, h, copies=copies)
+        config = default_config(h)
+        splits = choose_num_kv_splits(b, h, t, num_sms, block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
+
+        def ours(cache):
+            return mla_decode(q, cache, block_table, seq_lens, kv_lora_rank=C, softmax_scale=SCALE, num_kv_splits=splits)
+
+        mla_us = bench_us(rotating(ours, caches))
+        row = dict(b=b, t=t, h=h, page=PAGE, config=dict(config, num_kv_splits=splits), copies=copies)
+        try:
+            expected, _ = torch_decode(q, caches[0], block_table, seq_lens)
+            got, _ = ours(caches[0])
+            row["max_rel_err_vs_torch"] = ((got.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+            row["torch_us"] = bench_us(rotating(lambda cache: torch_decode(q, cache, block_table, seq_lens), caches))
+            del expected, got
+        except torch.cuda.OutOfMemoryError:
+            row["torch_us"], row["max_rel_err_vs_torch"] = None, None
+        for name, ok in available.items():
+            if ok:
+                try:
+                    row[f"{name}_us"] = bench_us(OTHERS[name](q, caches[0], block_table, seq_lens))
+                except Exception as e:  # noqa: BLE001
+                    row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+        fl, bound = floor_us(b, t, h, copy_GBps, mm_TFLOPs)
+        row.update(time_us=mla_us, floor_us=fl, bound=bound, share_of_floor=fl / mla_us)
+        rows.append(row)
+        torch_us = f"{row['torch_us']:9.1f}" if row["torch_us"] else f"{'oom':>9}"
+        err = row["max_rel_err_vs_torch"]
+        print(
+            f"{b:>4} {t:>7} {h:>4} {fl:>9.1f} {bound:>7} {mla_us:>9.1f} {fl / mla_us:>6.2f} {torch_us} {splits:>6}  "
+            f"{err if err is None else f'{err:.1e}'}",
+            flush=True,
+        )
+        del q, caches, block_table, seq_lens
+        torch.cuda.empty_cache()
+
+    result = dict(
+        copy_GBps=copy_GBps,
+        matmul_TFLOPs=mm_TFLOPs,
+        device=torch.cuda.get_device_name(0),
+        num_sms=num_sms,
+        torch=torch.__version__,
+        triton=__import__("triton").__version__,
+        python=platform.python_version(),
+        wall_s=time.time() - t0,
+        rows=rows,
+    )
+    write_json(out_dir, "h200-decode.json", result)
+    print(f"done in {time.time() - t0:.0f} s")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweep
+# ---------------------------------------------------------------------------------------------
+
+
+def sweep_configs():
+    """The grid: BLOCK_H for the heads at hand, tiles of 16..64 tokens, 4 or 8 warps, 1..3 stages."""
+    # likeliest first (2 stages, 32-token tiles), BLOCK_H innermost so that both head counts
+    # progress together if the time budget cuts the sweep short
+    for stages, block_n, warps, block_h in itertools.product((2, 1, 3), (32, 64, 16), (4, 8), (16, 64, 32)):
+        if block_n == 64 and stages == 3:  # 3 x (64 x 576) bf16 tiles leave no shared memory for the rest
+            continue
+        yield dict(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+
+
+def split_candidates(b, t, h, config, num_sms):
+    from mla.kernels.decode import choose_num_kv_splits
+
+    auto = choose_num_kv_splits(b, h, t, num_sms, block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
+    if b * math.ceil(h / config["BLOCK_H"]) >= num_sms:
+        return sorted({auto, 2})
+    return sorted({auto, 1, 8, 32, 64})
+
+
+def run_sweep(out_dir, budget_s):
+    from mla.kernels.decode import mla_decode
+
+    t0 = time.time()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    inputs = {shape: make_inputs(*shape) for shape in SWEEP_SHAPES}
+    results = []
+    best = {}
+    configs = list(sweep_configs())
+    skipped = 0
+    for k, config in enumerate(configs):
+        if time.time() - t0 > budget_s:
+            skipped = len(configs) - k
+            print(f"budget of {budget_s} s spent; {skipped} configs not tried")
+            break
+        for b, t, h in SWEEP_SHAPES:
+            # 16 heads: BLOCK_H 16 only (bigger blocks are padding); 128 heads: 32 or 64
+            if (h <= 16) != (config["BLOCK_H"] == 16):
+                continue
+            q, (cache,), block_table, seq_lens = inputs[(b, t, h)]
+            for splits in split_candidates(b, t, h, config, num_sms):
+                row = dict(b=b, t=t, h=h, page=PAGE, config=dict(config, num_kv_splits=splits))
+                try:
+                    fn = lambda: mla_decode(  # noqa: E731
+                        q, cache, block_table, seq_lens, kv_lora_rank=C, softmax_scale=SCALE,
+                        num_kv_splits=splits, _config=config,
+                    )
+                    row["time_us"] = bench_us(fn, warmup_ms=5, rep_ms=25)
+                except Exception as e:  # noqa: BLE001  (out of shared memory / registers: record it)
+                    row["error"] = f"{type(e).__name__}: {e}"[:200]
+                    results.append(row)
+                    break  # the config fails the same way at every split count
+                results.append(row)
+                key = (b, t, h)
+                if key not in best or row["time_us"] < best[key]["time_us"]:
+                    best[key] = row
+        print(f"[{time.time() - t0:5.0f} s] config {k + 1}/{len(configs)} {config}", flush=True)
+
+    print(f"\nbest per shape ({time.time() - t0:.0f} s):")
+    print(f"{'b':>4} {'t':>7} {'h':>4} {'us':>9}  config")
+    for (b, t, h), row in sorted(best.items()):
+        print(f"{b:>4} {t:>7} {h:>4} {row['time_us']:>9.1f}  {row['config']}")
+    write_json(
+        out_dir,
+        "h200-decode-sweep.json",
+        dict(
+            device=torch.cuda.get_device_name(0),
+            torch=torch.__version__,
+            triton=__import__("triton").__version__,
+            wall_s=time.time() - t0,
+            configs_not_tried=skipped,
+            best=[best[key] for key in sorted(best)],
+            rows=results,
+        ),
+    )
+
+
+def write_json(out_dir, name, result):
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON results")
+    parser.add_argument("--sweep", action="store_true", help="time a grid of kernel configs instead")
+    parser.add_argument("--budget-s", type=float, default=240, help="sweep: stop starting configs after this")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_decode: needs a CUDA GPU")
+    torch.manual_seed(0)
+    if args.sweep:
+        run_sweep(args.out, args.budget_s)
+    else:
+        run_default(args.out)
+
+
+if __name__ == "__main__":
+    main()
