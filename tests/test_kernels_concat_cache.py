@@ -1,0 +1,413 @@
+"""concat_and_cache: the C++ twin and the CUDA kernel against the torch reference, bit for bit.
+
+Every comparison covers the WHOLE cache, prefilled with random bits, so a write to a wrong slot,
+a skipped token (-1) that was written anyway, or a row spilling into its neighbour all show.
+"""
+
+import math
+import shutil
+
+import pytest
+import torch
+
+from mla.kernels import concat_cache as cc
+from mla.kernels import concat_and_cache, concat_and_cache_reference
+
+requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture(scope="module")
+def ext():
+    """Build and load the extension once for this module (~25-50 s the first time on a machine)."""
+    state = cc.load_extension()
+    if not state["loaded"]:
+        if shutil.which("c++") and shutil.which("ninja"):
+            pytest.fail(f"a compiler is present but the extension did not load: {state['error']}")
+        pytest.skip(f"no compiler: {state['error']}")
+    return state
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers, so NaN == NaN and -0 != +0 in comparisons."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype
+    diff = (bits(a) != bits(b)).nonzero()
+    assert diff.numel() == 0, f"{diff.shape[0]} values differ, first at {diff[0].tolist()}"
+
+
+def make_rows(T, c, r, dtype, device, *, extra=0, magnitude=1.0, seed=0):
+    """kv_c, k_pe as row views of one projection output (T, c + r + extra), as in the layer."""
+    g = torch.Generator().manual_seed(seed)
+    proj = (torch.randn(T, c + r + extra, generator=g) * magnitude).to(dtype).to(device)
+    return proj[:, :c], proj[:, c : c + r]
+
+
+def make_cache(num_blocks, block_size, width, dtype, device, *, seed=1):
+    """A cache full of random bits (NaNs included), so any stray write changes it."""
+    g = torch.Generator().manual_seed(seed)
+    n = num_blocks * block_size * width
+    elem = torch.empty((), dtype=dtype).element_size()
+    int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[elem]
+    lo, hi = (0, 256) if elem == 1 else (torch.iinfo(int_dtype).min, torch.iinfo(int_dtype).max)
+    raw = torch.randint(lo, hi, (n,), generator=g, dtype=torch.int64).to(int_dtype)
+    return raw.view(dtype).view(num_blocks, block_size, width).to(device)
+
+
+def make_slots(T, num_slots, device, *, skip_every=5, seed=2):
+    """Distinct random slots (a token's row is written once), every skip_every-th token -1."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(num_slots, generator=g)[:T].clone()
+    if skip_every:
+        slots[::skip_every] = -1
+    return slots.to(device)
+
+
+def run_both(kv_c, k_pe, cache, slots, **kw):
+    """The extension and the reference on two copies of one cache; return both caches."""
+    ours, ref = cache.clone(), cache.clone()
+    concat_and_cache(kv_c, k_pe, ours, slots, backend="extension", **kw)
+    concat_and_cache_reference(kv_c, k_pe, ref, slots, **kw)
+    return ours, ref
+
+
+def check_fp8_error(kv_c, k_pe, cache, slots, scale):
+    """Dequantised rows are within e4m3's rounding of the inputs; rows past 448*scale clamp."""
+    s = float(scale)
+    rows = torch.cat([kv_c, k_pe], -1).float().cpu()
+    keep = (slots >= 0).cpu()
+    got = cache.view(-1, cache.shape[-1]).cpu()[slots.cpu()[keep]].float() * s
+    want = rows[keep]
+    inside = want.abs() <= 448 * s
+    # 3 mantissa bits: half an ulp is 2^-4 relative; subnormals (below 2^-6) are 2^-9 apart.
+    tol = torch.maximum(want.abs() * 2**-4, torch.full_like(want, 2**-10 * s)) * (1 + 1e-6)
+    assert ((got - want).abs() <= tol)[inside].all()
+    assert torch.equal(got[~inside], torch.sign(want[~inside]) * 448 * s)
+    assert (~inside).any() and inside.any(), "the test data should exercise both regimes"
+
+
+# ----------------------------------------------------------------------------------------------
+# the backend in use
+
+
+def test_extension_is_used_when_a_compiler_is_present(ext):
+    assert cc.active_backend("cpu") == "extension"
+    if torch.cuda.is_available():
+        assert ext["cuda"], "a GPU and nvcc are present but the CUDA kernel was not built"
+        assert cc.active_backend("cuda") == "extension"
+
+
+def test_fallback_warns_once_and_uses_the_reference(monkeypatch):
+    monkeypatch.setattr(cc, "_ext_state", {"loaded": False, "cuda": False,
+                                           "error": "RuntimeError: no compiler (test)"})
+    monkeypatch.setattr(cc, "_warned_fallback", False)
+    kv_c, k_pe = make_rows(6, 8, 4, torch.float32, "cpu")
+    cache = make_cache(2, 4, 12, torch.float32, "cpu")
+    slots = make_slots(6, 8, "cpu")
+    ref = cache.clone()
+    concat_and_cache_reference(kv_c, k_pe, ref, slots)
+    with pytest.warns(RuntimeWarning, match="using the torch reference") as record:
+        concat_and_cache(kv_c, k_pe, cache, slots)
+        concat_and_cache(kv_c, k_pe, cache, slots)
+    assert len(record) == 1
+    assert_bitwise_equal(cache, ref)
+    with pytest.raises(RuntimeError, match="cannot run on cpu"):
+        concat_and_cache(kv_c, k_pe, cache, slots, backend="extension")
+
+
+# ----------------------------------------------------------------------------------------------
+# the spec itself, against the loop in the docstring
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_reference_matches_the_loop(fp8):
+    c, r, block_size = 6, 2, 4
+    kv_c, k_pe = make_rows(9, c, r, torch.float32, "cpu", extra=3, magnitude=200.0)
+    cache = make_cache(3, block_size, c + r, FP8 if fp8 else torch.float32, "cpu")
+    slots = make_slots(9, 12, "cpu", skip_every=4)
+    want = cache.clone()
+    kw = dict(kv_cache_dtype="fp8", scale=0.25) if fp8 else {}
+    concat_and_cache_reference(kv_c, k_pe, cache, slots, **kw)
+    for i, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        row = torch.cat([kv_c[i], k_pe[i]])
+        if fp8:
+            row = (row / 0.25).clamp(-448, 448).to(FP8)
+        want[slot // block_size, slot % block_size] = row
+    assert_bitwise_equal(cache, want)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU twin vs reference
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("c,r,extra", [(512, 64, 0), (512, 64, 7), (12, 4, 3)])
+def test_cpu_matches_reference(ext, dtype, block_size, c, r, extra):
+    T = 37
+    num_blocks = -(-2 * T // block_size)
+    kv_c, k_pe = make_rows(T, c, r, dtype, "cpu", extra=extra)
+    assert kv_c.stride(0) == c + r + extra
+    cache = make_cache(num_blocks, block_size, c + r, dtype, "cpu")
+    slots = make_slots(T, num_blocks * block_size, "cpu")
+    ours, ref = run_both(kv_c, k_pe, cache, slots)
+    assert_bitwise_equal(ours, ref)
+    assert not torch.equal(bits(ours), bits(cache)), "something should have been written"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [0.5, 3.0, "tensor"])
+@pytest.mark.parametrize("name", ["fp8", "fp8_e4m3"])
+def test_cpu_fp8_matches_reference(ext, dtype, scale, name):
+    T, c, r, block_size = 41, 512, 64, 16
+    scale = torch.tensor([0.75]) if scale == "tensor" else scale
+    # magnitude 300 * scale puts ~15% of the values past 448 * scale (clamped) and some subnormal.
+    kv_c, k_pe = make_rows(T, c, r, dtype, "cpu", extra=5, magnitude=300.0 * float(scale))
+    cache = make_cache(6, block_size, c + r, FP8, "cpu")
+    slots = make_slots(T, 6 * block_size, "cpu")
+    ours, ref = run_both(kv_c, k_pe, cache, slots, kv_cache_dtype=name, scale=scale)
+    assert_bitwise_equal(ours, ref)
+    check_fp8_error(kv_c, k_pe, ours, slots, scale)
+
+
+def test_cpu_empty_and_all_skipped(ext):
+    kv_c, k_pe = make_rows(5, 8, 4, torch.bfloat16, "cpu")
+    cache = make_cache(2, 4, 12, torch.bfloat16, "cpu")
+    before = cache.clone()
+    concat_and_cache(kv_c[:0], k_pe[:0], cache, torch.empty(0, dtype=torch.int64),
+                     backend="extension")
+    concat_and_cache(kv_c, k_pe, cache, torch.full((5,), -1), backend="extension")
+    assert_bitwise_equal(cache, before)
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input: a clear error, and the cache untouched
+
+
+def _bad_cases():
+    """(name, change to the good call, exception, message regex)."""
+    f8 = dict(kv_cache_dtype="fp8", scale=0.5)
+
+    def fp8_cache(a):
+        a["kv_cache"] = torch.zeros(a["kv_cache"].shape, dtype=FP8)
+
+    return [
+        ("kv_c 3-D", lambda a: a.update(kv_c=a["kv_c"][None]), ValueError, r"kv_c must be \(T, c\)"),
+        ("k_pe 1-D", lambda a: a.update(k_pe=a["k_pe"][0]), ValueError, r"k_pe must be \(T, r\)"),
+        ("k_pe rows", lambda a: a.update(k_pe=a["k_pe"][:-1]), ValueError, r"k_pe must have T = 6"),
+        ("cache 2-D", lambda a: a.update(kv_cache=a["kv_cache"][0]), ValueError,
+         r"kv_cache must be \(num_blocks, block_size, c \+ r\)"),
+        ("cache width", lambda a: a.update(kv_cache=a["kv_cache"][..., :-1].contiguous()),
+         ValueError, r"kv_cache last dim must be c \+ r = 8 \+ 4 = 12"),
+        ("slots length", lambda a: a.update(slot_mapping=a["slot_mapping"][:-1]), ValueError,
+         r"slot_mapping must be \(T,\) = \(6,\)"),
+        ("slots int32", lambda a: a.update(slot_mapping=a["slot_mapping"].int()), TypeError,
+         r"slot_mapping must be torch.int64"),
+        ("kv_c float64", lambda a: a.update(kv_c=a["kv_c"].double(), k_pe=a["k_pe"].double()),
+         TypeError, r"kv_c must be bfloat16, float16 or float32"),
+        ("k_pe dtype", lambda a: a.update(k_pe=a["k_pe"].half()), TypeError,
+         r"k_pe must have kv_c's dtype torch.float32"),
+        ("cache dtype", lambda a: a.update(kv_cache=a["kv_cache"].half()), TypeError,
+         r"kv_cache must have the inputs' dtype torch.float32"),
+        ("fp8 cache, auto", fp8_cache, TypeError, r"pass kv_cache_dtype='fp8'"),
+        ("fp8, bf16 cache", lambda a: a.update(**f8), TypeError,
+         r"kv_cache must be torch.float8_e4m3fn for kv_cache_dtype='fp8'"),
+        ("fp8 no scale", lambda a: (fp8_cache(a), a.update(kv_cache_dtype="fp8_e4m3")), ValueError,
+         r"scale is required for kv_cache_dtype='fp8_e4m3'"),
+        ("fp8 scale 0", lambda a: (fp8_cache(a), a.update(f8, scale=0.0)), ValueError,
+         r"scale must be positive and finite, got 0.0"),
+        ("fp8 scale -1", lambda a: (fp8_cache(a), a.update(f8, scale=-1.0)), ValueError,
+         r"scale must be positive and finite"),
+        ("fp8 scale inf", lambda a: (fp8_cache(a), a.update(f8, scale=math.inf)), ValueError,
+         r"scale must be positive and finite"),
+        ("fp8 scale nan", lambda a: (fp8_cache(a), a.update(f8, scale=torch.tensor([math.nan]))),
+         ValueError, r"scale must be positive and finite"),
+        ("fp8 scale 2 elems", lambda a: (fp8_cache(a), a.update(f8, scale=torch.ones(2))),
+         TypeError, r"scale must be a float or a 1-element float32 tensor"),
+        ("fp8 scale float64", lambda a: (fp8_cache(a), a.update(f8, scale=torch.ones(1).double())),
+         TypeError, r"scale must be a float or a 1-element float32 tensor"),
+        ("fp8 scale str", lambda a: (fp8_cache(a), a.update(f8, scale="1")), TypeError,
+         r"scale must be a float"),
+        ("unknown dtype", lambda a: a.update(kv_cache_dtype="int8"), ValueError,
+         r"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got 'int8'"),
+        ("slot too big", lambda a: a["slot_mapping"].__setitem__(2, 24), ValueError,
+         r"slot_mapping values must lie in \[-1, num_blocks \* block_size = 24\), got 24"),
+        ("slot -2", lambda a: a["slot_mapping"].__setitem__(4, -2), ValueError,
+         r"slot_mapping values must lie in \[-1, .*got -2"),
+        ("kv_c strided last dim", lambda a: a.update(kv_c=torch.randn(6, 16)[:, ::2]), ValueError,
+         r"kv_c last dim must be contiguous \(stride\(-1\) == 1\)"),
+        ("k_pe strided last dim", lambda a: a.update(k_pe=torch.randn(6, 8)[:, ::2]), ValueError,
+         r"k_pe last dim must be contiguous"),
+        ("cache not contiguous", lambda a: a.update(kv_cache=torch.zeros(4, 4, 12)[::2]),
+         ValueError, r"kv_cache must be contiguous"),
+        ("kv_c on meta", lambda a: a.update(kv_c=a["kv_c"].to("meta")), ValueError,
+         r"kv_c is on meta, kv_cache on cpu"),
+        ("slots not a tensor", lambda a: a.update(slot_mapping=[0, 1, 2, 3, 4, 5]), TypeError,
+         r"slot_mapping must be a torch.Tensor"),
+    ]
+
+
+BAD = _bad_cases()
+
+
+@pytest.mark.parametrize("backend", ["extension", "reference"])
+@pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_raises_and_leaves_cache_unchanged(ext, backend, case):
+    _, change, exc, match = case
+    kv_c, k_pe = make_rows(6, 8, 4, torch.float32, "cpu", extra=2)
+    args = dict(kv_c=kv_c, k_pe=k_pe, kv_cache=make_cache(3, 8, 12, torch.float32, "cpu"),
+                slot_mapping=make_slots(6, 24, "cpu", skip_every=0), kv_cache_dtype="auto",
+                scale=None)
+    change(args)
+    before = args["kv_cache"].clone()
+    with pytest.raises(exc, match=match):
+        concat_and_cache(args["kv_c"], args["k_pe"], args["kv_cache"], args["slot_mapping"],
+                         kv_cache_dtype=args["kv_cache_dtype"], scale=args["scale"],
+                         backend=backend)
+    assert_bitwise_equal(args["kv_cache"], before)
+
+
+def test_bad_backend_name():
+    kv_c, k_pe = make_rows(2, 8, 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="backend must be None, 'extension' or 'reference'"):
+        concat_and_cache(kv_c, k_pe, torch.zeros(1, 2, 12), torch.zeros(2, dtype=torch.long),
+                         backend="triton")
+
+
+def _op(kv_c, k_pe, cache, slots, kv_cache_dtype="auto", scale=None):
+    torch.ops.mla.concat_and_cache_mla(kv_c, k_pe, cache, slots, kv_cache_dtype, scale)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda a: a.update(slots=torch.tensor([0, 1, 99])), r"slot_mapping\[2\] = 99 is outside"),
+        (lambda a: a.update(slots=torch.tensor([0, -3, 1])), r"slot_mapping\[1\] = -3 is outside"),
+        (lambda a: a.update(k_pe=a["k_pe"].half()), r"k_pe dtype Half differs"),
+        (lambda a: a.update(cache=a["cache"].half()), r"kv_cache dtype Half must equal"),
+        (lambda a: a.update(cache=a["cache"][..., :-1].contiguous()), r"kv_cache last dim must be"),
+        (lambda a: a.update(kv_cache_dtype="int4"), r"unknown kv_cache_dtype 'int4'"),
+        (lambda a: a.update(cache=a["cache"].to(FP8), kv_cache_dtype="fp8"), r"scale is required"),
+        (lambda a: a.update(cache=a["cache"].to(FP8), kv_cache_dtype="fp8",
+                            scale=torch.tensor([-1.0])), r"scale must be positive and finite"),
+        (lambda a: a.update(kv_c=torch.randn(3, 16)[:, ::2]), r"kv_c last dim must be contiguous"),
+    ],
+)
+def test_cpp_checks_defend_direct_callers(ext, change, match):
+    """torch.ops.mla.concat_and_cache_mla checks its arguments too (the wrapper is skippable)."""
+    kv_c, k_pe = make_rows(3, 8, 4, torch.float32, "cpu")
+    a = dict(kv_c=kv_c, k_pe=k_pe, cache=make_cache(2, 4, 12, torch.float32, "cpu"),
+             slots=torch.tensor([0, 5, 7]), kv_cache_dtype="auto", scale=None)
+    change(a)
+    before = a["cache"].clone()
+    with pytest.raises(RuntimeError, match=match):
+        _op(a["kv_c"], a["k_pe"], a["cache"], a["slots"], a["kv_cache_dtype"], a["scale"])
+    assert_bitwise_equal(a["cache"], before)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the CUDA kernel (vector and scalar paths) vs the reference run on the same GPU
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+# extra 0 and 8 keep rows 16-byte aligned for 2-byte types (vector path); 7 and c=12 do not.
+@pytest.mark.parametrize("c,r,extra", [(512, 64, 0), (512, 64, 8), (512, 64, 7), (12, 4, 0)])
+def test_cuda_matches_reference(ext, dtype, block_size, c, r, extra):
+    T = 300
+    num_blocks = -(-2 * T // block_size)
+    kv_c, k_pe = make_rows(T, c, r, dtype, "cuda", extra=extra)
+    cache = make_cache(num_blocks, block_size, c + r, dtype, "cuda")
+    slots = make_slots(T, num_blocks * block_size, "cuda")
+    ours, ref = run_both(kv_c, k_pe, cache, slots)
+    assert_bitwise_equal(ours, ref)
+    # and the same bits as the CPU twin
+    ours_cpu = cache.cpu()
+    concat_and_cache(kv_c.cpu(), k_pe.cpu(), ours_cpu, slots.cpu(), backend="extension")
+    assert_bitwise_equal(ours.cpu(), ours_cpu)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [0.5, 3.0, "tensor"])
+@pytest.mark.parametrize("extra", [0, 7])
+def test_cuda_fp8_matches_reference(ext, dtype, scale, extra):
+    T, c, r, block_size = 300, 512, 64, 64
+    scale = torch.tensor([0.75], device="cuda") if scale == "tensor" else scale
+    kv_c, k_pe = make_rows(T, c, r, dtype, "cuda", extra=extra, magnitude=300.0 * float(scale))
+    cache = make_cache(10, block_size, c + r, FP8, "cuda")
+    slots = make_slots(T, 10 * block_size, "cuda")
+    ours, ref = run_both(kv_c, k_pe, cache, slots, kv_cache_dtype="fp8", scale=scale)
+    assert_bitwise_equal(ours, ref)
+    check_fp8_error(kv_c, k_pe, ours, slots, scale)
+    ref_cpu = cache.cpu()
+    concat_and_cache_reference(kv_c.cpu(), k_pe.cpu(), ref_cpu, slots.cpu(),
+                               kv_cache_dtype="fp8", scale=float(scale))
+    assert_bitwise_equal(ours.cpu(), ref_cpu)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_cuda_kernel_skips_out_of_range_slots(ext):
+    """A direct op call with a bad slot must not write out of bounds (the wrapper rejects it)."""
+    kv_c, k_pe = make_rows(4, 512, 64, torch.bfloat16, "cuda")
+    cache = make_cache(2, 16, 576, torch.bfloat16, "cuda")
+    slots = torch.tensor([3, 32, 1 << 40, 7], device="cuda")
+    want = cache.clone()
+    concat_and_cache_reference(kv_c[[0, 3]], k_pe[[0, 3]], want, slots[[0, 3]])
+    _op(kv_c, k_pe, cache, slots)
+    torch.cuda.synchronize()
+    assert_bitwise_equal(cache, want)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_cuda_empty_and_all_skipped(ext):
+    kv_c, k_pe = make_rows(5, 512, 64, torch.bfloat16, "cuda")
+    cache = make_cache(2, 4, 576, torch.bfloat16, "cuda")
+    before = cache.clone()
+    concat_and_cache(kv_c[:0], k_pe[:0], cache, torch.empty(0, dtype=torch.int64, device="cuda"))
+    concat_and_cache(kv_c, k_pe, cache, torch.full((5,), -1, device="cuda"))
+    assert_bitwise_equal(cache, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@requires_gpu
+def test_cuda_cache_past_2_pow_32_elements(ext):
+    """Offsets past int32 and uint32: bf16, block 64, width 576, 4.3e9 elements (8.6 GB x 2)."""
+    block_size, c, r = 64, 512, 64
+    num_blocks = 2**32 // (block_size * (c + r)) + 8  # 116_516 blocks, 2^32 + 2.4e5 elements
+    if torch.cuda.get_device_properties(0).total_memory < 24 * 2**30:
+        pytest.skip("needs 24 GiB of GPU memory")
+    num_slots = num_blocks * block_size
+    cache = torch.zeros(num_blocks, block_size, c + r, dtype=torch.bfloat16, device="cuda")
+    assert cache.numel() > 2**32
+    T = 256
+    kv_c, k_pe = make_rows(T, c, r, torch.bfloat16, "cuda", extra=0)
+    first_past_int32 = 2**31 // (c + r) + 1  # the first slot whose row starts past 2^31
+    slots = torch.cat([
+        torch.arange(num_slots - 100, num_slots),                         # the very end
+        torch.arange(first_past_int32 - 50, first_past_int32 + 50),       # across 2^31
+        torch.arange(2**32 // (c + r) - 28, 2**32 // (c + r) + 28),       # across 2^32
+    ]).cuda()
+    assert slots.numel() == T
+    ref = cache.clone()
+    concat_and_cache(kv_c, k_pe, cache, slots, backend="extension")
+    concat_and_cache_reference(kv_c, k_pe, ref, slots)
+    assert torch.equal(bits(cache), bits(ref))
+    assert torch.equal(cache.view(-1, c + r)[slots], torch.cat([kv_c, k_pe], -1))
