@@ -298,7 +298,9 @@ def _gpu_case(seq_lens, heads, seed=0):
         kv_cache[blocks[pos // block_size].long(), pos % block_size] = rows
     q = torch.randn(b, heads, d, device="cuda", generator=gen).to(torch.bfloat16)
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-    return dict(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens, kv_lora_rank=c, softmax_scale=(192) ** -0.5)
+    return dict(
+        q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens, kv_lora_rank=c, softmax_scale=192**-0.5
+    )
 
 
 def _random_lengths(b, max_len, seed):
