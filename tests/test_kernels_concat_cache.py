@@ -203,7 +203,8 @@ def _bad_cases():
         a["kv_cache"] = torch.zeros(a["kv_cache"].shape, dtype=FP8)
 
     return [
-        ("kv_c 3-D", lambda a: a.update(kv_c=a["kv_c"][None]), ValueError, r"kv_c must be \(T, c\)"),
+        ("kv_c 3-D", lambda a: a.update(kv_c=a["kv_c"][None]), ValueError,
+         r"kv_c must be \(T, c\)"),
         ("k_pe 1-D", lambda a: a.update(k_pe=a["k_pe"][0]), ValueError, r"k_pe must be \(T, r\)"),
         ("k_pe rows", lambda a: a.update(k_pe=a["k_pe"][:-1]), ValueError, r"k_pe must have T = 6"),
         ("cache 2-D", lambda a: a.update(kv_cache=a["kv_cache"][0]), ValueError,

@@ -106,7 +106,8 @@ def load_extension() -> dict:
         _ext_state = {"loaded": True, "cuda": with_cuda, "error": None}
     except Exception as exc:  # noqa: BLE001 - any failure means "use the reference"
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        _ext_state = {"loaded": False, "cuda": False, "error": f"{type(exc).__name__}: {first_line}"}
+        error = f"{type(exc).__name__}: {first_line}"
+        _ext_state = {"loaded": False, "cuda": False, "error": error}
     return _ext_state
 
 
@@ -182,7 +183,9 @@ def _validate(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale) -> torc
             f"{tuple(kv_cache.shape)}"
         )
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != T:
-        raise ValueError(f"slot_mapping must be (T,) = ({T},), got shape {tuple(slot_mapping.shape)}")
+        raise ValueError(
+            f"slot_mapping must be (T,) = ({T},), got shape {tuple(slot_mapping.shape)}"
+        )
 
     # ---- dtypes
     if kv_c.dtype not in _INPUT_DTYPES:
