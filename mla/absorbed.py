@@ -42,6 +42,7 @@ from .weights import MLAWeights
 PREFILL_MODES = ("up-project", "absorbed")
 
 
+# --8<-- [start:attend_absorbed]
 def attend_absorbed(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
                     k_pe: torch.Tensor, visible: torch.Tensor, softmax_scale: float
                     ) -> torch.Tensor:
@@ -58,6 +59,7 @@ def attend_absorbed(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
     probs = torch.softmax(scores, dim=-1)
     # The value is the latent itself: o_lat,i = sum_j p_ij c_KV,j
     return torch.einsum("bsht,btc->bshc", probs, kv_c.to(f32))
+# --8<-- [end:attend_absorbed]
 
 
 class AbsorbedMLA(MLAAttention):
@@ -83,6 +85,7 @@ class AbsorbedMLA(MLAAttention):
         self.prefill = prefill
         self._products: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
 
+    # --8<-- [start:absorbed_products]
     def absorbed_products(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UQ·W_UK (h, q, c) and W_UV·W_O (h, c, hidden), recomputed after any weight update."""
         w = self.weights
@@ -93,6 +96,7 @@ class AbsorbedMLA(MLAAttention):
             W_UV_O = torch.einsum("hvc,xhv->hcx", w.W_UV, w.W_O)     # (h, c, hidden)
             self._products = (stamp, W_UQ_UK, W_UV_O)
         return self._products[1], self._products[2]
+    # --8<-- [end:absorbed_products]
 
     def forward(self, x: torch.Tensor, cache: LatentCache, lengths=None) -> torch.Tensor:
         lengths = self.check_inputs(x, cache, lengths)
@@ -122,6 +126,7 @@ class AbsorbedMLA(MLAAttention):
                 y[i] = attend(c_q[i], q_pe[i], kv_c[i], k_pe[i], visible[i], real[i])
         return y
 
+    # --8<-- [start:absorbed_path]
     def _absorbed(self, c_q, q_pe, kv_c, k_pe, visible, real) -> torch.Tensor:
         w = self.weights
         if self.precompute:
@@ -140,6 +145,7 @@ class AbsorbedMLA(MLAAttention):
             o = torch.einsum("bshc,hvc->bshv", o_lat, w.W_UV)       # (b, s, h, v)
             y = self.output_projection(o)
         return torch.where(real[..., 0], y, 0.0)
+    # --8<-- [end:absorbed_path]
 
     def _up_projected(self, c_q, q_pe, kv_c, k_pe, visible, real) -> torch.Tensor:
         o = attend_up_projected(self.weights, query_nope(self.weights, c_q), q_pe, kv_c, k_pe,

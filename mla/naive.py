@@ -24,6 +24,7 @@ from .weights import MLAWeights
 
 
 # ---- the query: eqs. (37)-(40) -------------------------------------------------------------
+# --8<-- [start:query]
 def query_latent(w: MLAWeights, x: torch.Tensor) -> torch.Tensor:
     """Eq. (37): c_Q = W^{DQ} h, then q_a_layernorm. (b, s, hidden) -> (b, s, q).
 
@@ -48,9 +49,11 @@ def query_rope(w: MLAWeights, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.T
     """
     q_pe = torch.einsum("bsq,hrq->bshr", c_q, w.W_QR)
     return apply_rope(q_pe, cos[:, :, None], sin[:, :, None])
+# --8<-- [end:query]
 
 
 # ---- the latent: eqs. (41) and (43), what the cache keeps ----------------------------------
+# --8<-- [start:latent]
 def latent(w: MLAWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. (41): c_KV = W^{DKV} h (then kv_a_layernorm); eq. (43): k_R = RoPE(W^{KR} h).
@@ -63,8 +66,10 @@ def latent(w: MLAWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     kv_c_normed = w.kv_a_layernorm(kv[..., :c])
     k_pe = apply_rope(kv[..., c:], cos, sin)  # one rope key for all heads
     return kv_c_normed, k_pe
+# --8<-- [end:latent]
 
 
+# --8<-- [start:attend_up_projected]
 def attend_up_projected(w: MLAWeights, q_nope: torch.Tensor, q_pe: torch.Tensor,
                        kv_c: torch.Tensor, k_pe: torch.Tensor, visible: torch.Tensor,
                        softmax_scale: float) -> torch.Tensor:
@@ -87,6 +92,7 @@ def attend_up_projected(w: MLAWeights, q_nope: torch.Tensor, q_pe: torch.Tensor,
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("bsht,bthv->bshv", probs, v.to(f32))  # (b, s, h, v)
+# --8<-- [end:attend_up_projected]
 
 
 def positions_and_rope(w: MLAWeights, cache: LatentCache | torch.Tensor, s: int,
@@ -120,6 +126,7 @@ class NaiveMLA(MLAAttention):
 
     tier = "naive"
 
+    # --8<-- [start:forward]
     def forward(self, x: torch.Tensor, cache: LatentCache, lengths=None) -> torch.Tensor:
         lengths = self.check_inputs(x, cache, lengths)
         w = self.weights
@@ -143,3 +150,4 @@ class NaiveMLA(MLAAttention):
         # Eq. (47): u = W^O [o_1; ...; o_h]
         y = self.output_projection(o)                             # (b, s, hidden)
         return torch.where(real[..., 0], y, 0.0)
+    # --8<-- [end:forward]

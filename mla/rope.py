@@ -102,6 +102,7 @@ def rope_cos_sin(config: MLAConfig, positions: torch.Tensor, dtype: torch.dtype
     return cos.to(dtype), sin.to(dtype)
 
 
+# --8<-- [start:apply_rope]
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the interleaved pairs (x0, x1), (x2, x3), ... of the last dim.
 
@@ -112,3 +113,4 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x_even, x_odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((x_even * cos - x_odd * sin, x_odd * cos + x_even * sin), dim=-1)
     return rotated.flatten(-2)
+# --8<-- [end:apply_rope]
