@@ -1,0 +1,306 @@
+"""PagedLatentCache: the latent cache in fixed-size pages, with a block allocator and block tables.
+
+The naive and absorbed tiers give every sequence a contiguous (t_max, c + r) buffer, sized for
+the longest sequence it might become. The paged tier, as vLLM does, cuts one big tensor into
+pages (blocks) of n tokens and hands them to sequences as they grow, so memory follows the
+tokens actually cached and a finished sequence's pages go straight to the next one:
+
+    kv_cache     (num_blocks, n, c + r)   one row a token: kv_c_normed (c) then k_pe (r)
+    block_table  (b, max_blocks) int32    block_table[i, j]: the page holding tokens
+                                          j·n ... (j+1)·n - 1 of sequence i; -1 where unused
+    seq_lens     (b,) int64, CPU          tokens cached per sequence
+
+Token `pos` of sequence i lives in page p = block_table[i, pos // n] at row pos % n; its *slot*,
+the index into kv_cache viewed as (num_blocks·n, c + r), is
+
+    slot = block_table[i, pos // n] · n + pos % n            (-1: padding, written nowhere)
+
+The allocator is a free list of page indices. A sequence takes pages only when its next token
+does not fit (lazily), and `free(i)` gives them all back. Every call that changes the cache is
+all-or-nothing: it checks that the free list holds enough pages for *every* sequence of the call
+before it takes one, so "out of blocks" leaves the tensor, the tables, seq_lens and the free list
+as they were.
+
+The block table lives twice: `block_table` on the cache's device (what the decode kernel reads)
+and `block_table_cpu`, the allocator's own copy, from which slot mappings are built on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..kernels import concat_and_cache
+
+UNUSED = -1  # block-table entry that holds no page
+
+
+class OutOfBlocksError(RuntimeError):
+    """The free list cannot hold what a call needs; nothing was allocated or written."""
+
+
+def _positive_int(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class PagedLatentCache:
+    """Paged latent cache for `batch_size` sequences (rows) of up to `max_seq_len` tokens.
+
+    Args:
+        batch_size: sequences (rows) b; a row is reused for a new sequence after `free(i)`.
+        max_seq_len: the longest a sequence may grow; sets the block table's width,
+            max_blocks = ceil(max_seq_len / block_size).
+        kv_lora_rank: c.  rope_dim: r.
+        block_size: tokens a page (n), any int >= 1.
+        num_blocks: pages in the pool; None = enough for every row at max_seq_len,
+            batch_size · max_blocks (fewer is the point of paging: rows rarely all grow long).
+        dtype, device: of kv_cache.
+        shuffle: None hands pages out in order 0, 1, 2, ...; an int seeds a random order of the
+            free list, so block tables are non-contiguous (tests use it to catch code that
+            assumes page j of a sequence sits next to page j + 1).
+
+    Attributes:
+        kv_cache: (num_blocks, block_size, c + r) on `device`.
+        block_table: (b, max_blocks) int32 on `device`; UNUSED (-1) past a row's pages.
+        block_table_cpu: the same on the CPU (the allocator's copy).
+        seq_lens: (b,) int64 on the CPU.
+        free_blocks: the free list (a Python list of page indices; the next page is the last).
+    """
+
+    def __init__(self, batch_size: int, max_seq_len: int, kv_lora_rank: int, rope_dim: int, *,
+                 block_size: int = 64, num_blocks: int | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 shuffle: int | None = None):
+        _positive_int("batch_size", batch_size)
+        _positive_int("max_seq_len", max_seq_len)
+        _positive_int("block_size", block_size)
+        self.kv_lora_rank, self.rope_dim, self.block_size = kv_lora_rank, rope_dim, block_size
+        self._max_seq_len = max_seq_len
+        max_blocks = math.ceil(max_seq_len / block_size)
+        if num_blocks is None:
+            num_blocks = batch_size * max_blocks
+        _positive_int("num_blocks", num_blocks)
+        device = torch.device(device)
+        self.kv_cache = torch.zeros(num_blocks, block_size, kv_lora_rank + rope_dim,
+                                    dtype=dtype, device=device)
+        self.block_table_cpu = torch.full((batch_size, max_blocks), UNUSED, dtype=torch.int32)
+        self.block_table = self.block_table_cpu.to(device, copy=True)
+        self.seq_lens = torch.zeros(batch_size, dtype=torch.int64)
+        if shuffle is None:
+            order = list(range(num_blocks))
+        else:
+            gen = torch.Generator().manual_seed(int(shuffle))
+            order = torch.randperm(num_blocks, generator=gen).tolist()
+        self.free_blocks: list[int] = order[::-1]  # pop() from the end hands out order[0] first
+        self._num_pages = [0] * batch_size  # pages held by each row
+
+    # ---- the sizes the common call checks (same names as mla.cache.LatentCache) ---------
+    @property
+    def batch_size(self) -> int:
+        return self.block_table_cpu.shape[0]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._max_seq_len
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.shape[0]
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return self.block_table_cpu.shape[1]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_cache.device
+
+    def blocks_of(self, i: int) -> list[int]:
+        """The pages row i holds, in token order."""
+        return self.block_table_cpu[i, : self._num_pages[i]].tolist()
+
+    # ---- the allocator ------------------------------------------------------------------
+    def blocks_needed(self, seq_ids: torch.Tensor, new_lens: torch.Tensor) -> torch.Tensor:
+        """(n,) int64: pages each listed row must take to hold new_lens more tokens."""
+        total = self.seq_lens[seq_ids] + new_lens
+        held = torch.tensor([self._num_pages[i] for i in seq_ids.tolist()], dtype=torch.int64)
+        return (torch.div(total + self.block_size - 1, self.block_size, rounding_mode="floor")
+                - held).clamp_min(0)
+
+    def allocate(self, seq_ids: Sequence[int] | torch.Tensor,
+                 new_lens: Sequence[int] | torch.Tensor) -> None:
+        """Give rows seq_ids room for new_lens more tokens each (pages from the free list).
+
+        All-or-nothing: raises ValueError past max_seq_len and OutOfBlocksError when the free list
+        is short, before taking any page. Does not change seq_lens (see `append`).
+        """
+        seq_ids, new_lens = self._check_rows(seq_ids, new_lens)
+        needed = self.blocks_needed(seq_ids, new_lens)
+        total = int(needed.sum())
+        if total > len(self.free_blocks):
+            raise OutOfBlocksError(
+                f"out of cache blocks: this call needs {total} more blocks of {self.block_size} "
+                f"tokens but only {len(self.free_blocks)} of {self.num_blocks} are free; free "
+                f"finished sequences (cache.free(i)) or make the cache with more num_blocks")
+        if total == 0:
+            return
+        for i, k in zip(seq_ids.tolist(), needed.tolist()):
+            if k:
+                start = self._num_pages[i]
+                pages = [self.free_blocks.pop() for _ in range(k)]
+                self.block_table_cpu[i, start:start + k] = torch.tensor(pages, dtype=torch.int32)
+                self._num_pages[i] = start + k
+        self.block_table.copy_(self.block_table_cpu)
+
+    def free(self, i: int) -> None:
+        """End sequence i: its pages go back to the free list, its row is empty (seq_len 0).
+
+        The pages' contents are left as they are; the next owner overwrites them.
+        """
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.batch_size:
+            raise ValueError(f"free(i) needs a row index in [0, {self.batch_size}), got {i!r}")
+        pages = self.blocks_of(i)
+        self.free_blocks.extend(reversed(pages))  # the most recently freed page goes out first
+        self.block_table_cpu[i] = UNUSED
+        self.block_table[i] = UNUSED
+        self._num_pages[i] = 0
+        self.seq_lens[i] = 0
+
+    # ---- slot mappings --------------------------------------------------------------------
+    def slot_mapping(self, token_seq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(T,) int64 slots of tokens at `positions` (T,) of rows `token_seq` (T,), on the CPU.
+
+        slot = block_table[i, pos // n] · n + pos % n; -1 where token_seq < 0 (padding). The
+        pages must be allocated (`allocate`); a position without a page is an error.
+        """
+        token_seq, positions = token_seq.to("cpu", torch.int64), positions.to("cpu", torch.int64)
+        real = token_seq >= 0
+        rows, pos = token_seq.clamp_min(0), positions.clamp_min(0)
+        n = self.block_size
+        pages = self.block_table_cpu[rows, (pos // n).clamp_max(self.max_blocks_per_seq - 1)]
+        if bool((real & ((pos // n >= self.max_blocks_per_seq) | (pages < 0))).any()):
+            raise ValueError("slot_mapping: a token has no page; allocate() its room first")
+        slots = pages.to(torch.int64) * n + pos % n
+        return torch.where(real, slots, -1)
+
+    def slot_mapping_padded(self, lengths: Sequence[int] | torch.Tensor, s: int) -> torch.Tensor:
+        """(b, s) int64 slots of the next tokens of each row, as the common call lays them out:
+        token j of row i goes to position seq_lens[i] + j; -1 for j >= lengths[i] (padding).
+
+        Rows must have room allocated for lengths[i] more tokens.
+        """
+        lengths = torch.as_tensor(lengths, dtype=torch.int64)
+        if lengths.shape != (self.batch_size,):
+            raise ValueError(f"lengths must have shape ({self.batch_size},), got {tuple(lengths.shape)}")
+        j = torch.arange(s)
+        real = j[None, :] < lengths[:, None]                            # (b, s)
+        token_seq = torch.where(real, torch.arange(self.batch_size)[:, None], -1)
+        positions = self.seq_lens[:, None] + j[None, :]                 # (b, s)
+        return self.slot_mapping(token_seq.flatten(), positions.flatten()).view(-1, s)
+
+    # ---- writing --------------------------------------------------------------------------
+    def append(self, kv_c: torch.Tensor, k_pe: torch.Tensor, seq_ids: Sequence[int] | torch.Tensor,
+               new_lens: Sequence[int] | torch.Tensor, **concat_options) -> torch.Tensor:
+        """Append new tokens of rows seq_ids: allocate pages, write the rows, bump seq_lens.
+
+        kv_c (T, c) and k_pe (T, r) hold the tokens row after row: new_lens[0] of seq_ids[0],
+        then new_lens[1] of seq_ids[1], ...; rows past sum(new_lens) are padding and skipped.
+        Either may be a row-strided view (e.g. slices of one (T, c + r) tensor). Token j of row i
+        lands at position seq_lens[i] + j. `concat_options` go to `mla.kernels.concat_and_cache`.
+        All-or-nothing: on any error the cache is as before. Returns the slot mapping (T,) int64
+        on the cache's device.
+        """
+        seq_ids, new_lens = self._check_rows(seq_ids, new_lens)
+        T = kv_c.shape[0]
+        real = int(new_lens.sum())
+        if real > T:
+            raise ValueError(f"append: new_lens add up to {real} tokens but kv_c holds {T}")
+        token_seq, offsets = _ragged_index(new_lens)
+        positions = self.seq_lens[seq_ids][token_seq] + offsets
+        token_row = torch.full((T,), -1, dtype=torch.int64)
+        token_row[:real] = seq_ids[token_seq]
+        token_pos = torch.zeros(T, dtype=torch.int64)
+        token_pos[:real] = positions
+
+        snapshot = (self.block_table_cpu.clone(), list(self.free_blocks), list(self._num_pages))
+        self.allocate(seq_ids, new_lens)
+        try:
+            slots = self.slot_mapping(token_row, token_pos).to(self.device)
+            concat_and_cache(kv_c, k_pe, self.kv_cache, slots, **concat_options)
+        except Exception:
+            # the write was refused (checks run before it writes): give the pages back
+            self.block_table_cpu.copy_(snapshot[0])
+            self.block_table.copy_(snapshot[0])
+            self.free_blocks[:], self._num_pages[:] = snapshot[1], snapshot[2]
+            raise
+        self.seq_lens.index_add_(0, seq_ids, new_lens)
+        return slots
+
+    # ---- reading back -----------------------------------------------------------------------
+    def gather(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence i's cached latent, pages put back in order: kv_c (t, c), k_pe (t, r)."""
+        t = int(self.seq_lens[i])
+        pages = self.block_table_cpu[i, : math.ceil(t / self.block_size)].to(self.device,
+                                                                              torch.int64)
+        rows = self.kv_cache[pages].flatten(0, 1)[:t]           # (t, c + r)
+        return rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank:]
+
+    def gather_padded(self, seq_ids: Sequence[int] | torch.Tensor, t: int) -> torch.Tensor:
+        """(n, t, c + r): the first t cached tokens of each listed row; zeros past its seq_len.
+
+        Zeros, not whatever the pages hold: padding keys must stay finite, because a masked
+        score times a NaN value is still NaN.
+        """
+        seq_ids = torch.as_tensor(seq_ids, dtype=torch.int64)
+        n_pages = math.ceil(t / self.block_size)
+        if n_pages > self.max_blocks_per_seq:
+            raise ValueError(f"gather_padded: t={t} is longer than max_seq_len={self.max_seq_len}")
+        table = self.block_table_cpu[seq_ids, :n_pages].to(torch.int64)     # (n, pages)
+        valid = (torch.arange(t)[None, :] < self.seq_lens[seq_ids][:, None]).to(self.device)
+        rows = self.kv_cache[table.clamp_min(0).to(self.device)]              # (n, pages, n, c+r)
+        rows = rows.flatten(1, 2)[:, :t]                                      # (n, t, c + r)
+        return torch.where(valid[..., None], rows, torch.zeros((), dtype=rows.dtype,
+                                                                device=rows.device))
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _check_rows(self, seq_ids, new_lens) -> tuple[torch.Tensor, torch.Tensor]:
+        seq_ids = torch.as_tensor(seq_ids).to("cpu", torch.int64).flatten()
+        new_lens = torch.as_tensor(new_lens).to("cpu", torch.int64).flatten()
+        if seq_ids.shape != new_lens.shape:
+            raise ValueError(f"seq_ids and new_lens must have one entry per sequence, got "
+                             f"{tuple(seq_ids.shape)} and {tuple(new_lens.shape)}")
+        if seq_ids.numel() and bool(((seq_ids < 0) | (seq_ids >= self.batch_size)).any()):
+            raise ValueError(f"seq_ids must lie in [0, {self.batch_size}), got {seq_ids.tolist()}")
+        if seq_ids.unique().numel() != seq_ids.numel():
+            raise ValueError(f"seq_ids must not repeat a row, got {seq_ids.tolist()}")
+        if bool((new_lens < 0).any()):
+            raise ValueError(f"new token counts must be >= 0, got {new_lens.tolist()}")
+        over = torch.nonzero(self.seq_lens[seq_ids] + new_lens > self.max_seq_len).flatten()
+        if over.numel():
+            k = int(over[0])
+            i = int(seq_ids[k])
+            raise ValueError(
+                f"appending {int(new_lens[k])} tokens to row {i} (holding {int(self.seq_lens[i])})"
+                f" would pass max_seq_len={self.max_seq_len}")
+        return seq_ids, new_lens
+
+    def __repr__(self) -> str:
+        return (f"PagedLatentCache(batch_size={self.batch_size}, max_seq_len={self.max_seq_len}, "
+                f"block_size={self.block_size}, num_blocks={self.num_blocks}, "
+                f"free={self.num_free_blocks}, dtype={self.kv_cache.dtype}, device={self.device})")
+
+
+def _ragged_index(new_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For tokens laid out sequence after sequence: each token's sequence k and offset j (int64)."""
+    token_seq = torch.repeat_interleave(torch.arange(new_lens.numel()), new_lens)
+    starts = torch.cumsum(new_lens, 0) - new_lens
+    offsets = torch.arange(token_seq.numel()) - starts[token_seq]
+    return token_seq, offsets
