@@ -1,0 +1,423 @@
+"""The paged tier: its cache (allocator, block tables, slot mapping) and the layer against the
+absorbed tier.
+
+The layer tests are built hostile, as FlashMLA's are: pages handed out in a shuffled order (block
+tables non-contiguous), every unwritten value of the cache NaN, so a read of an unused page or of
+the tail of a partial page turns the output into NaN. On the CPU the Triton decode kernel runs in
+its interpreter, so shapes stay at the "tiny" preset, in float32.
+"""
+
+import math
+
+import pytest
+import torch
+
+import mla
+from mla.cache import LatentCache
+from mla.paged import UNUSED, OutOfBlocksError, PagedLatentCache, PagedMLA
+
+TINY = mla.MLAConfig.from_preset("tiny")
+NAN = float("nan")
+
+
+def rel(actual, expected):
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+def pair(block_size, *, prefill="up-project", seed=1, **options):
+    """(absorbed, paged) over one float32 tiny MLAWeights."""
+    weights = mla.MLAWeights(TINY, dtype=torch.float32, seed=seed)
+    return (mla.build(weights, "absorbed"),
+            mla.build(weights, "paged", block_size=block_size, shuffle=7, prefill=prefill,
+                      **options))
+
+
+def poisoned(paged, b, max_seq_len, **options):
+    cache = paged.new_cache(b, max_seq_len, **options)
+    cache.kv_cache.fill_(NAN)
+    return cache
+
+
+def snapshot(cache):
+    return dict(kv_cache=cache.kv_cache.clone(), block_table=cache.block_table.clone(),
+                block_table_cpu=cache.block_table_cpu.clone(), seq_lens=cache.seq_lens.clone(),
+                free_blocks=list(cache.free_blocks),
+                pages=[cache.blocks_of(i) for i in range(cache.batch_size)])
+
+
+def assert_unchanged(cache, before):
+    after = snapshot(cache)
+    for key in ("kv_cache", "block_table", "block_table_cpu", "seq_lens"):
+        assert torch.equal(after[key].nan_to_num(7.0), before[key].nan_to_num(7.0)), key
+    assert after["free_blocks"] == before["free_blocks"]
+    assert after["pages"] == before["pages"]
+
+
+def padded_batch(lengths, s, hidden=TINY.hidden_size):
+    x = torch.randn(len(lengths), s, hidden)
+    for i, n in enumerate(lengths):
+        x[i, n:] = 0.0
+    return x
+
+
+def check_step(absorbed, paged, a_cache, p_cache, x, lengths=None):
+    """One call through both tiers: same outputs, zeros at padding, same cached latent."""
+    with torch.no_grad():
+        ref = absorbed(x, a_cache, lengths)
+        out = paged(x, p_cache, lengths)
+    assert torch.isfinite(out).all()
+    assert rel(out, ref) < 1e-5
+    if lengths is not None:
+        for i, n in enumerate(torch.as_tensor(lengths).tolist()):
+            assert torch.all(out[i, n:] == 0)
+    assert p_cache.seq_lens.tolist() == a_cache.seq_lens.tolist()
+    for i, t in enumerate(p_cache.seq_lens.tolist()):
+        kv_c, k_pe = p_cache.gather(i)
+        # the projections run as other GEMM shapes (T tokens, not b x s): last-bit differences
+        assert torch.allclose(kv_c, a_cache.kv_c[i, :t], rtol=1e-5, atol=1e-6)
+        assert torch.allclose(k_pe, a_cache.k_pe[i, :t], rtol=1e-5, atol=1e-6)
+    return out
+
+
+# ---- the allocator ---------------------------------------------------------------------------
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_allocator_grows_lazily_frees_and_reuses(block_size):
+    c, r = 4, 2
+    cache = PagedLatentCache(3, 300, c, r, block_size=block_size)
+    max_blocks = math.ceil(300 / block_size)
+    assert cache.num_blocks == 3 * max_blocks == cache.num_free_blocks
+    assert cache.block_table.dtype == torch.int32
+    assert cache.block_table.shape == (3, max_blocks)
+    assert torch.all(cache.block_table == UNUSED)
+
+    grown = [0, 0, 0]
+    for new in ([5, 0, 1], [block_size, 3, 0], [1, 0, 2 * block_size + 1], [0, 40, 7]):
+        rows = torch.randn(sum(new), c + r)
+        cache.append(rows[:, :c], rows[:, c:], [0, 1, 2], new)
+        grown = [g + n for g, n in zip(grown, new)]
+        assert cache.seq_lens.tolist() == grown
+        for i, t in enumerate(grown):
+            pages = cache.blocks_of(i)
+            assert len(pages) == math.ceil(t / block_size)  # no more than the tokens need
+            assert torch.all(cache.block_table_cpu[i, len(pages):] == UNUSED)
+        held = [p for i in range(3) for p in cache.blocks_of(i)]
+        assert len(set(held)) == len(held)  # no page is owned twice
+        assert sorted(held + cache.free_blocks) == list(range(cache.num_blocks))
+        assert torch.equal(cache.block_table, cache.block_table_cpu)
+
+    freed = cache.blocks_of(2)
+    free_before = cache.num_free_blocks
+    cache.free(2)
+    assert cache.seq_lens[2] == 0 and torch.all(cache.block_table[2] == UNUSED)
+    assert cache.num_free_blocks == free_before + len(freed)
+    # the freed pages are the next to be handed out, to the next sequence of that row or another
+    rows = torch.randn(len(freed) * block_size, c + r)
+    cache.append(rows[:, :c], rows[:, c:], [1], [rows.shape[0]])
+    assert set(freed) <= set(cache.blocks_of(1))
+
+
+def test_out_of_blocks_is_all_or_nothing():
+    c, r, n = 4, 2, 4
+    cache = PagedLatentCache(2, 64, c, r, block_size=n, num_blocks=5, shuffle=3)
+    cache.kv_cache.fill_(NAN)
+    rows = torch.randn(10, c + r)
+    cache.append(rows[:, :c], rows[:, c:], [0, 1], [6, 4])  # 2 + 1 pages
+    before = snapshot(cache)
+    # row 0 would fit (one more page), row 1 would not: neither may take a page
+    more = torch.randn(13, c + r)
+    with pytest.raises(OutOfBlocksError, match="out of cache blocks"):
+        cache.append(more[:, :c], more[:, c:], [0, 1], [2, 11])
+    assert_unchanged(cache, before)
+    with pytest.raises(OutOfBlocksError):
+        cache.allocate([0, 1], [2, 11])
+    assert_unchanged(cache, before)
+    # what does fit still works, and a freed row makes room
+    cache.append(more[:2, :c], more[:2, c:], [0], [2])
+    cache.free(1)
+    cache.append(more[:11, :c], more[:11, c:], [1], [11])
+    assert cache.seq_lens.tolist() == [8, 11] and cache.num_free_blocks == 0
+
+
+def test_append_refused_by_the_kernel_gives_pages_back():
+    c, r = 4, 2
+    cache = PagedLatentCache(1, 32, c, r, block_size=4)
+    before = snapshot(cache)
+    rows = torch.randn(5, c + r, dtype=torch.float64)  # the cache is float32: concat refuses
+    with pytest.raises(TypeError):
+        cache.append(rows[:, :c], rows[:, c:], [0], [5])
+    assert_unchanged(cache, before)
+
+
+def test_shuffled_allocation_is_seeded_and_non_contiguous():
+    make = lambda seed: PagedLatentCache(2, 64, 4, 2, block_size=4, shuffle=seed)  # noqa: E731
+    a, b, plain = make(5), make(5), PagedLatentCache(2, 64, 4, 2, block_size=4)
+    for cache in (a, b, plain):
+        cache.allocate([0, 1], [30, 17])
+    assert a.blocks_of(0) == b.blocks_of(0) and a.blocks_of(1) == b.blocks_of(1)
+    assert plain.blocks_of(0) == list(range(8))  # in order without a seed
+    assert a.blocks_of(0) != sorted(a.blocks_of(0))
+    assert sorted(a.blocks_of(0) + a.blocks_of(1) + a.free_blocks) == list(range(a.num_blocks))
+
+
+def test_cache_arguments_are_checked():
+    for bad in (dict(batch_size=0), dict(max_seq_len=-1), dict(block_size=0),
+                dict(num_blocks=0), dict(block_size=2.0)):
+        args = dict(batch_size=2, max_seq_len=8, block_size=4) | bad
+        with pytest.raises(ValueError):
+            PagedLatentCache(args.pop("batch_size"), args.pop("max_seq_len"), 4, 2, **args)
+    cache = PagedLatentCache(2, 8, 4, 2, block_size=4)
+    for seq_ids, new_lens in (([0, 0], [1, 1]), ([2], [1]), ([0], [-1]), ([0], [9]), ([0], [1, 2])):
+        with pytest.raises(ValueError):
+            cache.allocate(seq_ids, new_lens)
+    with pytest.raises(ValueError):
+        cache.free(2)
+
+
+# ---- slot mapping and block tables -------------------------------------------------------
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_slot_mapping_against_an_independent_computation(block_size):
+    c, r = 4, 2
+    cache = PagedLatentCache(3, 200, c, r, block_size=block_size, shuffle=11)
+    cache.kv_cache.fill_(NAN)
+    written = {0: [], 1: [], 2: []}
+    for new in ([3, 70, 0], [1, 1, 1], [0, 33, 129]):
+        rows = torch.randn(sum(new), c + r)
+        slots = cache.append(rows[:, :c], rows[:, c:], [0, 1, 2], new)
+        at = 0
+        for i, k in enumerate(new):
+            written[i] += rows[at:at + k].tolist()
+            at += k
+        # the returned slots are where the rows went
+        flat = cache.kv_cache.view(-1, c + r)
+        assert torch.equal(flat[slots], rows)
+
+    # slot = block_table[i][pos // n] * n + pos % n, in plain Python from the table's list
+    tables = [cache.blocks_of(i) for i in range(3)]
+    for i in range(3):
+        t = int(cache.seq_lens[i])
+        pos = torch.arange(t)
+        slots = cache.slot_mapping(torch.full((t,), i), pos)
+        expected = [tables[i][p // block_size] * block_size + p % block_size for p in range(t)]
+        assert slots.dtype == torch.int64 and slots.tolist() == expected
+        kv_c, k_pe = cache.gather(i)
+        assert torch.equal(torch.cat([kv_c, k_pe], -1), torch.tensor(written[i]))
+
+    # the padded layout of the common call: -1 for padding
+    lengths = torch.tensor([2, 0, 1])
+    cache.allocate([0, 1, 2], lengths)
+    padded = cache.slot_mapping_padded(lengths, 3)
+    assert padded.shape == (3, 3) and padded.dtype == torch.int64
+    for i in range(3):
+        for j in range(3):
+            if j < lengths[i]:
+                p = int(cache.seq_lens[i]) + j
+                tables = [cache.blocks_of(k) for k in range(3)]
+                assert padded[i, j] == tables[i][p // block_size] * block_size + p % block_size
+            else:
+                assert padded[i, j] == -1
+    # a token without a page is an error, not a silent write elsewhere
+    with pytest.raises(ValueError, match="no page"):
+        cache.slot_mapping(torch.tensor([1]), torch.tensor([199]))
+
+
+def test_gather_padded_is_zero_past_each_sequence():
+    c, r = 4, 2
+    cache = PagedLatentCache(2, 40, c, r, block_size=8, shuffle=2)
+    cache.kv_cache.fill_(NAN)
+    rows = torch.randn(15, c + r)
+    cache.append(rows[:, :c], rows[:, c:], [1, 0], [10, 5])
+    got = cache.gather_padded([0, 1], 12)
+    assert got.shape == (2, 12, c + r) and torch.isfinite(got).all()
+    assert torch.equal(got[1, :10], rows[:10]) and torch.all(got[1, 10:] == 0)
+    assert torch.equal(got[0, :5], rows[10:]) and torch.all(got[0, 5:] == 0)
+
+
+# ---- the layer against the absorbed tier ---------------------------------------------------
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_paged_matches_absorbed_prefill_extend_decode(block_size):
+    absorbed, paged = pair(block_size)
+    b, max_len = 3, 72
+    a_cache, p_cache = absorbed.new_cache(b, max_len), poisoned(paged, b, max_len)
+    # prefill, row 1 sits out
+    check_step(absorbed, paged, a_cache, p_cache, padded_batch([13, 0, 20], 20), [13, 0, 20])
+    # ragged: row 0 extends (chunked prefill), row 1 prefills, row 2 decodes
+    check_step(absorbed, paged, a_cache, p_cache, padded_batch([9, 17, 1], 17), [9, 17, 1])
+    # decodes, some rows sitting out now and then
+    for step in range(12):
+        lengths = [1, 1, 1] if step % 4 else [1, 0, 1]
+        check_step(absorbed, paged, a_cache, p_cache, padded_batch(lengths, 1), lengths)
+    # past the tiny preset's original YaRN context (64) and to a page boundary for some sizes
+    check_step(absorbed, paged, a_cache, p_cache, padded_batch([3, 2, 0], 3), [3, 2, 0])
+    check_step(absorbed, paged, a_cache, p_cache, torch.randn(b, 1, TINY.hidden_size))
+    # the pages were handed out shuffled, not 0, 1, 2, ... in the order rows asked for them
+    held = [p for i in range(b) for p in p_cache.blocks_of(i)]
+    assert held != list(range(len(held)))
+
+
+def test_paged_matches_absorbed_whole_batch_prefill_then_decode():
+    absorbed, paged = pair(16)
+    a_cache, p_cache = absorbed.new_cache(2, 48), poisoned(paged, 2, 48)
+    check_step(absorbed, paged, a_cache, p_cache, torch.randn(2, 24, TINY.hidden_size))
+    for _ in range(10):
+        check_step(absorbed, paged, a_cache, p_cache, torch.randn(2, 1, TINY.hidden_size))
+
+
+def test_prefill_absorbed_option_matches_absorbed_tier():
+    absorbed, paged = pair(16, prefill="absorbed")
+    a_cache, p_cache = absorbed.new_cache(2, 40), poisoned(paged, 2, 40)
+    check_step(absorbed, paged, a_cache, p_cache, padded_batch([11, 4], 11), [11, 4])
+    check_step(absorbed, paged, a_cache, p_cache, padded_batch([1, 6], 6), [1, 6])
+
+
+def test_free_row_then_new_sequence():
+    absorbed, paged = pair(4)
+    p_cache = poisoned(paged, 2, 32, num_blocks=10)
+    with torch.no_grad():
+        paged(padded_batch([20, 12], 20), p_cache, [20, 12])  # 5 + 3 pages of 10
+        p_cache.free(0)
+        x = padded_batch([9, 0], 9)
+        out = paged(x, p_cache, [9, 0])  # row 0 starts over on recycled (stale) pages
+        a_cache = absorbed.new_cache(2, 32)
+        ref = absorbed(x, a_cache, [9, 0])
+    assert rel(out[0], ref[0]) < 1e-5 and torch.all(out[1] == 0)
+    assert p_cache.seq_lens.tolist() == [9, 12]
+
+
+# ---- the ragged entry ------------------------------------------------------------------------
+def test_ragged_entry_matches_common_call():
+    weights = mla.MLAWeights(TINY, dtype=torch.float32, seed=4)
+    paged = mla.build(weights, "paged", block_size=8, shuffle=5)
+    common, ragged = poisoned(paged, 3, 40), poisoned(paged, 3, 40)
+    with torch.no_grad():
+        for lengths in ([10, 3, 0], [1, 6, 2], [1, 1, 1], [0, 1, 4]):
+            s = max(lengths)
+            x = padded_batch(lengths, s)
+            expected = paged(x, common, lengths)
+            # the same tokens, rows in another order (2, 0, 1), two padding rows at the end
+            order = [2, 0, 1]
+            pieces = [x[i, :lengths[i]] for i in order]
+            qsl = torch.tensor([0] + [sum(lengths[i] for i in order[:k + 1]) for k in range(3)],
+                               dtype=torch.int32)
+            flat = torch.cat(pieces + [torch.randn(2, TINY.hidden_size)])
+            out = paged.forward_ragged(flat, ragged, qsl, seq_ids=torch.tensor(order))
+            assert out.shape == flat.shape and torch.all(out[-2:] == 0)
+            for k, i in enumerate(order):
+                got = out[int(qsl[k]):int(qsl[k + 1])]
+                assert torch.allclose(got, expected[i, :lengths[i]], rtol=1e-5, atol=1e-6)
+            assert ragged.seq_lens.tolist() == common.seq_lens.tolist()
+            for i in range(3):
+                assert all(torch.equal(a, b) for a, b in zip(ragged.gather(i), common.gather(i)))
+
+
+def test_ragged_entry_default_rows_and_bad_offsets():
+    absorbed, paged = pair(16)
+    cache = poisoned(paged, 2, 16)
+    with torch.no_grad():
+        out = paged.forward_ragged(torch.randn(5, TINY.hidden_size), cache, [0, 3, 5])
+    assert out.shape == (5, TINY.hidden_size) and cache.seq_lens.tolist() == [3, 2]
+    before = snapshot(cache)
+    x = torch.randn(4, TINY.hidden_size)
+    bad = [
+        (dict(query_start_loc=[1, 4]), ValueError),             # does not start at 0
+        (dict(query_start_loc=[0, 3, 2]), ValueError),          # decreasing
+        (dict(query_start_loc=[0, 2, 5]), ValueError),          # past T
+        (dict(query_start_loc=[0.0, 4.0]), TypeError),          # not integers
+        (dict(query_start_loc=[0, 1, 2, 3]), ValueError),       # 3 sequences, 2 rows
+        (dict(query_start_loc=[0, 2, 4], seq_ids=[1, 1]), ValueError),  # a row twice
+        (dict(query_start_loc=[0, 2, 4], seq_ids=[0, 2]), ValueError),  # no such row
+    ]
+    for kwargs, error in bad:
+        with pytest.raises(error):
+            paged.forward_ragged(x, cache, **kwargs)
+        assert_unchanged(cache, before)
+    with torch.no_grad():
+        paged.forward_ragged(torch.randn(13, TINY.hidden_size), cache, [0, 13])  # row 0 at 16
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        paged.forward_ragged(x, cache, [0, 1])
+    with pytest.raises(ValueError):
+        paged.forward_ragged(x[None], cache, [0, 1])
+    assert_unchanged(cache, before)
+
+
+# ---- bad input leaves the cache as it was --------------------------------------------------
+def test_bad_input_raises_and_leaves_cache_unchanged():
+    absorbed, paged = pair(4)
+    cache = poisoned(paged, 2, 24, num_blocks=9)
+    with torch.no_grad():
+        paged(padded_batch([10, 5], 10), cache, [10, 5])  # 3 + 2 of 9 pages
+    before = snapshot(cache)
+    h = TINY.hidden_size
+    cases = [
+        ((torch.randn(2, 3, h + 1), cache, None), ValueError),                  # hidden size
+        ((torch.randn(2, 3, h, dtype=torch.float64), cache, None), TypeError),  # dtype
+        ((torch.randn(2, 3, h, device="meta"), cache, None), ValueError),       # device
+        ((torch.randn(3, 3, h), cache, None), ValueError),                      # batch
+        ((torch.randn(2, 0, h), cache, None), ValueError),                      # no tokens
+        ((torch.randn(2, 3, h), cache, [4, 1]), ValueError),                    # length > s
+        ((torch.randn(2, 3, h), cache, [-1, 1]), ValueError),                   # negative
+        ((torch.randn(2, 3, h), cache, [1, 1, 1]), ValueError),                 # shape
+        ((torch.randn(2, 3, h), cache, [1.0, 1.0]), TypeError),                 # not ints
+        ((torch.randn(2, 15, h), cache, [15, 1]), ValueError),                  # > max_seq_len
+        ((torch.randn(2, 3, h), LatentCache.empty(2, 24, 32, 8, dtype=torch.float32,
+                                                   device="cpu"), None), TypeError),
+        ((torch.randn(2, 14, h), cache, [14, 11]), OutOfBlocksError),           # 4 + 2 > 4 free
+    ]
+    for (x, c, lengths), error in cases:
+        with pytest.raises(error):
+            with torch.no_grad():
+                paged(x, c, lengths)
+        assert_unchanged(cache, before)
+    # a cache of another config or dtype
+    other = PagedMLA(mla.MLAWeights(TINY.replace(kv_lora_rank=16)), block_size=4)
+    with pytest.raises(ValueError, match="c \\+ r"):
+        paged(torch.randn(2, 1, h), other.new_cache(2, 24))
+    half = PagedMLA(mla.MLAWeights(TINY, dtype=torch.float16), block_size=4)
+    with pytest.raises(ValueError, match="new_cache"):
+        paged(torch.randn(2, 1, h), half.new_cache(2, 24))
+    # the failed calls left a usable cache: the same call that ran out of blocks fits after free
+    cache.free(1)
+    with torch.no_grad():
+        paged(padded_batch([14, 11], 14), cache, [14, 11])
+    assert cache.seq_lens.tolist() == [24, 11]
+
+
+def test_layer_options_are_checked():
+    weights = mla.MLAWeights(TINY)
+    for bad in (dict(block_size=0), dict(num_blocks=0), dict(prefill="bogus"),
+                dict(num_kv_splits=0)):
+        with pytest.raises(ValueError):
+            mla.build(weights, "paged", **bad)
+    attn = mla.build(weights, "paged", block_size=16, num_blocks=5)
+    assert isinstance(attn, PagedMLA) and attn.tier == "paged"
+    assert attn.new_cache(2, 100).num_blocks == 5
+    assert attn.new_cache(2, 100, num_blocks=9).num_blocks == 9
+    assert mla.build(weights, "paged", block_size=16).new_cache(2, 100).num_blocks == 2 * 7
+
+
+# ---- on the GPU: bf16 at V2-Lite's size ---------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_gpu_bf16_v2_lite_matches_absorbed(block_size):
+    cfg = mla.MLAConfig.from_preset("deepseek-v2-lite")
+    weights = mla.MLAWeights(cfg, dtype=torch.bfloat16, device="cuda", seed=0)
+    absorbed = mla.build(weights, "absorbed")
+    paged = mla.build(weights, "paged", block_size=block_size, shuffle=3)
+    b, max_len = 4, 512
+    a_cache, p_cache = absorbed.new_cache(b, max_len), paged.new_cache(b, max_len)
+    p_cache.kv_cache.fill_(NAN)
+
+    def step(lengths, s):
+        x = torch.randn(b, s, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            ref, out = absorbed(x, a_cache, lengths), paged(x, p_cache, lengths)
+        assert torch.isfinite(out).all()
+        assert rel(out, ref) < 2e-2
+        for i, n in enumerate(lengths):
+            assert torch.all(out[i, n:] == 0)
+
+    step([300, 37, 0, 129], 300)        # prefill, a row sitting out
+    step([1, 64, 1, 20], 64)            # mixed decode and extend
+    for _ in range(10):
+        step([1, 1, 1, 1], 1)           # decode through the Triton kernel
+    assert p_cache.seq_lens.tolist() == a_cache.seq_lens.tolist()
