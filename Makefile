@@ -7,7 +7,7 @@ BIN      := $(VENV)/bin
 PIP      := $(BIN)/python -m pip install -q -c constraints.txt
 DEMO_ARGS ?=
 
-.PHONY: demo test docs docs-serve clean
+.PHONY: demo test docs docs-serve clean browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,14 +25,19 @@ $(VENV)/.installed-test: pyproject.toml constraints.txt | $(BIN)/python
 demo: $(VENV)/.installed-run
 	$(BIN)/python -m mla demo $(DEMO_ARGS)
 
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test browser
 	$(BIN)/python -m pytest -q
 
-docs: $(VENV)/.installed-test
-	$(BIN)/mkdocs build --strict
+docs: $(VENV)/.installed-test browser
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 docs-serve: $(VENV)/.installed-test
-	$(BIN)/mkdocs serve
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
+# tests/test_docs.py opens the built site in Debian's Chromium (headless); CI runs as root.
+browser:
+	@command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
+	  || echo "chromium could not be installed; tests/test_docs.py will skip"
 
 clean:
 	rm -rf $(VENV) site build *.egg-info .pytest_cache
