@@ -269,6 +269,21 @@ def test_prefill_absorbed_option_matches_absorbed_tier():
     check_step(absorbed, paged, a_cache, p_cache, padded_batch([1, 6], 6), [1, 6])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_matches_absorbed(dtype):
+    # On the CPU bf16 decodes take the kernel's torch reference (the Triton interpreter's bf16
+    # tl.dot is broken); fp16 runs the kernel in the interpreter.
+    weights = mla.MLAWeights(TINY, dtype=dtype, seed=2)
+    absorbed, paged = mla.build(weights, "absorbed"), mla.build(weights, "paged", block_size=8)
+    a_cache, p_cache = absorbed.new_cache(2, 32), paged.new_cache(2, 32)
+    p_cache.kv_cache.fill_(NAN)
+    with torch.no_grad():
+        for lengths, s in (([12, 5], 12), ([1, 1], 1), ([1, 4], 4), ([1, 1], 1)):
+            x = padded_batch(lengths, s).to(dtype)
+            ref, out = absorbed(x, a_cache, lengths), paged(x, p_cache, lengths)
+            assert out.dtype == dtype and rel(out, ref) < 2e-2
+
+
 def test_free_row_then_new_sequence():
     absorbed, paged = pair(4)
     p_cache = poisoned(paged, 2, 32, num_blocks=10)

@@ -199,7 +199,8 @@ class PagedLatentCache:
         """
         lengths = torch.as_tensor(lengths, dtype=torch.int64)
         if lengths.shape != (self.batch_size,):
-            raise ValueError(f"lengths must have shape ({self.batch_size},), got {tuple(lengths.shape)}")
+            raise ValueError(f"lengths must have shape ({self.batch_size},), "
+                             f"got {tuple(lengths.shape)}")
         j = torch.arange(s)
         real = j[None, :] < lengths[:, None]                            # (b, s)
         token_seq = torch.where(real, torch.arange(self.batch_size)[:, None], -1)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from ..absorbed import PREFILL_MODES, attend_absorbed
-from ..kernels import mla_decode
+from ..kernels import mla_decode, mla_decode_reference
 from ..layer import MLAAttention
 from ..naive import (attend_up_projected, causal_mask, latent, query_latent, query_nope,
                      query_rope)
@@ -166,7 +166,8 @@ class PagedMLA(MLAAttention):
             raise ValueError(f"x must have shape (tokens, hidden_size={cfg.hidden_size}), "
                              f"got {tuple(x.shape)}")
         if x.dtype != w.dtype:
-            raise TypeError(f"x has dtype {x.dtype} but the weights are {w.dtype}; cast one of them")
+            raise TypeError(f"x has dtype {x.dtype} but the weights are {w.dtype}; "
+                            "cast one of them")
         if x.device != w.device:
             raise ValueError(f"x is on {x.device} but the weights are on {w.device}")
         self._check_cache(cache)
@@ -275,10 +276,15 @@ class PagedMLA(MLAAttention):
         else:
             block_table = cache.block_table[rows.to(cache.device)]
         seq_lens = cache.seq_lens[rows].to(cache.device, torch.int32)
-        o_lat, _ = mla_decode(q, cache.kv_cache, block_table, seq_lens,
-                              kv_lora_rank=self.config.kv_lora_rank,
-                              softmax_scale=self.softmax_scale,
-                              num_kv_splits=self.num_kv_splits)              # (b, h, c)
+        kernel, extra = mla_decode, {}
+        if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+            # Triton's CPU interpreter computes tl.dot on bf16 wrongly (it returns garbage), so
+            # bf16 on the CPU takes the kernel's torch reference, in float32; GPUs run the kernel.
+            kernel, extra = mla_decode_reference, {"compute_dtype": torch.float32}
+        o_lat, _ = kernel(q, cache.kv_cache, block_table, seq_lens,
+                          kv_lora_rank=self.config.kv_lora_rank,
+                          softmax_scale=self.softmax_scale,
+                          num_kv_splits=self.num_kv_splits, **extra)         # (b, h, c)
         # Absorb W_UV on the way out: o_i = W^{UV}_i o_lat,i
         return torch.einsum("bhc,hvc->bhv", o_lat, w.W_UV)                  # (b, h, v)
 
