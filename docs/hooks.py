@@ -62,6 +62,9 @@ def _namespace() -> dict:
         "benchmark_section": benchmark_section,
         "cache_table": cache_table,
         "flops_table": flops_table,
+        "decode_table": decode_table,
+        "crossover_table": crossover_table,
+        "measured": measured,
         "kib": lambda n: n / 1024,
         "mib": lambda n: n / 1024**2,
     }
@@ -167,6 +170,53 @@ def flops_table(preset: str, cases=((1, 1024), (1, 4096), (1, 32768), (512, 4096
         out.append(f"| {s:,} | {t:,} | {f.up_projected / 1e9:,.3f} | {f.absorbed / 1e9:,.3f} | "
                    f"{f.absorbed / f.up_projected:,.3f} |")
     return "\n".join(out)
+
+
+def decode_table(preset: str, contexts=(1024, 4096, 32768), bytes_per_element: float = 2.0) -> str:
+    """Markdown: one decode token of one sequence over t cached tokens, one layer, bf16.
+
+    FLOPs from mla.memory.attention_flops; bytes = the cache read once, kv_b_proj's weights,
+    plus (naive only) the up-projected keys and values written and read back once.
+    """
+    from mla import memory
+    from mla.config import MLAConfig
+
+    cfg = MLAConfig.from_preset(preset)
+    h, d, r, v, c = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                     cfg.kv_lora_rank)
+    weights = h * (d + v) * c * bytes_per_element
+    out = ["| t | naive FLOPs | absorbed FLOPs | ratio | naive bytes | absorbed bytes |",
+           "|---:|---:|---:|---:|---:|---:|"]
+    for t in contexts:
+        f = memory.attention_flops(cfg, 1, t)
+        cache = t * (c + r) * bytes_per_element
+        kv = 2 * t * h * (d + v) * bytes_per_element  # K_nope and V written, then read
+        out.append(f"| {t:,} | {f.up_projected / 1e9:,.2f} G | {f.absorbed / 1e9:,.3f} G | "
+                   f"{f.up_projected / f.absorbed:,.0f}x | {_fmt_bytes(cache + weights + kv)} | "
+                   f"{_fmt_bytes(cache + weights)} |")
+    return "\n".join(out)
+
+
+def crossover_table(presets=("deepseek-v2", "deepseek-v3"), contexts=(0, 1024, 4096, 32768)) -> str:
+    """Markdown: the fewest new tokens for which up-projection needs fewer FLOPs (mla.memory)."""
+    from mla import memory
+    from mla.config import MLAConfig
+
+    out = ["| cached context | " + " | ".join(presets) + " |",
+           "|---:|" + "---:|" * len(presets)]
+    cfgs = [MLAConfig.from_preset(p) for p in presets]
+    for ctx in contexts:
+        out.append(f"| {ctx:,} | " + " | ".join(f"{memory.prefill_crossover(cfg, ctx):,}"
+                                               for cfg in cfgs) + " |")
+    return "\n".join(out)
+
+
+def measured(key: str):
+    """A ceiling from benchmarks/results/h200-decode.json, or None when not committed."""
+    path = RESULTS / "h200-decode.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get(key)
 
 
 def benchmark_section() -> str:
