@@ -9,7 +9,8 @@ What they do, in build order:
 - on_page_markdown: replaces `{{ mla: EXPR }}` or `{{ mla: EXPR | FORMAT }}` with the value of
   the Python expression EXPR, evaluated in `NAMESPACE` below (the package, its presets, the
   helpers of this file) and formatted with the format spec FORMAT (`,`, `.1%`, ...). Every number
-  a page states comes from the code this way; an expression that fails stops the build.
+  a page states comes from the code this way; an expression that fails stops the build. Written
+  with a backslash, \\{{ mla: ... }}, it is left alone (Markdown then drops the backslash).
 - on_post_page: drops the CDN scripts (MathJax 2, require.js, mermaid) that nbconvert writes
   into notebook pages; MathJax 3 from the site typesets notebooks as well.
 - on_post_build: copies MathJax 3's es5 bundle (from the django-static-mathjax wheel) into
@@ -245,13 +246,18 @@ def benchmark_section() -> str:
                 for r in rows:
                     parts.append("| " + " | ".join(_cell(r.get(c, "")) for c in cols) + " |")
                 parts.append("")
-        png = path.with_suffix(".png")
-        if png.is_file():
-            parts.append(f"![{png.name}](../{png.relative_to(ROOT)})\n")
+                parts.append("")
+    # plots: on_files puts benchmarks/results/*.png into the site; this page sits at the root
+    for png in sorted(RESULTS.glob("*.png")):
+        parts.append(f"![{png.name}]({png.relative_to(ROOT).as_posix()})\n")
     return "\n".join(parts)
 
 
 def _cell(v) -> str:
+    if isinstance(v, (dict, list)):
+        return "`" + json.dumps(v, separators=(",", ":")).replace("|", "/") + "`"
+    if v is None:
+        return "n/a"
     if isinstance(v, float):
         return f"{v:,.3g}" if abs(v) < 1000 else f"{v:,.0f}"
     return str(v)
@@ -259,7 +265,7 @@ def _cell(v) -> str:
 
 # ---- hooks ----------------------------------------------------------------------------------
 
-_PLACEHOLDER = re.compile(r"\{\{\s*mla:\s*(.+?)\s*(?:\|\s*([^}|]*?)\s*)?\}\}", re.S)
+_PLACEHOLDER = re.compile(r"(?<!\\)\{\{\s*mla:\s*(.+?)\s*(?:\|\s*([^}|]*?)\s*)?\}\}", re.S)
 _NS: dict | None = None
 
 
@@ -296,7 +302,10 @@ def on_files(files, config, **kwargs):
         src = f"tutorials/{nb.name}"
         if files.get_file_from_path(src) is None:
             files.append(File(src, str(ROOT), config["site_dir"], config["use_directory_urls"]))
-    # The MathJax bundle is copied after the build; keep mkdocs from warning about the link.
+    for png in sorted(RESULTS.glob("*.png")) if RESULTS.is_dir() else []:
+        src = png.relative_to(ROOT).as_posix()
+        if files.get_file_from_path(src) is None:
+            files.append(File(src, str(ROOT), config["site_dir"], config["use_directory_urls"]))
     return files
 
 

@@ -1,0 +1,283 @@
+"""The documentation site: it builds strictly, works offline, and reads right in a real browser.
+
+The site is built once (`mkdocs build --strict` into a temporary folder), served on 127.0.0.1
+from a thread, and every page is opened in headless Chromium (Debian's `chromium`, driven by
+playwright without any browser download of its own). Each page must load with no console error
+and no failed request; pages with math must show typeset MathJax (and no raw TeX delimiters in
+the visible text); every local link must answer 200. Screenshots of the derivation pages go to
+$MLA_DOCS_SCREENSHOTS (default /tmp/mla-docs-screenshots) for a person to look at.
+
+The browser tests skip (with the reason) only when Chromium or playwright is missing; `make test`
+installs both (the `browser` target and the docs extra).
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import urljoin, urlparse
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCREENSHOTS = Path(os.environ.get("MLA_DOCS_SCREENSHOTS", "/tmp/mla-docs-screenshots"))
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+
+pytest.importorskip("mkdocs", reason="the docs extra is not installed (pip install -e '.[docs]')")
+
+
+# ---- the site, built once --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d",
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
+    return out
+
+
+def _pages(site: Path) -> list[str]:
+    """URL paths of every page (directory URLs), home first."""
+    pages = []
+    for html in sorted(site.rglob("index.html")):
+        rel = html.parent.relative_to(site).as_posix()
+        if rel.startswith(("assets", "search")):
+            continue
+        pages.append("" if rel == "." else rel + "/")
+    return sorted(pages, key=lambda p: (p != "", p))
+
+
+class _Tags(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags: list[tuple[str, dict]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+
+def _tags(html: Path) -> list[tuple[str, dict]]:
+    parser = _Tags()
+    parser.feed(html.read_text(encoding="utf-8"))
+    return parser.tags
+
+
+# ---- checks that need no browser --------------------------------------------------------------
+
+
+def test_every_page_listed_is_built(site):
+    pages = _pages(site)
+    for expected in ("", "derivations/latent-cache/", "derivations/rope/",
+                     "derivations/absorption/", "derivations/paged-cache/",
+                     "derivations/split-kv/", "derivations/concat-and-cache/", "tiers/naive/",
+                     "tiers/absorbed/", "tiers/paged/", "benchmarks/", "faq/", "api/config/",
+                     "api/layers/", "api/kernels/"):
+        assert expected in pages, f"page {expected!r} missing from the built site"
+    assert (site / "assets" / "mathjax" / "tex-chtml.js").is_file()
+    assert (site / "assets" / "mathjax" / "output" / "chtml" / "fonts" / "woff-v2").is_dir()
+
+
+def test_no_asset_from_outside_the_site(site):
+    """Offline: no page loads a script, style, font or frame from another host."""
+    for html in site.rglob("*.html"):
+        for tag, attrs in _tags(html):
+            url = (attrs.get("src") if tag in ("script", "img", "iframe") else
+                   attrs.get("href") if tag == "link" else None)
+            if url and urlparse(url).scheme in ("http", "https") or (url or "").startswith("//"):
+                raise AssertionError(f"{html.relative_to(site)}: <{tag}> loads {url}")
+        text = html.read_text(encoding="utf-8")
+        assert "fonts.googleapis" not in text and "fonts.gstatic" not in text, html
+    for css in site.rglob("*.css"):
+        assert not re.search(r"@import\s+url\(\s*['\"]?(https?:)?//", css.read_text()), css
+
+
+def test_home_example_runs():
+    """The five-line example on the home page runs as written, for every tier."""
+    text = (ROOT / "docs" / "index.md").read_text()
+    block = re.search(r"## Swapping tiers\s+```python\n(.*?)```", text, re.S)
+    assert block, "the home page lost its example"
+    code = block.group(1)
+    for tier in ("naive", "absorbed", "paged"):
+        scope: dict = {}
+        exec(compile(code.replace('"absorbed"', f'"{tier}"'), "docs/index.md", "exec"), scope)
+        assert tuple(scope["y"].shape) == (2, 7, scope["cfg"].hidden_size)
+
+
+def test_tiers_example_runs():
+    """The tiers page's example builds all three tiers on one weights object and compares them."""
+    text = (ROOT / "docs" / "tiers" / "index.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "docs/tiers/index.md", "exec"), scope)
+    assert set(scope["outputs"]) == {"naive", "absorbed", "paged"}
+
+
+def _text(site: Path, page: str) -> str:
+    html = (site / page / "index.html").read_text(encoding="utf-8")
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", html))
+
+
+def test_numbers_on_the_pages_are_the_packages(site):
+    """The hook fills numbers from mla; recompute a few here, independently of the hook."""
+    from mla import memory
+    from mla.config import MLAConfig
+
+    v2, v3 = MLAConfig.from_preset("deepseek-v2"), MLAConfig.from_preset("deepseek-v3")
+    page = _text(site, "derivations/latent-cache")
+    assert "{{" not in page and "mla:" not in page
+    assert f"{memory.paper_kv_reduction_vs_67b(6.0):.1%}" == "93.3%"
+    assert "93.3%" in page
+    assert f"{memory.paper_kv_reduction_vs_67b(16.0):.1%}" in page
+    assert memory.mla_equivalent_gqa_groups(v2) == 2.25 and "2.25" in page
+    assert f"{memory.cache_elements_per_token(v3, 'mla'):,}" in page          # 576
+    assert f"{memory.cache_elements_per_token(v3, 'mha'):,}" in page          # 32,768
+    absorption = _text(site, "derivations/absorption")
+    assert f"{memory.prefill_crossover(v3, 4096):,}" in absorption
+    home = _text(site, "")
+    assert f"{memory.cache_elements_per_token(v3, 'mha') / memory.cache_elements_per_token(v3, 'mla'):.1f}" in home
+
+
+def test_benchmark_page_is_honest(site):
+    """Measured numbers appear only when benchmarks/results has them."""
+    page = _text(site, "benchmarks")
+    results = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
+    if not results:
+        assert "No committed results yet" in page
+        assert "not yet measured" in _text(site, "derivations/absorption").lower()
+    for path in results:
+        assert path.name in page, f"{path.name} is committed but not shown"
+        json.loads(path.read_text())
+
+
+# ---- the browser --------------------------------------------------------------------------------
+
+
+def _chromium() -> str | None:
+    for name in (os.environ.get("MLA_CHROMIUM"), "chromium", "chromium-browser"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+@pytest.fixture(scope="module")
+def server(site):
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    class Server(http.server.ThreadingHTTPServer):
+        def handle_error(self, request, client_address):
+            # the browser may drop a connection it no longer needs (a font, a prefetch)
+            if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+                super().handle_error(request, client_address)
+
+    httpd = Server(("127.0.0.1", 0), functools.partial(Quiet, directory=str(site)))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_port}/"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    executable = _chromium()
+    if executable is None:
+        pytest.skip("no chromium on this machine (make browser installs Debian's package)")
+    sync_api = pytest.importorskip("playwright.sync_api",
+                                   reason="playwright is not installed (the docs extra)")
+    profile = tmp_path_factory.mktemp("chromium-profile")  # a fresh --user-data-dir
+    with sync_api.sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            str(profile), executable_path=executable, headless=True, args=CHROMIUM_FLAGS,
+            viewport={"width": 1280, "height": 900})
+        yield context
+        context.close()
+
+
+_RAW_TEX = re.compile(r"\\\(|\\\)|\\\[|\\\]|\$\$")
+
+_VISIBLE_TEXT = """() => {
+  const root = document.querySelector('article') || document.body;
+  const clone = root.cloneNode(true);
+  clone.querySelectorAll('pre, code, mjx-container, script, style, .highlight').forEach(e => e.remove());
+  return clone.innerText;
+}"""
+
+_GLYPHS_DRAWN = """() => {
+  const c = document.querySelector('mjx-container mjx-c');
+  if (!c) return null;
+  return getComputedStyle(c, '::before').content;
+}"""
+
+
+def test_pages_in_the_browser(site, server, browser):
+    pages = _pages(site)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page = browser.new_page()
+    problems: list[str] = []
+    current = {"url": ""}
+    page.on("console", lambda m: m.type == "error" and problems.append(
+        f"{current['url']}: console error: {m.text}"))
+    page.on("pageerror", lambda e: problems.append(f"{current['url']}: page error: {e}"))
+    page.on("requestfailed", lambda r: problems.append(
+        f"{current['url']}: request failed: {r.url} ({r.failure})"))
+    page.on("response", lambda r: r.status >= 400 and problems.append(
+        f"{current['url']}: {r.status} for {r.url}"))
+    links: set[str] = set()
+    math_pages = 0
+    for path in pages:
+        url = current["url"] = urljoin(server, path)
+        page.goto(url, wait_until="load")
+        html = (site / path / "index.html").read_text(encoding="utf-8")
+        has_math = 'class="arithmatex"' in html or "jp-RenderedMarkdown" in html and "$" in html
+        page.wait_for_function("window.MathJax && MathJax.startup && MathJax.startup.promise",
+                               timeout=20000)
+        page.evaluate("MathJax.startup.promise.then(() => document.fonts.ready).then(() => 1)")
+        if has_math:
+            math_pages += 1
+            assert page.locator("mjx-container").count() > 0, f"{path}: math not typeset"
+            assert page.locator("mjx-merror").count() == 0, \
+                f"{path}: MathJax error: {page.locator('mjx-merror').first.inner_text()}"
+            glyph = page.evaluate(_GLYPHS_DRAWN)
+            assert glyph not in (None, "none", "normal"), f"{path}: MathJax drew no glyphs"
+            raw = _RAW_TEX.findall(page.evaluate(_VISIBLE_TEXT))
+            assert not raw, f"{path}: raw TeX left in the text: {raw[:5]}"
+        for href in page.eval_on_selector_all("a[href]", "els => els.map(e => e.href)"):
+            parsed = urlparse(href)
+            if href.startswith(server):
+                links.add(href.split("#", 1)[0])
+            elif parsed.scheme not in ("http", "https", "mailto", "javascript", ""):
+                problems.append(f"{path}: odd link {href}")
+        if path.startswith("derivations/") or path in ("", "tiers/absorbed/", "benchmarks/"):
+            name = (path.strip("/").replace("/", "_") or "home") + ".png"
+            page.screenshot(path=str(SCREENSHOTS / name), full_page=True)
+    page.close()
+    assert math_pages >= 5, f"only {math_pages} pages with math"
+    for link in sorted(links):
+        try:
+            with urllib.request.urlopen(link, timeout=10) as response:
+                status = response.status
+        except urllib.error.HTTPError as err:
+            status = err.code
+        if status != 200:
+            problems.append(f"broken link {link}: {status}")
+    assert not problems, "\n".join(problems)
