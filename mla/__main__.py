@@ -1,0 +1,209 @@
+"""The command line: `python -m mla demo | memory | bench ...`.
+
+    demo    a random-weight layer of a preset; ragged prompts, prefill then decode steps through
+            each tier; error against the naive tier, cache bytes per token, time per decode step
+    memory  KV cache per token and per sequence for MHA, GQA-8, MQA and MLA, and the paper's claims
+    bench   the GPU benchmarks in benchmarks/ (decode, concat, layer, prefill)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import runpy
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import memory
+from .config import PRESETS, MLAConfig
+from .layer import TIERS, build
+from .weights import MLAWeights
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+
+
+def _table(header: list[str], rows: list[list], title: str | None = None) -> str:
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
+    out = [title] if title else []
+    out += [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    return "\n".join(out)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- demo ----------------------------------------------------------------------------------
+def demo(args: argparse.Namespace) -> dict:
+    from tqdm import tqdm
+
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    config = MLAConfig.from_preset(args.preset)
+    tiers = args.tiers.split(",")
+    for tier in tiers:
+        if tier not in TIERS:
+            raise SystemExit(f"--tiers: unknown tier {tier!r}; expected some of {list(TIERS)}")
+    if "naive" not in tiers:
+        tiers = ["naive", *tiers]  # the reference every other tier is measured against
+    if args.batch < 1 or args.prompt_len < 1 or args.decode_steps < 0:
+        raise SystemExit("--batch and --prompt-len must be >= 1, --decode-steps >= 0")
+
+    weights = MLAWeights(config, dtype=dtype, device=device, seed=args.seed).requires_grad_(False)
+    layers = {tier: build(weights, tier) for tier in tiers}
+    max_len = args.prompt_len + args.decode_steps
+    caches = {tier: layer.new_cache(args.batch, max_len) for tier, layer in layers.items()}
+    gen = torch.Generator().manual_seed(args.seed)
+    # Ragged prompts: row i holds prompt_len·(1 - i/(2·batch)) tokens, right-padded.
+    lengths = torch.tensor([max(1, round(args.prompt_len * (1 - i / (2 * args.batch))))
+                            for i in range(args.batch)])
+    prompt = torch.randn(args.batch, args.prompt_len, config.hidden_size, generator=gen)
+    steps = [torch.randn(args.batch, 1, config.hidden_size, generator=gen)
+             for _ in range(args.decode_steps)]
+
+    errors = {tier: 0.0 for tier in tiers}
+    decode_time = {tier: 0.0 for tier in tiers}
+    prefill_time = {tier: 0.0 for tier in tiers}
+
+    def run(tier, x, lens):
+        _sync(device)
+        start = time.perf_counter()
+        y = layers[tier](x.to(device, dtype), caches[tier], lens)
+        _sync(device)
+        return y.float(), time.perf_counter() - start
+
+    total = len(tiers) * (1 + args.decode_steps)
+    with torch.inference_mode(), tqdm(total=total, desc="demo", disable=not args.progress,
+                                      leave=False) as bar:
+        outputs = {}
+        for tier in tiers:
+            outputs[tier], prefill_time[tier] = run(tier, prompt, lengths)
+            bar.update()
+        for tier in tiers:
+            errors[tier] = _rel(outputs[tier], outputs["naive"])
+        for x in steps:
+            step_out = {}
+            for tier in tiers:
+                step_out[tier], seconds = run(tier, x, None)
+                decode_time[tier] += seconds
+                bar.update()
+            for tier in tiers:
+                errors[tier] = max(errors[tier], _rel(step_out[tier], step_out["naive"]))
+
+    element = torch.tensor([], dtype=dtype).element_size()
+    mla_bytes = memory.cache_elements_per_token(config, "mla") * element
+    mha_bytes = memory.cache_elements_per_token(config, "mha") * element
+    rows = []
+    for tier in tiers:
+        per_step = decode_time[tier] / max(1, args.decode_steps)
+        rows.append(dict(tier=tier, max_rel_err_vs_naive=errors[tier],
+                         kv_bytes_per_token_layer=mla_bytes, mha_bytes_per_token_layer=mha_bytes,
+                         prefill_ms=prefill_time[tier] * 1e3, decode_ms_per_step=per_step * 1e3))
+    result = dict(preset=args.preset, device=str(device), dtype=str(dtype).replace("torch.", ""),
+                  batch=args.batch, prompt_lengths=lengths.tolist(),
+                  decode_steps=args.decode_steps, tiers=rows)
+
+    print(f"mla demo: {args.preset} (hidden {config.hidden_size}, {config.num_heads} heads, "
+          f"latent {config.kv_lora_rank}+{config.qk_rope_head_dim}), {result['dtype']} on "
+          f"{device}, batch {args.batch}, prompts {lengths.tolist()}, "
+          f"{args.decode_steps} decode steps")
+    print(_table(
+        ["tier", "max rel err vs naive", "KV bytes/token/layer", "MHA would cache",
+         "prefill ms", "decode ms/step"],
+        [[r["tier"], f"{r['max_rel_err_vs_naive']:.2e}", r["kv_bytes_per_token_layer"],
+          r["mha_bytes_per_token_layer"], f"{r['prefill_ms']:.1f}",
+          f"{r['decode_ms_per_step']:.2f}"] for r in rows]))
+    tolerance = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
+    agree = all(r["max_rel_err_vs_naive"] < tolerance for r in rows)
+    print(f"tiers agree with naive within {tolerance:g}: {'yes' if agree else 'NO'}")
+    result["agree"] = agree
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if not agree:
+        raise SystemExit(1)
+    return result
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ---- memory --------------------------------------------------------------------------------
+def memory_report(args: argparse.Namespace) -> None:
+    config = MLAConfig.from_preset(args.preset)
+    layers = memory.NUM_LAYERS[args.preset]
+    rows = memory.kv_cache_table(config, args.seq_len, layers)
+    mla_row = next(r for r in rows if r["scheme"] == "mla")
+    print(f"KV cache of {args.preset}: {layers} layers, {config.num_heads} heads, head dim "
+          f"{config.v_head_dim}, bf16, sequences of {args.seq_len} tokens")
+    print(_table(
+        ["scheme", "elements/token/layer", "KiB/token", "MiB/sequence", "vs MLA"],
+        [[r["scheme"], r["elements_per_token_layer"], f"{r['bytes_per_token'] / 1024:.1f}",
+          f"{r['bytes_per_sequence'] / 2**20:.1f}",
+          f"{r['bytes_per_token'] / mla_row['bytes_per_token']:.1f}x"] for r in rows]))
+    print(f"MLA caches as much as GQA with {memory.mla_equivalent_gqa_groups(config):g} groups "
+          f"(paper: 2.25 for V2)")
+    print(f"DeepSeek-V2 vs DeepSeek 67B KV cache: {memory.paper_kv_reduction_vs_67b():.1%} smaller "
+          f"with V2's cache at 6 bits an element (paper: 93.3%); "
+          f"{memory.paper_kv_reduction_vs_67b(16):.1%} with both in bf16")
+
+
+# ---- bench ---------------------------------------------------------------------------------
+BENCHES = ("decode", "concat", "layer", "prefill")
+
+
+def bench(args: argparse.Namespace, rest: list[str]) -> None:
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / f"bench_{args.which}.py"
+    if not script.is_file():
+        raise SystemExit(f"{script} not found: run from a checkout of the repository")
+    sys.argv = [str(script), *rest]
+    runpy.run_path(str(script), run_name="__main__")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mla", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="run every tier on a random layer and compare")
+    p.add_argument("--preset", default="deepseek-v2-lite", choices=sorted(PRESETS))
+    p.add_argument("--tiers", default=",".join(TIERS), help="comma-separated, e.g. naive,absorbed")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=48)
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="default float32 on the CPU, bfloat16 on a GPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the figures to this file")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+
+    p = sub.add_parser("memory", help="KV cache per token and per sequence by attention scheme")
+    p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
+    p.add_argument("--seq-len", type=int, default=32768)
+
+    p = sub.add_parser("bench", help="GPU benchmarks (benchmarks/bench_*.py); extra args pass on")
+    p.add_argument("which", choices=BENCHES)
+
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "demo":
+        demo(args)
+    elif args.command == "memory":
+        memory_report(args)
+    else:
+        bench(args, rest)
+
+
+if __name__ == "__main__":
+    main()
