@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Everything the GPU machine runs, in parts, each time-boxed, logs and JSON under $OUT.
+#   bash benchmarks/gpu_suite.sh tests concat-bench sanitize decode-bench sweep layer prefill
+# Run from the repository root with PYTHONPATH=. (the device machine has no package registry).
+set -u
+OUT=${OUT:-/tmp/mla-gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+run() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - start)) s"
+  tail -n "${TAIL:-6}" "$OUT/$name.log"
+}
+for part in "$@"; do
+  case $part in
+    info) run info 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"' ;;
+    tests) run tests 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_decode.py tests/test_kernels_concat_cache.py tests/test_paged.py -m gpu ;;
+    tests-all) run tests-all 500 python3 -m pytest -q -p no:cacheprovider tests ;;
+    concat-bench) run concat-bench 180 python3 benchmarks/bench_concat.py --out "$OUT" ;;
+    sanitize) run sanitize 240 bash -c 'compute-sanitizer --tool memcheck python3 benchmarks/sanitize_concat.py && compute-sanitizer --tool memcheck python3 benchmarks/sanitize_decode.py' ;;
+    decode-bench) run decode-bench 300 python3 benchmarks/bench_decode.py --out "$OUT" ;;
+    sweep) run sweep 330 python3 benchmarks/bench_decode.py --out "$OUT" --sweep ;;
+    layer) run layer 240 python3 benchmarks/bench_layer.py --out "$OUT" ;;
+    prefill) run prefill 240 python3 benchmarks/bench_prefill.py --out "$OUT" ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
