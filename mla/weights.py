@@ -224,6 +224,57 @@ class MLAWeights(nn.Module):
         weights.load_state_dict({k: t.to(dtype) for k, t in state.items()})
         return weights
 
+    # ---- tensor parallelism --------------------------------------------------------------
+    def shard(self, rank: int, world_size: int) -> MLAWeights:
+        """The weights of rank `rank`'s heads when `world_size` ranks split the heads evenly.
+
+        Rank k takes heads k·h/w ... (k+1)·h/w - 1 (h = num_heads, w = world_size), as the
+        system we started from does. What each rank keeps:
+
+            q_b_proj / q_proj    the output rows of its heads       (h/w·(d+r), q or hidden)
+            kv_b_proj            the output rows of its heads       (h/w·(d+v), c)
+            o_proj.weight        the input columns of its heads     (hidden, h/w·v)
+            q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm, o_proj.bias: all of it
+
+        The latent path is replicated: every rank computes (and caches) the same c + r values a
+        token. Each rank's o_proj gives a partial sum over its heads;
+        `MLAAttention.reduce_and_bias` all-reduces the partials and then adds o_proj's bias, so
+        the bias, kept whole on every shard, counts once. The softmax scale depends on d + r and
+        YaRN only, not on h.
+
+        Returns a new MLAWeights whose config has num_heads = h/w (its name notes "tp k/w");
+        its tensors are copies (same dtype and device), so changing one set of weights later
+        does not change the other.
+        """
+        cfg = self.config
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+            raise ValueError(
+                f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
+        if cfg.num_heads % world_size:
+            raise ValueError(f"num_heads={cfg.num_heads} of {cfg.name!r} does not split evenly "
+                             f"over world_size={world_size} ranks")
+        h = cfg.num_heads // world_size
+        heads = slice(rank * h, (rank + 1) * h)
+        d, r, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        name = cfg.name if world_size == 1 else f"{cfg.name} tp {rank}/{world_size}"
+        config = cfg.replace(num_heads=h, name=name)
+
+        state = dict(self.state_dict())                          # replicated unless set below
+        q_name = "q_proj.weight" if cfg.q_lora_rank is None else "q_b_proj.weight"
+        q = state[q_name]                                        # (h·(d+r), q or hidden)
+        state[q_name] = q.view(cfg.num_heads, d + r, -1)[heads].reshape(h * (d + r), -1)
+        kv_b = state["kv_b_proj.weight"]                         # (h·(d+v), c)
+        state["kv_b_proj.weight"] = kv_b.view(cfg.num_heads, d + v, -1)[heads].reshape(
+            h * (d + v), -1)
+        o = state["o_proj.weight"]                               # (hidden, h·v)
+        state["o_proj.weight"] = o.view(-1, cfg.num_heads, v)[:, heads].reshape(-1, h * v)
+
+        shard = MLAWeights(config, dtype=self.dtype, device=self.device)
+        shard.load_state_dict(state)                             # copies into the new tensors
+        return shard.requires_grad_(self.kv_b_proj.weight.requires_grad)
+
 
 def _dequantize_fp8_blocks(raw: dict[str, torch.Tensor], block: int = 128
                            ) -> dict[str, torch.Tensor]:
