@@ -98,7 +98,8 @@ def source(dotted: str) -> str:
     lines = text.splitlines()
     indent = min(len(line) - len(line.lstrip()) for line in lines if line.strip())
     body = "\n".join(line[indent:] for line in lines)
-    file = Path(inspect.getsourcefile(obj)).resolve().relative_to(ROOT)
+    file = Path(inspect.getsourcefile(obj)).resolve()
+    file = file.relative_to(ROOT) if file.is_relative_to(ROOT) else file
     return f'```python title="{file}"\n{body}\n```'
 
 
@@ -328,17 +329,27 @@ def on_page_markdown(markdown, page, config, files, **kwargs):
     return _PLACEHOLDER.sub(substitute, markdown)
 
 
-_CDN_SCRIPT = re.compile(
-    r"<script[^>]*\bsrc=\"https?://[^\"]*\"[^>]*>\s*</script>"      # any remote script
-    r"|<script type=\"text/x-mathjax-config\">.*?</script>",          # MathJax 2's config
-    re.S)
+_SCRIPT = re.compile(r"<script\b([^>]*)>(.*?)</script>", re.S)
+
+
+def _foreign_script(match: re.Match) -> str:
+    """'' for a script nbconvert adds that reaches outside the site, else the script as it was:
+    MathJax 2 from a CDN (or, with its URL blanked, `src=""`: the page itself as a script),
+    its configuration, require.js, the mermaid loader that imports from a CDN."""
+    attrs, body = match.group(1), match.group(2)
+    src = re.search(r"\bsrc=\"([^\"]*)\"", attrs)
+    if src is not None and (src.group(1) == "" or re.match(r"(https?:)?//", src.group(1))):
+        return ""
+    if "text/x-mathjax-config" in attrs or "init_mathjax" in body:
+        return ""
+    if re.search(r"https?://", body) and ("import(" in body or "mermaid" in body):
+        return ""
+    return match.group(0)
 
 
 def on_post_page(output, page, config, **kwargs):
     if page.file.src_path.endswith(".ipynb"):
-        output = _CDN_SCRIPT.sub("", output)
-        # nbconvert's MathJax 2 configuration calls init_mathjax(); MathJax 3 needs none of it
-        output = re.sub(r"<script>\s*init_mathjax\s*=.*?</script>", "", output, flags=re.S)
+        output = _SCRIPT.sub(_foreign_script, output)
     return output
 
 

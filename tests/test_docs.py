@@ -177,24 +177,33 @@ def _chromium() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def server(site):
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
+class _Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        # the browser may drop a connection it no longer needs (a font, a prefetch)
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
 
-    class Server(http.server.ThreadingHTTPServer):
-        def handle_error(self, request, client_address):
-            # the browser may drop a connection it no longer needs (a font, a prefetch)
-            if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
-                super().handle_error(request, client_address)
 
-    httpd = Server(("127.0.0.1", 0), functools.partial(Quiet, directory=str(site)))
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def _serve(directory: Path):
+    """Serve `directory` on 127.0.0.1 from a thread; yields the base URL."""
+    httpd = _Server(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(directory)))
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{httpd.server_port}/"
-    httpd.shutdown()
-    httpd.server_close()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_port}/"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def server(site):
+    yield from _serve(site)
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +236,68 @@ _GLYPHS_DRAWN = """() => {
   if (!c) return null;
   return getComputedStyle(c, '::before').content;
 }"""
+
+
+_PROBE_NOTEBOOK = {
+    "cells": [
+        {"cell_type": "markdown", "metadata": {},
+         "source": ["# 00. Probe\n", "Inline $c^{KV}_t = W^{DKV} h_t$ and display\n",
+                    "$$o_{t,i} = \\sum_j p_{t,j,i}\\, v_{j,i}$$\n"]},
+        {"cell_type": "code", "execution_count": 1, "metadata": {},
+         "outputs": [{"name": "stdout", "output_type": "stream", "text": ["576\n"]}],
+         "source": ["print(512 + 64)"]},
+    ],
+    "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python",
+                                "name": "python3"}, "language_info": {"name": "python"}},
+    "nbformat": 4, "nbformat_minor": 5,
+}
+
+
+@pytest.fixture(scope="module")
+def notebook_site(tmp_path_factory) -> Path:
+    """The site built from a copy of the tree with one probe notebook under tutorials/, so the
+    notebook path (mkdocs-jupyter, the nav entry, MathJax on $-math, no CDN) is tested before
+    the real tutorials land."""
+    tree = tmp_path_factory.mktemp("tree")
+    shutil.copy2(ROOT / "mkdocs.yml", tree / "mkdocs.yml")
+    shutil.copytree(ROOT / "docs", tree / "docs", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("mla", "csrc", "benchmarks"):
+        if (ROOT / name).exists():
+            (tree / name).symlink_to(ROOT / name)
+    (tree / "tutorials").mkdir()
+    (tree / "tutorials" / "00_probe.ipynb").write_text(json.dumps(_PROBE_NOTEBOOK))
+    out = tree / "site"
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d",
+                           str(out)], cwd=tree, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, f"build with a notebook failed:\n{proc.stdout}\n{proc.stderr}"
+    return out
+
+
+def test_notebooks_render_offline_with_math(notebook_site, browser):
+    page_dir = notebook_site / "tutorials" / "00_probe"
+    html = (page_dir / "index.html").read_text(encoding="utf-8")
+    assert 'src=""' not in html and "cdnjs" not in html, "nbconvert's CDN scripts were left in"
+    assert "00. Probe" in (notebook_site / "index.html").read_text(encoding="utf-8"), \
+        "the notebook is not in the nav"
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    base = _serve(notebook_site)
+    page.goto(urljoin(next(base), "tutorials/00_probe/"), wait_until="load")
+    page.wait_for_function("window.MathJax && MathJax.startup && MathJax.startup.promise",
+                           timeout=20000)
+    page.evaluate("MathJax.startup.promise.then(() => 1)")
+    assert page.locator(".jp-RenderedMarkdown mjx-container").count() == 2
+    assert not _RAW_TEX.findall(page.evaluate(_VISIBLE_TEXT)), "raw TeX left in the notebook"
+    assert "$" not in page.locator(".jp-RenderedMarkdown").first.inner_text()
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / "tutorials_probe.png"), full_page=True)
+    page.close()
+    base.close()
+    assert not errors, errors
 
 
 def test_pages_in_the_browser(site, server, browser):

@@ -18,7 +18,11 @@ window.MathJax = {
     tags: "none",
   },
   options: {
-    ignoreHtmlClass: ".*|",
+    // Skip every element that has a class, unless it is one of processHtmlClass; an element
+    // without a class inherits its parent's choice. So only arithmatex's spans and the rendered
+    // markdown of notebook cells (whose <p>, <li>, <h2> carry no class) are searched for math;
+    // ".*|" (which also matches the empty class) would skip the notebooks' paragraphs.
+    ignoreHtmlClass: ".+",
     processHtmlClass: "arithmatex|jp-RenderedMarkdown|jp-MarkdownOutput|jp-RenderedHTMLCommon",
   },
   chtml: {
