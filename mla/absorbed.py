@@ -115,7 +115,9 @@ class AbsorbedMLA(MLAAttention):
         visible = causal_mask(positions, t)                       # (b, s, t)
         real = padding_mask(lengths, s, x.device)                 # (b, s, 1, 1)
 
-        # Decode rows absorb; with prefill="up-project", longer rows up-project.
+        # Decode rows absorb; with prefill="up-project", longer rows up-project. Each path
+        # returns this rank's heads' share of W_O o; the shares are summed over the process
+        # group once for the whole call, whichever paths ran (every rank reaches it once).
         up_project = (lengths > 1) if self.prefill == "up-project" else torch.zeros_like(lengths,
                                                                                       dtype=bool)
         y = x.new_zeros(b, s, self.config.hidden_size)
@@ -124,7 +126,8 @@ class AbsorbedMLA(MLAAttention):
             if bool(rows.any()):
                 i = torch.nonzero(rows).flatten().to(x.device)
                 y[i] = attend(c_q[i], q_pe[i], kv_c[i], k_pe[i], visible[i], real[i])
-        return y
+        y = self.reduce_and_bias(y)                               # all-reduce, o_proj's bias
+        return torch.where(real[..., 0], y, 0.0)
 
     # --8<-- [start:absorbed_path]
     def _absorbed(self, c_q, q_pe, kv_c, k_pe, visible, real) -> torch.Tensor:
@@ -138,17 +141,14 @@ class AbsorbedMLA(MLAAttention):
         o_lat = attend_absorbed(q_lat, q_pe, kv_c, k_pe, visible, self.softmax_scale)
         o_lat = torch.where(real, o_lat, 0.0).to(c_q.dtype)       # (b, s, h, c)
         if self.precompute:
-            y = torch.einsum("bshc,hcx->bsx", o_lat, W_UV_O)        # W_UV and W_O in one
-            y = self.reduce_and_bias(y)
-        else:
-            # Absorb W_UV on the way out: o_i = W^{UV}_i o_lat,i, then eq. (47)
-            o = torch.einsum("bshc,hvc->bshv", o_lat, w.W_UV)       # (b, s, h, v)
-            y = self.output_projection(o)
-        return torch.where(real[..., 0], y, 0.0)
+            return torch.einsum("bshc,hcx->bsx", o_lat, W_UV_O)     # W_UV and W_O in one
+        # Absorb W_UV on the way out: o_i = W^{UV}_i o_lat,i, then eq. (47) (forward reduces)
+        o = torch.einsum("bshc,hvc->bshv", o_lat, w.W_UV)           # (b, s, h, v)
+        return torch.einsum("bshv,xhv->bsx", o, w.W_O)
     # --8<-- [end:absorbed_path]
 
     def _up_projected(self, c_q, q_pe, kv_c, k_pe, visible, real) -> torch.Tensor:
         o = attend_up_projected(self.weights, query_nope(self.weights, c_q), q_pe, kv_c, k_pe,
                                 visible, self.softmax_scale)
         o = torch.where(real, o, 0.0).to(c_q.dtype)
-        return torch.where(real[..., 0], self.output_projection(o), 0.0)
+        return torch.einsum("bshv,xhv->bsx", o, self.weights.W_O)  # eq. (47); forward reduces
