@@ -30,7 +30,8 @@ def main() -> int:
                 kv_c, k_pe = proj[:, :c], proj[:, c : c + r]  # row views, as in the layer
                 cache_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else dtype
                 cache = torch.zeros(num_blocks, block_size, c + r, device="cuda").to(cache_dtype)
-                slots = torch.randperm(num_blocks * block_size, device="cuda", generator=g)[:T]
+                # distinct slots: two tokens writing one slot would race (which one lands is undefined)
+                slots = torch.randperm(num_blocks * block_size - 1, device="cuda", generator=g)[:T]
                 slots[::4] = -1
                 slots[1] = num_blocks * block_size - 1
                 kw = dict(kv_cache_dtype=kv_cache_dtype,
