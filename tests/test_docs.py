@@ -47,7 +47,7 @@ pytest.importorskip("mkdocs", reason="the docs extra is not installed (pip insta
 def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d",
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d",
                            str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
@@ -268,7 +268,7 @@ def notebook_site(tmp_path_factory) -> Path:
     (tree / "tutorials" / "00_probe.ipynb").write_text(json.dumps(_PROBE_NOTEBOOK))
     out = tree / "site"
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d",
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d",
                            str(out)], cwd=tree, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, f"build with a notebook failed:\n{proc.stdout}\n{proc.stderr}"
