@@ -26,12 +26,14 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 # Set before any process group is made, in every process: the GPU machines this project runs on
 # are to be used with NVLink multicast (NVLS) off; plain NVLink and PCIe paths are unaffected.
@@ -80,8 +82,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     Returns:
         [fn's return value on rank 0, on rank 1, ...]. Keep them small and plain (numbers,
         lists, strings): they travel back through a pipe. A rank that raises makes `launch`
-        raise (`torch.multiprocessing.ProcessRaisedException`, with the rank's traceback) and the
-        other ranks are ended.
+        raise RuntimeError with that rank's traceback (the first rank to fail: the others then
+        fail in their collectives) and the other ranks are ended.
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -97,14 +99,31 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
                                               args),
                                  nprocs=world_size, join=False, start_method="spawn")
     results: dict[int, Any] = {}
+    failures: list[tuple[int, str]] = []  # in the order they happened
     while True:
         # Read results while waiting, so that a rank blocked on a full pipe still gets to exit.
-        done = context.join(timeout=0.05)  # raises if a rank failed
-        while not queue.empty():
-            rank, value = queue.get()
-            results[rank] = value
+        try:
+            done = context.join(timeout=0.05)
+        except ProcessException as err:
+            # Once one rank fails the others fail too, in their next collective; the first
+            # failure is the cause, whichever process the context noticed first.
+            _drain(queue, results, failures)
+            if not failures:
+                raise
+            rank, trace = failures[0]
+            raise RuntimeError(f"rank {rank} of {world_size} failed:\n{trace}") from err
+        _drain(queue, results, failures)
         if done:
             return [results[rank] for rank in range(world_size)]
+
+
+def _drain(queue: Any, results: dict[int, Any], failures: list[tuple[int, str]]) -> None:
+    while not queue.empty():
+        rank, ok, value = queue.get()
+        if ok:
+            results[rank] = value
+        else:
+            failures.append((rank, value))
 
 
 def _rank(rank: int, fn: Callable[..., Any], world_size: int, address: str, backend: str,
@@ -118,6 +137,8 @@ def _rank(rank: int, fn: Callable[..., Any], world_size: int, address: str, back
     try:
         value = fn(rank, world_size, dist.group.WORLD, *args)
         dist.barrier()  # no rank leaves (and tears the group down) while another still reduces
-    finally:
-        dist.destroy_process_group()
-    queue.put((rank, value))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+        raise
+    dist.destroy_process_group()
+    queue.put((rank, True, value))
