@@ -1,0 +1,83 @@
+"""RoPE and YaRN against independent formulas (plain Python math, float64)."""
+
+import math
+
+import pytest
+import torch
+
+from mla import MLAConfig
+from mla.rope import apply_rope, rope_attention_factor, rope_cos_sin, rope_inv_freq
+
+
+def yarn_theta_reference(dim, base, factor, original, beta_fast, beta_slow):
+    """YaRN's per-pair frequency, from the paper's definitions (arXiv:2309.00071, section 3.2)."""
+    def pair_of(rotations):  # the pair whose wavelength fits `rotations` times in the context
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+    low = max(math.floor(pair_of(beta_fast)), 0)
+    high = min(math.ceil(pair_of(beta_slow)), dim - 1)
+    out = []
+    for i in range(dim // 2):
+        theta = base ** (-2 * i / dim)
+        ramp = min(max((i - low) / ((high - low) or 0.001), 0.0), 1.0)  # 0 fast, 1 slow
+        out.append(theta / factor * ramp + theta * (1 - ramp))
+    return out
+
+
+def rotate_pairs_reference(x, positions, thetas, scale):
+    """Pair (x[2i], x[2i+1]) times the 2x2 rotation by m·θ_i, then the attention factor."""
+    out = torch.empty_like(x)
+    for m_idx, m in enumerate(positions):
+        for i, theta in enumerate(thetas):
+            a = m * theta
+            c, s = math.cos(a) * scale, math.sin(a) * scale
+            x0, x1 = x[m_idx, 2 * i].item(), x[m_idx, 2 * i + 1].item()
+            out[m_idx, 2 * i] = x0 * c - x1 * s
+            out[m_idx, 2 * i + 1] = x1 * c + x0 * s
+    return out
+
+
+@pytest.mark.parametrize("preset", ["tiny", "deepseek-v3", "deepseek-v2"])
+def test_inv_freq_and_rotation_match_independent_formula(preset):
+    cfg = MLAConfig.from_preset(preset)
+    y = cfg.yarn
+    thetas = yarn_theta_reference(cfg.qk_rope_head_dim, cfg.rope_theta, y["factor"],
+                                  y["original_max_position_embeddings"], y["beta_fast"],
+                                  y["beta_slow"])
+    assert torch.allclose(rope_inv_freq(cfg).double(), torch.tensor(thetas, dtype=torch.float64),
+                          rtol=1e-6, atol=0)
+    mscale = lambda m: 0.1 * m * math.log(y["factor"]) + 1  # noqa: E731
+    assert rope_attention_factor(cfg) == pytest.approx(mscale(y["mscale"]) / mscale(y["mscale_all_dim"]))
+
+    positions = [0, 1, 7, 63, 64, 200, 4095, 20000]
+    x = torch.randn(len(positions), cfg.qk_rope_head_dim, dtype=torch.float64)
+    cos, sin = rope_cos_sin(cfg, torch.tensor(positions), torch.float64)
+    got = apply_rope(x, cos, sin)
+    ref = rotate_pairs_reference(x, positions, thetas, rope_attention_factor(cfg))
+    # angles are float32 (as in the checkpoints' code): m·θ carries ~m·6e-8 rad of error
+    tol = 6e-8 * max(positions) * 4 + 1e-6
+    assert torch.allclose(got, ref, atol=tol * x.abs().max().item(), rtol=0)
+
+
+def test_no_yarn_is_plain_rope_and_pairs_are_neighbours():
+    cfg = MLAConfig.from_preset("tiny").replace(rope_scaling=None)
+    r = cfg.qk_rope_head_dim
+    assert torch.allclose(rope_inv_freq(cfg).double(),
+                          torch.tensor([10000 ** (-2 * i / r) for i in range(r // 2)],
+                                       dtype=torch.float64), rtol=1e-6)
+    # only pair 0 non-zero in, only dims 0 and 1 non-zero out (interleaved, not rotate_half)
+    x = torch.zeros(1, r, dtype=torch.float64)
+    x[0, 0] = 1.0
+    cos, sin = rope_cos_sin(cfg, torch.tensor([3]), torch.float64)
+    out = apply_rope(x, cos, sin)
+    assert torch.count_nonzero(out[0, 2:]) == 0
+    assert out[0, 1].item() == pytest.approx(math.sin(3.0), rel=1e-6)
+
+
+def test_scores_depend_on_relative_position_only():
+    cfg = MLAConfig.from_preset("tiny")
+    q, k = torch.randn(2, cfg.qk_rope_head_dim, dtype=torch.float64)
+    def score(m, n):
+        cq, sq = rope_cos_sin(cfg, torch.tensor([m]), torch.float64)
+        ck, sk = rope_cos_sin(cfg, torch.tensor([n]), torch.float64)
+        return (apply_rope(q[None], cq, sq) * apply_rope(k[None], ck, sk)).sum().item()
+    assert score(10, 3) == pytest.approx(score(107, 100), rel=1e-5)
