@@ -1,7 +1,8 @@
 """The command line: `python -m mla demo | memory | bench ...`.
 
     demo    a random-weight layer of a preset; ragged prompts, prefill then decode steps through
-            each tier; error against the naive tier, cache bytes per token, time per decode step
+            each tier; error against the naive tier, cache bytes per token, time per decode step;
+            --tp N splits the heads over N processes (mla.parallel)
     memory  KV cache per token and per sequence for MHA, GQA-8, MQA and MLA, and the paper's claims
     bench   the GPU benchmarks in benchmarks/ (decode, concat, layer, prefill)
 """
@@ -42,7 +43,11 @@ def _sync(device: torch.device) -> None:
 
 
 # ---- demo ----------------------------------------------------------------------------------
-def demo(args: argparse.Namespace) -> dict:
+def demo(args: argparse.Namespace, *, rank: int = 0, world_size: int = 1, group=None) -> dict:
+    """The demo; under `--tp` (mla.parallel) every rank runs it with its shard of the heads.
+
+    Rank 0 prints, and also runs the unsharded naive tier to measure the sharded tiers against.
+    """
     from tqdm import tqdm
 
     device = torch.device(args.device)
@@ -59,7 +64,10 @@ def demo(args: argparse.Namespace) -> dict:
         raise SystemExit("--batch and --prompt-len must be >= 1, --decode-steps >= 0")
 
     weights = MLAWeights(config, dtype=dtype, device=device, seed=args.seed).requires_grad_(False)
-    layers = {tier: build(weights, tier) for tier in tiers}
+    shard = weights if world_size == 1 else weights.shard(rank, world_size)
+    layers = {tier: build(shard, tier, process_group=group) for tier in tiers}
+    if world_size > 1 and rank == 0:
+        layers["unsharded"] = build(weights, "naive")
     max_len = args.prompt_len + args.decode_steps
     caches = {tier: layer.new_cache(args.batch, max_len) for tier, layer in layers.items()}
     gen = torch.Generator().manual_seed(args.seed)
@@ -82,14 +90,18 @@ def demo(args: argparse.Namespace) -> dict:
         return y.float(), time.perf_counter() - start
 
     total = len(tiers) * (1 + args.decode_steps)
-    with torch.inference_mode(), tqdm(total=total, desc="demo", disable=not args.progress,
-                                      leave=False) as bar:
+    tp_error = 0.0  # of the sharded tiers against the unsharded naive tier
+    with torch.inference_mode(), tqdm(total=total, desc="demo", leave=False,
+                                      disable=not args.progress or rank != 0) as bar:
         outputs = {}
         for tier in tiers:
             outputs[tier], prefill_time[tier] = run(tier, prompt, lengths)
             bar.update()
         for tier in tiers:
             errors[tier] = _rel(outputs[tier], outputs["naive"])
+        if "unsharded" in layers:
+            reference, _ = run("unsharded", prompt, lengths)
+            tp_error = max(_rel(outputs[tier], reference) for tier in tiers)
         for x in steps:
             step_out = {}
             for tier in tiers:
@@ -98,6 +110,9 @@ def demo(args: argparse.Namespace) -> dict:
                 bar.update()
             for tier in tiers:
                 errors[tier] = max(errors[tier], _rel(step_out[tier], step_out["naive"]))
+            if "unsharded" in layers:
+                reference, _ = run("unsharded", x, None)
+                tp_error = max(tp_error, *(_rel(step_out[tier], reference) for tier in tiers))
 
     element = torch.tensor([], dtype=dtype).element_size()
     mla_bytes = memory.cache_elements_per_token(config, "mla") * element
@@ -111,6 +126,10 @@ def demo(args: argparse.Namespace) -> dict:
     result = dict(preset=args.preset, device=str(device), dtype=str(dtype).replace("torch.", ""),
                   batch=args.batch, prompt_lengths=lengths.tolist(),
                   decode_steps=args.decode_steps, tiers=rows)
+    if world_size > 1:
+        result.update(tp=world_size, tp_max_rel_err_vs_unsharded_naive=tp_error)
+    if rank != 0:
+        return result
 
     print(f"mla demo: {args.preset} (hidden {config.hidden_size}, {config.num_heads} heads, "
           f"latent {config.kv_lora_rank}+{config.qk_rope_head_dim}), {result['dtype']} on "
@@ -125,11 +144,17 @@ def demo(args: argparse.Namespace) -> dict:
     tolerance = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
     agree = all(r["max_rel_err_vs_naive"] < tolerance for r in rows)
     print(f"tiers agree with naive within {tolerance:g}: {'yes' if agree else 'NO'}")
+    if world_size > 1:
+        tp_agree = tp_error < tolerance
+        print(f"tensor parallel over {world_size} ranks ({config.num_heads // world_size} heads "
+              f"a rank): max rel err of the sharded tiers vs the unsharded naive tier "
+              f"{tp_error:.2e} ({'within' if tp_agree else 'NOT within'} {tolerance:g})")
+        agree = agree and tp_agree
     result["agree"] = agree
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    if not agree:
-        raise SystemExit(1)
+    if not agree and world_size == 1:
+        raise SystemExit(1)  # under --tp the launching process exits, once
     return result
 
 
@@ -186,6 +211,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the figures to this file")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallel ranks, heads split over them (gloo on the CPU; with "
+                        "--device cuda NCCL, one GPU a rank)")
 
     p = sub.add_parser("memory", help="KV cache per token and per sequence by attention scheme")
     p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
@@ -197,7 +225,12 @@ def main(argv: list[str] | None = None) -> None:
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.command == "demo":
+    if args.command == "demo" and args.tp != 1:
+        from . import parallel
+
+        if not parallel.demo(args)["agree"]:
+            raise SystemExit(1)
+    elif args.command == "demo":
         demo(args)
     elif args.command == "memory":
         memory_report(args)

@@ -104,14 +104,14 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         # Read results while waiting, so that a rank blocked on a full pipe still gets to exit.
         try:
             done = context.join(timeout=0.05)
-        except ProcessException as err:
+        except ProcessException:
             # Once one rank fails the others fail too, in their next collective; the first
             # failure is the cause, whichever process the context noticed first.
             _drain(queue, results, failures)
             if not failures:
                 raise
             rank, trace = failures[0]
-            raise RuntimeError(f"rank {rank} of {world_size} failed:\n{trace}") from err
+            raise RuntimeError(f"rank {rank} of {world_size} failed:\n{trace}") from None
         _drain(queue, results, failures)
         if done:
             return [results[rank] for rank in range(world_size)]
@@ -142,3 +142,29 @@ def _rank(rank: int, fn: Callable[..., Any], world_size: int, address: str, back
         raise
     dist.destroy_process_group()
     queue.put((rank, True, value))
+
+
+# ---- python -m mla demo --tp N --------------------------------------------------------------
+def demo(args: Any) -> dict:
+    """`python -m mla demo --tp N`: the demo on N ranks, each with 1/N of the heads.
+
+    Every rank builds the full weights from the same seed, keeps its shard and runs the same
+    prompts and decode steps; rank 0 prints the table and the error against the unsharded naive
+    tier. Returns rank 0's figures.
+    """
+    from .config import MLAConfig
+
+    heads = MLAConfig.from_preset(args.preset).num_heads
+    if args.tp < 1 or heads % args.tp:
+        raise SystemExit(f"--tp {args.tp}: the {heads} heads of {args.preset} do not split evenly "
+                         "over that many ranks")
+    backend = "nccl" if torch.device(args.device).type == "cuda" else "gloo"
+    return launch(_demo_rank, args.tp, args, backend=backend)[0]
+
+
+def _demo_rank(rank: int, world_size: int, group: Any, args: Any) -> dict:
+    from .__main__ import demo
+
+    if torch.device(args.device).type == "cuda":
+        args.device = f"cuda:{rank}"
+    return demo(args, rank=rank, world_size=world_size, group=group)
