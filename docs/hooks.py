@@ -66,6 +66,7 @@ def _namespace() -> dict:
         "decode_table": decode_table,
         "crossover_table": crossover_table,
         "measured": measured,
+        "measured_section": measured_section,
         "kib": lambda n: n / 1024,
         "mib": lambda n: n / 1024**2,
     }
@@ -213,12 +214,46 @@ def crossover_table(presets=("deepseek-v2", "deepseek-v3"), contexts=(0, 1024, 4
     return "\n".join(out)
 
 
+def _decode_results() -> Path | None:
+    """benchmarks/results/h200-decode.json, else the newest h200-decode-vN.json (not a sweep)."""
+    if (RESULTS / "h200-decode.json").is_file():
+        return RESULTS / "h200-decode.json"
+    versions = [p for p in RESULTS.glob("h200-decode-v*.json")] if RESULTS.is_dir() else []
+    versions.sort(key=lambda p: int(re.sub(r"\D", "", p.stem.rsplit("-v", 1)[1]) or 0))
+    return versions[-1] if versions else None
+
+
 def measured(key: str):
-    """A ceiling from benchmarks/results/h200-decode.json, or None when not committed."""
-    path = RESULTS / "h200-decode.json"
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text()).get(key)
+    """A field of the committed decode results (see _decode_results), or None without them."""
+    path = _decode_results()
+    return None if path is None else json.loads(path.read_text()).get(key)
+
+
+def measured_section() -> str:
+    """The absorption page's "Measured" section: from the committed decode results, or a plain
+    statement that there are none."""
+    path = _decode_results()
+    if path is None:
+        return ("**Not yet measured.** The GPU benchmark (`python -m mla bench`) writes "
+                "`benchmarks/results/*.json`; once a result is committed, [Kernels and "
+                "benchmarks](../benchmarks.md) shows it, and this section states the measured "
+                "ceilings from it. Nothing on this page is a measured time.")
+    from mla.config import MLAConfig
+
+    data = json.loads(path.read_text())
+    v3 = MLAConfig.from_preset("deepseek-v3")
+    per_head = (2 * v3.kv_lora_rank + v3.qk_rope_head_dim) / v3.latent_dim
+    ridge = data["matmul_TFLOPs"] * 1e12 / (data["copy_GBps"] * 1e9)
+    lines = [
+        f"From `{path.relative_to(ROOT).as_posix()}` ({data.get('device', 'GPU')}), measured in "
+        f"one run: copy bandwidth {data['copy_GBps']:,.0f} GB/s, bf16 matmul "
+        f"{data['matmul_TFLOPs']:,.0f} TFLOP/s, so the ridge point is "
+        f"**{ridge:,.0f} FLOPs/byte**. Absorbed decode at 16 heads "
+        f"({16 * per_head:,.0f} FLOPs/byte) is memory bound there, at 128 heads "
+        f"({128 * per_head:,.0f}) compute bound, as the `bound` column of the decode rows on "
+        "[Kernels and benchmarks](../benchmarks.md) records. The prefill crossover has not been "
+        "timed; the FLOP count above is the only statement this page makes about it."]
+    return "\n".join(lines)
 
 
 def benchmark_section() -> str:
@@ -236,10 +271,13 @@ def benchmark_section() -> str:
         scalars = {k: v for k, v in data.items() if not isinstance(v, (list, dict))}
         if scalars:
             parts.append("| field | value |\n|---|---|")
-            parts.extend(f"| `{k}` | {v} |" for k, v in scalars.items())
+            parts.extend(f"| `{k}` | {_cell(v)} |" for k, v in scalars.items())
             parts.append("")
         for key, rows in data.items():
             if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
+                if len(rows) > 40:
+                    parts.append(f"`{key}`: {len(rows)} rows, in the file (not shown).\n")
+                    continue
                 cols = list(dict.fromkeys(c for r in rows for c in r))
                 parts.append(f"`{key}`:\n")
                 parts.append("| " + " | ".join(cols) + " |")

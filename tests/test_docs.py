@@ -165,6 +165,11 @@ def test_benchmark_page_is_honest(site):
     for path in results:
         assert path.name in page, f"{path.name} is committed but not shown"
         json.loads(path.read_text())
+    decode = [p for p in results if p.name.startswith("h200-decode") and "sweep" not in p.name]
+    if decode:
+        absorption = _text(site, "derivations/absorption")
+        assert "not yet measured" not in absorption.lower()
+        assert "ridge point" in absorption
 
 
 # ---- the browser --------------------------------------------------------------------------------
