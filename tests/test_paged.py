@@ -410,6 +410,117 @@ def test_layer_options_are_checked():
     assert mla.build(weights, "paged", block_size=16).new_cache(2, 100).num_blocks == 2 * 7
 
 
+# ---- the CUDA-graph decode entry and the prefill crossover -----------------------------------
+def _twin_caches(paged, b, max_len, lengths):
+    """Two identical poisoned caches holding the same prefill (same shuffle: same pages)."""
+    caches = [poisoned(paged, b, max_len), poisoned(paged, b, max_len)]
+    x = padded_batch(lengths, max(lengths))
+    with torch.no_grad():
+        for cache in caches:
+            paged(x, cache, lengths)
+    return caches
+
+
+@pytest.mark.parametrize("block_size,num_kv_splits", [(16, 1), (16, 3), (5, 2)])
+def test_decode_step_matches_common_call(block_size, num_kv_splits):
+    _, paged = pair(block_size)
+    b = 3
+    common, stepped = _twin_caches(paged, b, 64, [13, 16, 1])
+    for _ in range(5):                                 # crosses page boundaries for some rows
+        x = torch.randn(b, 1, TINY.hidden_size)
+        with torch.no_grad():
+            ref = paged(x, common)
+            inputs = paged.decode_inputs(stepped)
+            assert inputs["slot_mapping"].dtype == torch.int64
+            assert inputs["seq_lens_after"].dtype == torch.int32
+            out = paged.decode_step(x, stepped, num_kv_splits=num_kv_splits, **inputs)
+        assert out.shape == (b, 1, TINY.hidden_size) and torch.isfinite(out).all()
+        assert rel(out, ref) < 1e-5
+        assert stepped.seq_lens.tolist() == common.seq_lens.tolist()
+        assert torch.equal(stepped.block_table_cpu, common.block_table_cpu)
+        assert torch.equal(stepped.kv_cache.nan_to_num(7.0), common.kv_cache.nan_to_num(7.0))
+    # (b, hidden) in, (b, hidden) out; reused buffers are filled in place
+    x = torch.randn(b, TINY.hidden_size)
+    with torch.no_grad():
+        ref = paged(x[:, None], common)[:, 0]
+        buffers = {k: torch.empty_like(v) for k, v in inputs.items()}
+        assert paged.decode_inputs(stepped, out=buffers) is buffers
+        out = paged.decode_step(x, stepped, num_kv_splits=num_kv_splits, **buffers)
+    assert rel(out, ref) < 1e-5
+
+
+def test_auto_prefill_picks_by_the_crossover_and_matches_absorbed():
+    from mla.paged.layer import PREFILL_CROSSOVER
+    weights = mla.MLAWeights(TINY, dtype=torch.float32, seed=1)
+    default = mla.build(weights, "paged")
+    assert default.prefill == "auto" and default.prefill_crossover == PREFILL_CROSSOVER
+    auto = mla.build(weights, "paged", block_size=16, shuffle=7, prefill_crossover=8)
+    assert [auto.prefill_path(s, 100) for s in (2, 7, 8, 9, 500)] == \
+        ["absorbed", "absorbed", "up-project", "up-project", "up-project"]
+    assert auto.prefill_path(7, 0) == "absorbed" and auto.prefill_path(8, 0) == "up-project"
+    for forced in ("up-project", "absorbed"):
+        layer = mla.build(weights, "paged", prefill=forced, prefill_crossover=8)
+        assert {layer.prefill_path(s, 100) for s in (2, 7, 8, 500)} == {forced}
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError):
+            mla.build(weights, "paged", prefill_crossover=bad)
+
+    # which path each row took, and the numbers against the absorbed tier
+    taken = []
+    original = auto._prefill
+
+    def spy(path, *args):
+        taken.append(path)
+        return original(path, *args)
+
+    auto._prefill = spy
+    absorbed = mla.build(weights, "absorbed", prefill="absorbed")
+    a_cache, p_cache = absorbed.new_cache(2, 48), poisoned(auto, 2, 48)
+    check_step(absorbed, auto, a_cache, p_cache, padded_batch([20, 5], 20), [20, 5])
+    assert sorted(taken) == ["absorbed", "up-project"]
+    taken.clear()
+    check_step(absorbed, auto, a_cache, p_cache, padded_batch([3, 7], 7), [3, 7])
+    assert taken == ["absorbed"]
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_in_a_cuda_graph():
+    weights = mla.MLAWeights(TINY, dtype=torch.float32, device="cuda", seed=2)
+    paged = mla.build(weights, "paged", block_size=16, shuffle=5)
+    b = 4
+    common, graphed = _twin_caches_gpu(paged, b, 96, [30, 1, 17, 16])
+    static_x = torch.zeros(b, 1, TINY.hidden_size, device="cuda")
+    buffers = paged.decode_inputs(graphed)
+    with torch.no_grad():
+        ref = paged(static_x, common)                 # the first step, eagerly
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):                # warm up (Triton compiles) off-graph
+            paged.decode_step(static_x, graphed, num_kv_splits=2, **buffers)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = paged.decode_step(static_x, graphed, num_kv_splits=2, **buffers)
+        graph.replay()
+        assert rel(static_y, ref) < 1e-4
+        for _ in range(4):
+            static_x.copy_(torch.randn(b, 1, TINY.hidden_size, device="cuda"))
+            ref = paged(static_x, common)
+            paged.decode_inputs(graphed, out=buffers)
+            graph.replay()
+            assert rel(static_y, ref) < 1e-4
+    assert graphed.seq_lens.tolist() == common.seq_lens.tolist()
+
+
+def _twin_caches_gpu(paged, b, max_len, lengths):
+    caches = [paged.new_cache(b, max_len), paged.new_cache(b, max_len)]
+    x = torch.randn(b, max(lengths), TINY.hidden_size, device="cuda")
+    with torch.no_grad():
+        for cache in caches:
+            paged(x, cache, lengths)
+    return caches
+
+
 # ---- on the GPU: bf16 at V2-Lite's size ---------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, 64])

@@ -18,8 +18,18 @@ computes. One call, for the new tokens of n sequences flattened into T rows:
 Why prefill up-projects: for s new tokens over t cached ones the up-projection costs
 2·t·c·(d+v) a head once, shared by the s queries, while absorbed attention costs
 (c+r+c)/(d+r+v) = 3.4x more per score (V3 sizes; mla/absorbed.py has the derivation), so long
-chunks are cheaper up-projected and single tokens absorbed. `prefill_path` is the hook where the
-crossover belongs; today it returns the `prefill` option for every row.
+chunks are cheaper up-projected and single tokens absorbed. `prefill_path` chooses per row: with
+`prefill="auto"` (default) rows of fewer than `prefill_crossover` new tokens attend absorbed, longer
+ones up-projected; "up-project" / "absorbed" force one path.
+
+Where the crossover constant comes from: `PREFILL_CROSSOVER` below. mla.memory.prefill_crossover
+(the FLOP model) gives 168 new tokens over a 4096-token context at DeepSeek-V3 sizes;
+benchmarks/bench_prefill.py measures both paths of this layer (`_prefill`, gather included) on the
+GPU and writes the smallest s where up-projection wins (benchmarks/results/h200-prefill.json).
+
+CUDA graphs: `decode_step` is a decode entry without host syncs (device tensors in, the raw
+concat op, `mla_decode` with a fixed split count), so one decode step of a fixed batch can be
+captured and replayed; `decode_inputs` prepares its tensors outside the graph.
 """
 
 from __future__ import annotations
@@ -29,13 +39,21 @@ from collections.abc import Sequence
 import torch
 
 from ..absorbed import PREFILL_MODES, attend_absorbed
-from ..kernels import mla_decode, mla_decode_reference
+from ..kernels import concat_and_cache, mla_decode, mla_decode_reference
+from ..kernels import concat_cache as _concat_cache
 from ..layer import MLAAttention
 from ..naive import (attend_up_projected, causal_mask, latent, query_latent, query_nope,
                      query_rope)
 from ..rope import rope_cos_sin
 from ..weights import MLAWeights
 from .cache import PagedLatentCache, _ragged_index
+
+# The options of `PagedMLA(prefill=...)`: "auto" chooses per row by `prefill_crossover`.
+PAGED_PREFILL_MODES = ("auto", *PREFILL_MODES)
+
+# Rows with at least this many new tokens up-project under prefill="auto"; shorter ones absorb.
+# Source: MEASURED-OR-MODEL (see the module docstring and benchmarks/bench_prefill.py).
+PREFILL_CROSSOVER = 168
 
 
 class PagedMLA(MLAAttention):
@@ -46,10 +64,13 @@ class PagedMLA(MLAAttention):
         block_size: tokens a cache page (n), any int >= 1; 64 by default (FlashMLA's page).
         num_blocks: pages in a cache from `new_cache`; None = batch_size · ceil(max_seq_len / n),
             room for every row at full length.
-        prefill: how rows with more than one new token attend: "up-project" (default; keys and
+        prefill: how rows with more than one new token attend: "auto" (default: absorbed below
+            `prefill_crossover` new tokens, up-projected from there on), "up-project" (keys and
             values up-projected from the gathered latent, the naive dataflow) or "absorbed" (MQA
-            over the gathered latent, the absorbed tier's `attend_absorbed`). Same values as
-            `mla.absorbed.AbsorbedMLA`'s option.
+            over the gathered latent, the absorbed tier's `attend_absorbed`). The last two are
+            `mla.absorbed.AbsorbedMLA`'s option values.
+        prefill_crossover: the "auto" threshold in new tokens a row; None = PREFILL_CROSSOVER
+            (this module's measured constant).
         num_kv_splits: passed to `mla.kernels.mla_decode`; None lets it choose from the batch,
             lengths and SM count (one host sync). Fix it for CUDA-graph capture.
         shuffle: default seed of `new_cache`'s random page order (None: pages in order).
@@ -69,20 +90,28 @@ class PagedMLA(MLAAttention):
     tier = "paged"
 
     def __init__(self, weights: MLAWeights, *, block_size: int = 64, num_blocks: int | None = None,
-                 prefill: str = "up-project", num_kv_splits: int | None = None,
+                 prefill: str = "auto", prefill_crossover: int | None = None,
+                 num_kv_splits: int | None = None,
                  shuffle: int | None = None, process_group=None):
         super().__init__(weights, process_group=process_group)
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
             raise ValueError(f"num_blocks must be a positive int or None, got {num_blocks!r}")
-        if prefill not in PREFILL_MODES:
-            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
+        if prefill not in PAGED_PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {PAGED_PREFILL_MODES}, got {prefill!r}")
+        if prefill_crossover is None:
+            prefill_crossover = PREFILL_CROSSOVER
+        if (not isinstance(prefill_crossover, int) or isinstance(prefill_crossover, bool)
+                or prefill_crossover < 1):
+            raise ValueError(f"prefill_crossover must be an int >= 1 or None, got "
+                             f"{prefill_crossover!r}")
         if num_kv_splits is not None and (not isinstance(num_kv_splits, int) or num_kv_splits < 1):
             raise ValueError(f"num_kv_splits must be a positive int or None, got {num_kv_splits!r}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.prefill = prefill
+        self.prefill_crossover = prefill_crossover
         self.num_kv_splits = num_kv_splits
         self.shuffle = shuffle
 
@@ -198,10 +227,16 @@ class PagedMLA(MLAAttention):
     def prefill_path(self, new_len: int, context_len: int) -> str:
         """How a row with `new_len` > 1 new tokens over `context_len` cached ones attends.
 
-        "up-project" or "absorbed". Today: the `prefill` option for every row. This is where a
-        measured crossover (absorbed for short chunks over long contexts) goes.
+        "up-project" or "absorbed". A forced `prefill` option wins; under "auto", rows of fewer
+        than `prefill_crossover` new tokens attend absorbed (the per-score cost dominates and
+        absorption skips the up-projection of the whole context), longer rows up-project (its
+        cost is shared by the row's queries). The FLOP model's crossover moves little with the
+        context (97 tokens at 64, 168 at 4096, 171 in the limit, V3 sizes), so one threshold
+        serves every context length.
         """
-        return self.prefill
+        if self.prefill != "auto":
+            return self.prefill
+        return "absorbed" if new_len < self.prefill_crossover else "up-project"
 
     # ---- one ragged batch -------------------------------------------------------------------
     def _run(self, x: torch.Tensor, cache: PagedLatentCache, seq_ids: torch.Tensor,
@@ -288,6 +323,89 @@ class PagedMLA(MLAAttention):
         # Absorb W_UV on the way out: o_i = W^{UV}_i o_lat,i
         return torch.einsum("bhc,hvc->bhv", o_lat, w.W_UV)                  # (b, h, v)
 
+    # ---- the CUDA-graph decode entry -----------------------------------------------------------
+    def decode_inputs(self, cache: PagedLatentCache, out: dict | None = None
+                      ) -> dict[str, torch.Tensor]:
+        """Host side of one `decode_step` over every row of `cache`: one new token a row.
+
+        Allocates the rows' room for the token (all-or-nothing, as `cache.allocate`), builds
+        slot_mapping (b,) int64, positions (b,) int64 and seq_lens_after (b,) int32 on the cache's
+        device, and advances `cache.seq_lens` by one (the host's bookkeeping: the step that
+        follows writes the token). With `out` (a dict from an earlier call, e.g. a captured
+        graph's static inputs) the values are copied into its tensors, which are returned.
+        Run it outside the graph, before each replay.
+        """
+        b = cache.batch_size
+        rows, ones = torch.arange(b), torch.ones(b, dtype=torch.int64)
+        cache._check_rows(rows, ones)                                # room under max_seq_len
+        cache.allocate(rows, ones)
+        positions = cache.seq_lens.clone()                           # (b,) before the step
+        values = dict(slot_mapping=cache.slot_mapping(rows, positions),
+                      positions=positions,
+                      seq_lens_after=(positions + 1).to(torch.int32))
+        cache.seq_lens += 1
+        if out is None:
+            return {k: v.to(cache.device) for k, v in values.items()}
+        for k, v in values.items():
+            out[k].copy_(v, non_blocking=True)
+        return out
+
+    def decode_step(self, x: torch.Tensor, cache: PagedLatentCache, *,
+                    slot_mapping: torch.Tensor, positions: torch.Tensor,
+                    seq_lens_after: torch.Tensor, num_kv_splits: int,
+                    block_table: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode token for every row of `cache`, with no host sync: CUDA-graph capturable.
+
+        Args:
+            x: (b, 1, hidden) (or (b, hidden)), b = cache.batch_size, weights' dtype and device.
+            slot_mapping: (b,) int64 on the device: where each row's token is written
+                (-1 skips the write: a padding row).
+            positions: (b,) int64 on the device: each token's position (its row's seq_len
+                before the step); RoPE is computed from it on the device.
+            seq_lens_after: (b,) int32 on the device: cached tokens a row after the write (the
+                kernel attends over them; 0 = the row sits out, output zero before o_proj's bias).
+            num_kv_splits: the decode kernel's split count, fixed (the choice from seq_lens
+                would read them on the host).
+            block_table: (b, max_blocks) int32 on the device; None = cache.block_table.
+
+        Returns (b, 1, hidden) (or (b, hidden)), what the common call returns for a decode of
+        every row. Nothing is checked or read on the host, and `cache.seq_lens`, the allocator and
+        the block table are not touched: prepare the tensors with `decode_inputs` (which also
+        allocates the pages and advances seq_lens) or an engine's own buffers. The write is the
+        raw op `torch.ops.mla.concat_and_cache_mla` (no slot-range check); where the extension
+        does not load (CPU without a compiler) the torch reference writes instead, which is not
+        capturable on a GPU. The Triton kernel runs with `num_kv_splits` as given; on the CPU it
+        runs in its interpreter (bf16 there takes the kernel's torch reference, as `forward`).
+        """
+        cfg, w = self.config, self.weights
+        c = cfg.kv_lora_rank
+        squeeze = x.dim() == 2
+        x1 = (x if squeeze else x[:, 0])[None]                      # (1, b, hidden)
+        cos, sin = rope_cos_sin(cfg, positions[None], x.dtype)      # (1, b, r/2)
+        c_q = query_latent(w, x1)                                   # (1, b, q)
+        q_nope = query_nope(w, c_q)[0]                              # (b, h, d)
+        q_pe = query_rope(w, c_q, cos, sin)[0]                      # (b, h, r)
+        kv_c_normed, k_pe = latent(w, x1, cos, sin)                 # (1, b, c), (1, b, r)
+        kv_cache = cache.kv_cache
+        if _concat_cache._extension_serves(kv_cache.device):
+            torch.ops.mla.concat_and_cache_mla(kv_c_normed[0], k_pe[0], kv_cache,
+                                               slot_mapping, "auto", None)
+        else:
+            concat_and_cache(kv_c_normed[0], k_pe[0], kv_cache, slot_mapping,
+                             backend="reference")
+
+        q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w.W_UK)            # (b, h, c)
+        q = torch.cat([q_lat, q_pe], dim=-1)                           # (b, h, c + r)
+        kernel, extra = mla_decode, {}
+        if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+            kernel, extra = mla_decode_reference, {"compute_dtype": torch.float32}
+        o_lat, _ = kernel(q, kv_cache, cache.block_table if block_table is None else block_table,
+                          seq_lens_after, kv_lora_rank=c, softmax_scale=self.softmax_scale,
+                          num_kv_splits=num_kv_splits, **extra)         # (b, h, c)
+        o = torch.einsum("bhc,hvc->bhv", o_lat, w.W_UV)                # (b, h, v)
+        y = self.output_projection(o[:, None])                         # (b, 1, hidden)
+        return y[:, 0] if squeeze else y
+
     def _prefill(self, path: str, q_nope: torch.Tensor, q_pe: torch.Tensor,
                  cache: PagedLatentCache, rows: torch.Tensor, new_lens: torch.Tensor,
                  context_lens: torch.Tensor, starts: torch.Tensor
@@ -319,4 +437,5 @@ class PagedMLA(MLAAttention):
 
     def extra_repr(self) -> str:
         return (f"tier={self.tier!r}, config={self.config.name!r}, block_size={self.block_size}, "
-                f"num_blocks={self.num_blocks}, prefill={self.prefill!r}")
+                f"num_blocks={self.num_blocks}, prefill={self.prefill!r}, "
+                f"prefill_crossover={self.prefill_crossover}")
