@@ -22,10 +22,10 @@ chunks are cheaper up-projected and single tokens absorbed. `prefill_path` choos
 `prefill="auto"` (default) rows of fewer than `prefill_crossover` new tokens attend absorbed, longer
 ones up-projected; "up-project" / "absorbed" force one path.
 
-Where the crossover constant comes from: `PREFILL_CROSSOVER` below. mla.memory.prefill_crossover
-(the FLOP model) gives 168 new tokens over a 4096-token context at DeepSeek-V3 sizes;
-benchmarks/bench_prefill.py measures both paths of this layer (`_prefill`, gather included) on the
-GPU and writes the smallest s where up-projection wins (benchmarks/results/h200-prefill.json).
+Where the crossover constant comes from: `PREFILL_CROSSOVER` below, 64 new tokens, measured by
+benchmarks/bench_prefill.py on an H200 (both paths of this layer's `_prefill`, gather included,
+V3 sizes, bf16, 4096 cached tokens; benchmarks/results/h200-prefill.json). The FLOP model,
+mla.memory.prefill_crossover, gives 168 there.
 
 CUDA graphs: `decode_step` is a decode entry without host syncs (device tensors in, the raw
 concat op, `mla_decode` with a fixed split count), so one decode step of a fixed batch can be
@@ -52,8 +52,13 @@ from .cache import PagedLatentCache, _ragged_index
 PAGED_PREFILL_MODES = ("auto", *PREFILL_MODES)
 
 # Rows with at least this many new tokens up-project under prefill="auto"; shorter ones absorb.
-# Source: MEASURED-OR-MODEL (see the module docstring and benchmarks/bench_prefill.py).
-PREFILL_CROSSOVER = 168
+# Measured, not modelled: benchmarks/bench_prefill.py on one H200 (2026-12-02, bf16, DeepSeek-V3
+# sizes, 4096 cached tokens, s = 1, 2, 4, ... 4096; benchmarks/results/h200-prefill.json). One
+# sequence: absorbed is faster up to s = 32 (1.74 vs 1.95 ms), up-projection from s = 64 on
+# (2.46 vs 2.79 ms; 1.9x at s = 4096). A batch of 4: absorbed up to 64, up-projection from 128.
+# The FLOP model (mla.memory.prefill_crossover) says 168: the absorbed path's float32 scores
+# over 1088-wide rows cost more than its FLOP count says, the up-projection (one bf16 GEMM) less.
+PREFILL_CROSSOVER = 64
 
 
 class PagedMLA(MLAAttention):
@@ -230,9 +235,9 @@ class PagedMLA(MLAAttention):
         "up-project" or "absorbed". A forced `prefill` option wins; under "auto", rows of fewer
         than `prefill_crossover` new tokens attend absorbed (the per-score cost dominates and
         absorption skips the up-projection of the whole context), longer rows up-project (its
-        cost is shared by the row's queries). The FLOP model's crossover moves little with the
-        context (97 tokens at 64, 168 at 4096, 171 in the limit, V3 sizes), so one threshold
-        serves every context length.
+        cost is shared by the row's queries). `context_len` is not used: the threshold was
+        measured at 4096 cached tokens only, and the FLOP model's crossover moves little with
+        the context (97 tokens at 64, 168 at 4096, 171 in the limit, V3 sizes).
         """
         if self.prefill != "auto":
             return self.prefill
