@@ -163,7 +163,7 @@ def _check_tiers(rank, world_size, group, backend, dtype, tolerance, config_name
                     assert torch.equal(_latent_rows(caches[1], i), _latent_rows(caches[0], i))
             assert worst < tolerance, (config_name, layer_name, worst)
             out[(config_name, layer_name)] = (worst, reduces)
-    # the ragged entry of the paged tier, with padding rows at the end
+    # the paged tier's ragged entry for engines, with padding rows at the end
     full = mla.MLAWeights(TINY, dtype=dtype, device=device, seed=12)
     layers = [mla.build(w, "paged", block_size=4, process_group=g)
               for w, g in ((full, None), (full.shard(rank, world_size), group))]
@@ -176,6 +176,13 @@ def _check_tiers(rank, world_size, group, backend, dtype, tolerance, config_name
                       for layer, cache in zip(layers, caches))
         assert rel(y, ref) < tolerance
         assert torch.all(y[qsl[-1]:] == 0)
+    # and its CUDA-graph decode entry, one all-reduce a step
+    for _ in range(2):
+        x = torch.randn(3, 1, TINY.hidden_size, generator=gen).to(device, dtype)
+        with torch.no_grad():
+            ref, y = (layer.decode_step(x, cache, num_kv_splits=2, **layer.decode_inputs(cache))
+                      for layer, cache in zip(layers, caches))
+        assert rel(y, ref) < tolerance
     return out
 
 
