@@ -17,6 +17,9 @@ a few shapes, the best per shape printed, everything written to ``h200-decode-sw
 config compiles once (the compile dominates), and the sweep stops starting new configs after
 ``--budget-s`` seconds.
 
+Variants (``--variants``): the short ``VARIANTS`` list, each entry a config change at a few
+shapes with the prediction written before it ran; writes ``h200-decode-variants.json``.
+
 Importing this module touches no GPU, so ``python -c 'import benchmarks.bench_decode'`` works
 on a CPU machine.
 """
@@ -339,6 +342,103 @@ def run_sweep(out_dir, budget_s):
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# Variants: a short, targeted list (each with the prediction made before it ran)
+# ---------------------------------------------------------------------------------------------
+
+S16 = [(64, 4096, 16), (128, 8192, 16), (2, 65536, 16)]
+S128 = [(64, 4096, 128), (128, 8192, 128), (2, 65536, 128)]
+# v2 ran on the kernel with PAGE_TILE / HEAD_MAJOR / split tail and default_config then:
+# 16 heads BLOCK_N 32, 8 warps, 2 stages; 128 heads BLOCK_N 64, 8 warps, 2 stages
+# (results/h200-decode-variants-v2.json). v3 (VARIANTS) ran on the defaults of today.
+VARIANTS_V2 = [  # name, config overrides, shapes, split counts (None: the automatic one), prediction
+    ("v2-default", {}, S16 + S128, None,
+     "16 h: 64x4096 ~150 us, 128x8192 ~550, 2x65536 ~115; 128 h: 64x4096 ~380, 128x8192 ~1400, 2x65536 ~210"),
+    ("v2-splits-16h", {}, [(64, 4096, 16)], [4, 16], "8 (auto) best; 4 and 16 within 10%"),
+    ("v2-splits-16h", {}, [(128, 8192, 16)], [1, 2, 8], "4 (auto) beats 1 by >= 20%"),
+    ("v2-splits-16h", {}, [(2, 65536, 16)], [64], "128 (auto) <= 64's time"),
+    ("no-page-tile", {"PAGE_TILE": False}, [(64, 4096, 16), (2, 65536, 16), (64, 4096, 128)], None,
+     "5-10% slower than v2-default at 16 h, ~same at 128 h"),
+    ("batch-major", {"HEAD_MAJOR": False}, [(64, 4096, 128), (128, 8192, 128)], None,
+     "~same at 64x4096 (one wave), 10-20% slower at 128x8192 (L2 reuse lost)"),
+    ("16h-n32-s3", {"num_stages": 3}, [(64, 4096, 16), (2, 65536, 16)], None, "within 5% of 2 stages"),
+    ("16h-n32-s4", {"num_stages": 4}, [(64, 4096, 16), (2, 65536, 16)], None, "slower (fewer programs an SM)"),
+    ("16h-n64-s3", {"BLOCK_N": 64, "num_stages": 3}, [(64, 4096, 16), (2, 65536, 16)], None,
+     "may not fit shared memory; else ~5% faster than n32"),
+    ("16h-n16-w4-s4", {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4}, [(64, 4096, 16), (2, 65536, 16)], None,
+     "slower than n32 (more loop overhead a byte)"),
+    ("128h-n64-s3", {"num_stages": 3}, [(64, 4096, 128), (2, 65536, 128)], None,
+     "likely out of shared memory (3 x 72 KiB tiles + q)"),
+    ("128h-n128-s1", {"BLOCK_N": 128, "num_stages": 1}, [(64, 4096, 128), (2, 65536, 128)], None,
+     "slower than n64-s2 (no overlap of load and math)"),
+    ("128h-n32-s3", {"BLOCK_N": 32, "num_stages": 3}, [(64, 4096, 128), (2, 65536, 128)], None,
+     "v1 sweep: 485 us at 64x4096; with the fast paths ~10% better, still behind n64-s2"),
+]
+
+
+A16, B16, C16, D16, E16, F16 = (64, 4096, 16), (128, 8192, 16), (64, 16384, 16), (2, 65536, 16), (4, 131072, 16), (1, 32768, 16)
+VARIANTS = [  # v3, on default_config of today (16 h: BLOCK_N 64, 8 warps, 3 stages)
+    ("v3-splits-16h", {}, [A16], [4, 16], "8 (auto) best, as with n32"),
+    ("v3-splits-16h", {}, [B16], [1, 2], "4 (auto) within 5% of the best"),
+    ("v3-splits-16h", {}, [D16], [64], "128 (auto) within 5% of 64"),
+    ("16h-n32-s2", {"BLOCK_N": 32, "num_stages": 2}, [B16, C16, E16], None,
+     "v2's default: 5-20% slower than n64-s3 at the big shapes (as at 64x4096)"),
+    ("16h-n16-w4-s4", {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4}, [B16, E16, F16], None,
+     "faster than n64-s3 at small batch (as at 2x65536), slower at 128x8192"),
+    ("16h-no-split-tail", {"SPLIT_TAIL": False}, [A16, D16], None, "within 3% (the masks cost little)"),
+    ("16h-n64-w4-s3", {"num_warps": 4}, [A16, D16], None, "slower: fewer warps to issue the loads"),
+    ("16h-n64-s3-no-page-tile", {"PAGE_TILE": False}, [A16], None, "5-10% slower"),
+    ("128h-no-split-tail", {"SPLIT_TAIL": False}, [(64, 4096, 128)], None, "within 3%"),
+    ("128h-w16", {"num_warps": 16}, [(64, 4096, 128), (2, 65536, 128)], None,
+     "~same or a little faster (half the accumulator registers a thread)"),
+    ("128h-splits", {}, [(2, 65536, 128)], [32, 60], "32 ~5% faster than 30 (v1 sweep)"),
+]
+
+def run_variants(out_dir, budget_s):
+    from mla.kernels.decode import choose_num_kv_splits, default_config, mla_decode
+
+    t0 = time.time()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = sorted({shape for _, _, shs, _, _ in VARIANTS for shape in shs})
+    inputs = {}
+    rows = []
+    print(f"{'variant':<16} {'b':>4} {'t':>7} {'h':>4} {'splits':>6} {'us':>9}  config / error")
+    for name, overrides, shs, split_list, prediction in VARIANTS:
+        if time.time() - t0 > budget_s:
+            print(f"budget of {budget_s} s spent; {name} and later not run")
+            break
+        for b, t, h in shs:
+            if (b, t, h) not in inputs:
+                inputs[(b, t, h)] = make_inputs(b, t, h)
+            q, (cache,), block_table, seq_lens = inputs[(b, t, h)]
+            config = dict(default_config(h), **overrides)
+            auto = choose_num_kv_splits(b, h, t, num_sms, block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
+            for splits in split_list or [auto]:
+                row = dict(variant=name, prediction=prediction, b=b, t=t, h=h, page=PAGE,
+                           config=dict(config, num_kv_splits=splits), auto_splits=auto)
+                try:
+                    fn = lambda: mla_decode(  # noqa: E731
+                        q, cache, block_table, seq_lens, kv_lora_rank=C, softmax_scale=SCALE,
+                        num_kv_splits=splits, _config=overrides,
+                    )
+                    row["time_us"] = bench_us(fn, warmup_ms=5, rep_ms=30)
+                    msg = str(config)
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {e}"[:200]
+                    msg = row["error"][:100]
+                rows.append(row)
+                us = f"{row['time_us']:9.1f}" if "time_us" in row else f"{'error':>9}"
+                print(f"{name:<16} {b:>4} {t:>7} {h:>4} {splits:>6} {us}  {msg}", flush=True)
+                if "error" in row:
+                    break
+    write_json(
+        out_dir,
+        "h200-decode-variants.json",
+        dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
+             triton=__import__("triton").__version__, wall_s=time.time() - t0, rows=rows),
+    )
+
+
 def write_json(out_dir, name, result):
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
@@ -351,12 +451,15 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON results")
     parser.add_argument("--sweep", action="store_true", help="time a grid of kernel configs instead")
+    parser.add_argument("--variants", action="store_true", help="time the VARIANTS list instead")
     parser.add_argument("--budget-s", type=float, default=240, help="sweep: stop starting configs after this")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_decode: needs a CUDA GPU")
     torch.manual_seed(0)
-    if args.sweep:
+    if args.variants:
+        run_variants(args.out, args.budget_s)
+    elif args.sweep:
         run_sweep(args.out, args.budget_s)
     else:
         run_default(args.out)

@@ -138,6 +138,26 @@ def test_tiles_and_pages_unaligned(block_size, block_n):
     assert_matches(*out, case["seq_lens"], TOL[torch.float32])
 
 
+@pytest.mark.parametrize("page_tile", [True, False], ids=["page-tile", "per-token-pages"])
+@pytest.mark.parametrize("block_n", [16, 32, 64])
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "batch-major"])
+def test_fast_paths(page_tile, block_n, head_major):
+    # c, r powers of two (no column masks), page 64 (a multiple of every BLOCK_N: one page
+    # lookup a tile), lengths that end mid-tile, on a tile and on a page boundary
+    case = make_case([1, 31, 64, 65, 200], heads=20, c=64, r=16, block_size=64, seed=10)
+    config = {"BLOCK_N": block_n, "PAGE_TILE": page_tile, "HEAD_MAJOR": head_major}
+    for splits in (1, 3):
+        out = run_both(case, num_kv_splits=splits, _config=config)
+        assert_matches(*out, case["seq_lens"], TOL[torch.float32])
+
+
+@pytest.mark.parametrize("split_tail", [True, False], ids=["split-tail", "all-masked"])
+def test_split_tail(split_tail):
+    case = make_case([1, 31, 64, 65, 200], heads=3, c=64, r=16, block_size=64, seed=11)
+    out = run_both(case, num_kv_splits=3, _config={"BLOCK_N": 32, "SPLIT_TAIL": split_tail})
+    assert_matches(*out, case["seq_lens"], TOL[torch.float32])
+
+
 @pytest.mark.parametrize("heads, block_h", [(3, 16), (20, 16), (20, 32), (3, 64)])
 def test_padded_head_blocks(heads, block_h):
     # heads not a multiple of BLOCK_H: the last head block is part padding
@@ -196,18 +216,24 @@ def test_reference_is_dense_attention():
 
 
 def test_choose_num_kv_splits():
-    # enough programs already: no split
-    assert choose_num_kv_splits(132, 16, 100_000, 132) == 1
+    # 64-head blocks (compute bound): enough programs already, no split
     assert choose_num_kv_splits(64, 128, 100_000, 132) == 1  # 64 x 2 head blocks of 64
-    # one sequence, long: capped
-    assert choose_num_kv_splits(1, 16, 131_072, 132) == 64
-    # small batch: fill the SMs
-    s = choose_num_kv_splits(4, 16, 32_768, 132)
-    assert s == 30  # 120 programs: the first count that keeps >= 90% of 132 SMs busy
+    assert choose_num_kv_splits(256, 64, 100_000, 132) == 1
+    # 64-head blocks, small batch: the first count that keeps >= 90% of 132 SMs busy
     assert choose_num_kv_splits(1, 128, 32_768, 132) == 60  # 2 head blocks x 60 splits: 91%
-    # short sequences: every split keeps >= 4 tiles of 64 tokens
+    assert choose_num_kv_splits(4, 128, 131_072, 132) == 15  # 8 x 15 = 120 programs
+    # 16-head blocks (memory bound): about 4 programs an SM, the nearest split count
+    assert choose_num_kv_splits(64, 16, 4096, 132) == 8  # 512 programs (sweep v1's best)
+    assert choose_num_kv_splits(128, 16, 8192, 132) == 4
+    assert choose_num_kv_splits(528, 16, 100_000, 132) == 1  # already 4 an SM
+    assert choose_num_kv_splits(2000, 16, 100_000, 132) == 1
+    # one sequence, long: capped at max_splits
+    assert choose_num_kv_splits(1, 16, 131_072, 132) == 128
+    assert choose_num_kv_splits(1, 16, 131_072, 132, max_splits=64) == 64
+    # short sequences: every split keeps >= 4 tiles of 64 tokens (16 heads' BLOCK_N)
     assert choose_num_kv_splits(1, 16, 512, 132) == 2
     assert choose_num_kv_splits(1, 16, 100, 132) == 1
+    assert choose_num_kv_splits(1, 16, 512, 132, block_n=32) == 4
     assert choose_num_kv_splits(0, 16, 0, 132) == 1
 
 

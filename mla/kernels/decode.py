@@ -19,8 +19,10 @@ Goals, in the order they shape the code:
    log-sum-exp. The split count comes from batch, head blocks, length and SM count
    (``choose_num_kv_splits``). With one split, stage 1 writes the result directly.
 3. Paged cache. Token ``pos`` of sequence ``i`` lives in page ``block_table[i, pos // page]`` at
-   row ``pos % page``; it is looked up per token, so a tile of ``BLOCK_N`` tokens may span pages
-   and any page size >= 1 works. Nothing outside a sequence's pages is read: tokens past
+   row ``pos % page``. When the page size is a multiple of ``BLOCK_N`` (page 64: every default)
+   a tile lies inside one page: one block-table load a tile, a contiguous 2-D tile load
+   (``PAGE_TILE``); otherwise the page is looked up per token, so a tile may span pages and any
+   page size >= 1 works. Nothing outside a sequence's pages is read: tokens past
    ``seq_len`` and block-table entries past ``ceil(seq_len / page)`` are masked loads. Page
    offsets are int64, so caches beyond 2^31 elements work.
 4. fp32 softmax statistics and accumulators whatever the input dtype (bf16, fp16, fp32).
@@ -75,6 +77,74 @@ _CPU_NUM_SMS = 132  # an H100/H200's SM count, so CPU runs choose the splits a G
 
 
 @triton.jit
+def _mla_decode_tile(
+    q_nope, q_pe, m_i, l_i, acc,
+    kv_ptr, block_table_row, start_n, split_end,
+    kv_lora_rank, rope_dim, page_size, scale_log2,
+    stride_kvp, stride_kvn, stride_btp,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PAGE_TILE: tl.constexpr,  # page_size % BLOCK_N == 0: the tile lies inside one page
+    MASK_N: tl.constexpr,  # the split's last, partial tile: tokens past split_end are masked
+    EXACT: tl.constexpr,  # c == BLOCK_C and r == BLOCK_R: no column masks
+):
+    """One BLOCK_N-token step of the online softmax; returns the new (m_i, l_i, acc)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_n = offs_n < split_end
+    # -- where each token of the tile lives: its page (through the block table) and row
+    if PAGE_TILE:
+        # one scalar block-table load for the whole tile (start_n < split_end: a real entry),
+        # then BLOCK_N consecutive rows of that page: a contiguous (BLOCK_N, c + r) block
+        page = tl.load(block_table_row + (start_n // page_size) * stride_btp)
+        base = page.to(tl.int64) * stride_kvp + (start_n % page_size) * stride_kvn
+        kv_rows = kv_ptr + base + tl.arange(0, BLOCK_N)[:, None] * stride_kvn
+    else:
+        # a tile may span pages: one lookup per token, masked so entries past the sequence
+        # are never read
+        if MASK_N:
+            page = tl.load(block_table_row + (offs_n // page_size) * stride_btp, mask=mask_n, other=0)
+        else:
+            page = tl.load(block_table_row + (offs_n // page_size) * stride_btp)
+        row = page.to(tl.int64) * stride_kvp + (offs_n % page_size) * stride_kvn  # (BLOCK_N,)
+        kv_rows = kv_ptr + row[:, None]
+
+    # -- one load of the latent tile: the nope part is both key and value
+    if MASK_N:
+        kv_nope = tl.load(
+            kv_rows + offs_c[None, :], mask=mask_n[:, None] & (offs_c < kv_lora_rank)[None, :], other=0.0
+        )
+        kv_pe = tl.load(
+            kv_rows + kv_lora_rank + offs_r[None, :],
+            mask=mask_n[:, None] & (offs_r < rope_dim)[None, :],
+            other=0.0,
+        )
+    elif EXACT:
+        kv_nope = tl.load(kv_rows + offs_c[None, :])
+        kv_pe = tl.load(kv_rows + kv_lora_rank + offs_r[None, :])
+    else:
+        kv_nope = tl.load(kv_rows + offs_c[None, :], mask=(offs_c < kv_lora_rank)[None, :], other=0.0)
+        kv_pe = tl.load(kv_rows + kv_lora_rank + offs_r[None, :], mask=(offs_r < rope_dim)[None, :], other=0.0)
+
+    # -- scores, (BLOCK_H, BLOCK_N), in log2 units; tokens past the split are -inf
+    s = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PRECISION)
+    s = tl.dot(q_pe, tl.trans(kv_pe), s, input_precision=DOT_PRECISION)
+    if MASK_N:
+        s = tl.where(mask_n[None, :], s * scale_log2, float("-inf"))
+    else:
+        s = s * scale_log2
+
+    # -- online softmax update; every tile holds >= 1 real token, so m_new is finite
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _mla_decode_split_kernel(
     # pointers
     q_ptr,  # (b, h, c + r)
@@ -103,16 +173,27 @@ def _mla_decode_split_kernel(
     BLOCK_C: tl.constexpr,  # next_power_of_2(c)
     BLOCK_R: tl.constexpr,  # next_power_of_2(r), at least 16 (tl.dot's smallest K)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32 rounding), else "tf32"
+    PAGE_TILE: tl.constexpr,  # page_size % BLOCK_N == 0: one block-table load a tile
+    EXACT: tl.constexpr,  # c == BLOCK_C and r == BLOCK_R
+    HEAD_MAJOR: tl.constexpr,  # grid (head blocks, b, splits) rather than (b, head blocks, splits)
+    SPLIT_TAIL: tl.constexpr,  # whole tiles unmasked, then the partial one; else every tile masked
 ):
-    pid_b = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    # head blocks vary fastest (HEAD_MAJOR), so the programs that share a sequence's cache run
+    # side by side and the second head block finds the tiles in L2
+    if HEAD_MAJOR:
+        pid_h = tl.program_id(0)
+        pid_b = tl.program_id(1)
+    else:
+        pid_b = tl.program_id(0)
+        pid_h = tl.program_id(1)
     pid_s = tl.program_id(2)
 
     # ---- this split's token range: whole BLOCK_N tiles, the last split may be short or empty
     seq_len = tl.load(seq_lens_ptr + pid_b * stride_slb)
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
     split_start = pid_s * tiles_per_split * BLOCK_N
-    split_end = tl.minimum(split_start + tiles_per_split * BLOCK_N, seq_len)
+    split_end = tl.maximum(tl.minimum(split_start + tiles_per_split * BLOCK_N, seq_len), split_start)
+    full_end = split_start + ((split_end - split_start) // BLOCK_N) * BLOCK_N  # end of whole tiles
 
     # ---- the query of BLOCK_H heads, as its nope (latent) part and its rope part
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -127,40 +208,31 @@ def _mla_decode_split_kernel(
         q_rows + kv_lora_rank + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0
     )
 
-    # ---- online softmax over the split, fp32 statistics
+    # ---- online softmax over the split, fp32 statistics: whole tiles unmasked, then the tail
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)  # running sum of p * value
     block_table_row = block_table_ptr + pid_b.to(tl.int64) * stride_btb
-    for start_n in range(split_start, split_end, BLOCK_N):
-        # -- where each token of the tile lives: its page (through the block table) and row;
-        #    the block-table load is masked too, so entries past the sequence are never read
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < split_end
-        page = tl.load(block_table_row + (offs_n // page_size) * stride_btp, mask=mask_n, other=0)
-        row = page.to(tl.int64) * stride_kvp + (offs_n % page_size) * stride_kvn  # (BLOCK_N,)
-
-        # -- one load of the latent tile: the nope part is both key and value
-        kv_rows = kv_ptr + row[:, None]
-        kv_nope = tl.load(kv_rows + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0)
-        kv_pe = tl.load(
-            kv_rows + kv_lora_rank + offs_r[None, :],
-            mask=mask_n[:, None] & mask_r[None, :],
-            other=0.0,
-        )
-
-        # -- scores, (BLOCK_H, BLOCK_N), in log2 units; tokens past the split are -inf
-        s = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PRECISION)
-        s = tl.dot(q_pe, tl.trans(kv_pe), s, input_precision=DOT_PRECISION)
-        s = tl.where(mask_n[None, :], s * scale_log2, float("-inf"))
-
-        # -- online softmax update; every tile holds >= 1 real token, so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+    if SPLIT_TAIL:
+        for start_n in range(split_start, full_end, BLOCK_N):
+            m_i, l_i, acc = _mla_decode_tile(
+                q_nope, q_pe, m_i, l_i, acc, kv_ptr, block_table_row, start_n, split_end,
+                kv_lora_rank, rope_dim, page_size, scale_log2, stride_kvp, stride_kvn, stride_btp,
+                BLOCK_N, BLOCK_C, BLOCK_R, DOT_PRECISION, PAGE_TILE, False, EXACT,
+            )
+        if full_end < split_end:
+            m_i, l_i, acc = _mla_decode_tile(
+                q_nope, q_pe, m_i, l_i, acc, kv_ptr, block_table_row, full_end, split_end,
+                kv_lora_rank, rope_dim, page_size, scale_log2, stride_kvp, stride_kvn, stride_btp,
+                BLOCK_N, BLOCK_C, BLOCK_R, DOT_PRECISION, PAGE_TILE, True, EXACT,
+            )
+    else:
+        for start_n in range(split_start, split_end, BLOCK_N):
+            m_i, l_i, acc = _mla_decode_tile(
+                q_nope, q_pe, m_i, l_i, acc, kv_ptr, block_table_row, start_n, split_end,
+                kv_lora_rank, rope_dim, page_size, scale_log2, stride_kvp, stride_kvn, stride_btp,
+                BLOCK_N, BLOCK_C, BLOCK_R, DOT_PRECISION, PAGE_TILE, True, EXACT,
+            )
 
     # ---- normalise and write; an empty split (l = 0) writes zeros and lse = -inf
     nonempty = l_i > 0.0
@@ -243,12 +315,42 @@ def default_config(num_heads: int) -> dict:
     ``BLOCK_H``: heads a program, the power of two >= ``num_heads`` between 16 (``tl.dot``'s
     smallest M) and 64 (beyond that the (BLOCK_H, c) fp32 accumulator no longer fits in
     registers at c = 512). ``BLOCK_N``: tokens a step. ``num_warps``, ``num_stages``: as in
-    ``triton.Config``. ``benchmarks/bench_decode.py --sweep`` measures the alternatives.
+    ``triton.Config``. ``PAGE_TILE``: when the page size is a multiple of ``BLOCK_N``, look the
+    page up once a tile (one scalar load) instead of once a token. ``HEAD_MAJOR``: head blocks
+    are the grid's fastest dimension, so the head blocks of one sequence run at the same time
+    and share its tiles through L2. ``SPLIT_TAIL``: whole tiles run without token masks, the
+    split's partial last tile separately. Chosen from the H200 runs (``benchmarks/NOTES.md``):
+    16-head blocks ``BLOCK_N 64, 8 warps, 3 stages``; 64-head blocks ``BLOCK_N 64, 8 warps,
+    2 stages``; 32-head blocks (not measured) ``BLOCK_N 32, 8 warps, 2 stages``. For caches of
+    more than 2 bytes a value ``mla_decode`` lowers stages and tile to fit shared memory.
     """
     block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
     if block_h >= 64:
-        return {"BLOCK_H": block_h, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
-    return {"BLOCK_H": block_h, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+        tile = {"BLOCK_H": block_h, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+    elif block_h == 16:
+        tile = {"BLOCK_H": block_h, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    else:
+        tile = {"BLOCK_H": block_h, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    return dict(tile, PAGE_TILE=True, HEAD_MAJOR=True, SPLIT_TAIL=True)
+
+
+_SHARED_MEMORY_BUDGET = 227 * 1024  # an H100/H200 block's most (3 x 64 x 576 bf16 tiles, 216 KiB, ran)
+
+
+def _fit_shared_memory(config: dict, block_c: int, block_r: int, element_size: int) -> dict:
+    """Fewer stages, then smaller tiles, until num_stages cache tiles fit the budget.
+
+    Only the defaults are fitted (a ``_config`` override is taken as given): the defaults are
+    tuned for 2-byte caches at c + r = 576, and fp32 or wider rows would not fit.
+    """
+    config = dict(config)
+    tile_bytes = lambda cfg: cfg["num_stages"] * cfg["BLOCK_N"] * (block_c + block_r) * element_size  # noqa: E731
+    while tile_bytes(config) > _SHARED_MEMORY_BUDGET and (config["num_stages"] > 2 or config["BLOCK_N"] > 16):
+        if config["num_stages"] > 2:
+            config["num_stages"] -= 1
+        else:
+            config["BLOCK_N"] //= 2
+    return config
 
 
 def choose_num_kv_splits(
@@ -260,15 +362,24 @@ def choose_num_kv_splits(
     block_h: int | None = None,
     block_n: int | None = None,
     min_tiles_per_split: int = 4,
-    max_splits: int = 64,
+    max_splits: int = 128,
+    programs_per_sm: int | None = None,
 ) -> int:
     """How many pieces to cut each sequence into so that stage 1 fills the GPU.
 
-    Stage 1 runs ``P = batch * ceil(heads / block_h)`` programs per split. If ``P`` already
-    covers ``num_sms`` the answer is 1 (no merge, no workspace). Otherwise it is the smallest
-    split count ``s`` whose ``P * s`` programs keep >= 90% of the SMs busy over all their waves
-    (``P*s / (ceil(P*s / num_sms) * num_sms)``; e.g. P = 4 on 132 SMs gives 30), or the best such
-    use if none reaches 90%, among counts that leave every split ``min_tiles_per_split`` tiles of
+    Stage 1 runs ``P = batch * ceil(heads / block_h)`` programs per split.
+
+    - Small head blocks (``block_h < 64``, the memory-bound case: a program's tile is small and
+      several programs share an SM, each with its loads in flight) aim for
+      ``programs_per_sm`` (4) x ``num_sms`` programs: the split count nearest to that, at
+      least 1. On an H200 (64, 4096, 16) ran 156 us at 8 splits (512 programs)
+      and 169-201 us at 2 (128 programs).
+    - Big head blocks (``block_h = 64``, compute bound, one program an SM): 1 if ``P`` covers
+      ``num_sms``; otherwise the smallest split count ``s`` whose ``P * s`` programs keep >= 90%
+      of the SMs busy over all their waves (``P*s / (ceil(P*s / num_sms) * num_sms)``; e.g.
+      P = 2 on 132 SMs gives 60), or the best such use if none reaches 90%.
+
+    Either way among counts that leave every split ``min_tiles_per_split`` tiles of
     ``block_n`` tokens of the longest sequence (shorter splits spend their time starting up and
     writing partials) and no more than ``max_splits`` (the merge reads every split).
 
@@ -279,6 +390,7 @@ def choose_num_kv_splits(
         num_sms: the device's streaming multiprocessors
             (``torch.cuda.get_device_properties(d).multi_processor_count``).
         block_h, block_n: the stage-1 tile; ``default_config(heads)``'s when None.
+        programs_per_sm: the small-head-block target; None: 4.
     Returns:
         An int in ``[1, max_splits]``.
     """
@@ -286,9 +398,14 @@ def choose_num_kv_splits(
     block_h = config["BLOCK_H"] if block_h is None else block_h
     block_n = config["BLOCK_N"] if block_n is None else block_n
     programs = batch * triton.cdiv(heads, block_h)
-    if programs <= 0 or programs >= num_sms:
+    if programs <= 0:
         return 1
     most = max(1, min(max_splits, max_seq_len // (min_tiles_per_split * block_n)))
+    if block_h < 64:
+        target = (4 if programs_per_sm is None else programs_per_sm) * num_sms
+        return max(1, min(most, (target + programs // 2) // programs))  # nearest count
+    if programs >= num_sms:
+        return 1
     best, best_use = 1, 0.0
     for splits in range(1, most + 1):
         total = programs * splits
@@ -419,7 +536,7 @@ def mla_decode(
             Give it to launch without a host sync (e.g. inside a CUDA graph); seq_lens' values
             are then trusted on a GPU (still checked on the CPU, where that costs nothing).
         _config: private tuning hook for benchmarks: any of ``BLOCK_H``, ``BLOCK_N``,
-            ``num_warps``, ``num_stages`` (see ``default_config``).
+            ``num_warps``, ``num_stages``, ``PAGE_TILE``, ``HEAD_MAJOR``, ``SPLIT_TAIL`` (see ``default_config``).
 
     Returns:
         out: (b, h, c) in q's dtype, ``softmax(scores) @ value``.
@@ -434,7 +551,9 @@ def mla_decode(
             "mla_decode: q is on the CPU, which Triton runs only in its interpreter; set "
             "TRITON_INTERPRET=1 before triton is imported (mla.kernels does so when no GPU is visible)"
         )
-    config = default_config(h)
+    config = _fit_shared_memory(
+        default_config(h), max(16, triton.next_power_of_2(c)), max(16, triton.next_power_of_2(r)), q.element_size()
+    )
     if _config:
         unknown = set(_config) - set(config)
         if unknown:
@@ -464,7 +583,9 @@ def mla_decode(
         part_lse_strides = part_lse.stride()
 
     block_h = config["BLOCK_H"]
-    grid = (b, triton.cdiv(h, block_h), num_kv_splits)
+    block_c, block_r = max(16, triton.next_power_of_2(c)), max(16, triton.next_power_of_2(r))
+    head_major = bool(config["HEAD_MAJOR"])
+    grid = (triton.cdiv(h, block_h), b, num_kv_splits) if head_major else (b, triton.cdiv(h, block_h), num_kv_splits)
     _mla_decode_split_kernel[grid](
         q, kv_cache, block_table, seq_lens, part_out, part_lse,
         h, c, r, block_size, num_kv_splits, float(softmax_scale) * _LOG2E,
@@ -476,9 +597,13 @@ def mla_decode(
         *part_lse_strides,
         BLOCK_H=block_h,
         BLOCK_N=config["BLOCK_N"],
-        BLOCK_C=max(16, triton.next_power_of_2(c)),
-        BLOCK_R=max(16, triton.next_power_of_2(r)),
+        BLOCK_C=block_c,
+        BLOCK_R=block_r,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PAGE_TILE=bool(config["PAGE_TILE"]) and block_size % config["BLOCK_N"] == 0,
+        EXACT=(block_c == c and block_r == r),
+        HEAD_MAJOR=head_major,
+        SPLIT_TAIL=bool(config["SPLIT_TAIL"]),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
