@@ -1,0 +1,392 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 4. Memory and speed
+#
+# What MLA is for: a KV cache small enough that long contexts and big batches fit, and a decode
+# step that reads little. The first half of this notebook is arithmetic from `mla.memory`: cache
+# sizes per token and per sequence for MHA, GQA, MQA and MLA at DeepSeek-V2/V3 sizes. The second
+# half plots the GPU measurements committed under `benchmarks/results/` (whatever is there when
+# the notebook runs) and says how to produce them again.
+
+# %%
+import copy
+import json
+import time
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+
+import mla
+from mla import memory
+
+SCHEMES = ("mha", "gqa-8", "mqa", "mla", "mla-expanded")
+LABELS = {"mha": "MHA", "gqa-8": "GQA, 8 groups", "mqa": "MQA", "mla": "MLA (latent)",
+          "mla-expanded": "MLA, cached after kv_b_proj"}
+
+# %% [markdown]
+# ## KV cache per token
+#
+# Elements a layer caches per token (DeepSeek-V2 paper, table 1), at each preset's head count $h$
+# and head width $d_h = 128$:
+#
+# $$ \text{MHA } 2 h d_h, \quad \text{GQA } 2 n_g d_h, \quad \text{MQA } 2 d_h, \quad
+#    \text{MLA } c + r = \tfrac{9}{2} d_h. $$
+#
+# "MLA, cached after kv_b_proj" is what an implementation that caches the up-projected keys and
+# values would hold, $h(d + r + v)$: MLA's weights do not make a cache small, caching the latent
+# does. Bytes are bf16, summed over the model's layers (`mla.memory.NUM_LAYERS`).
+
+# %%
+def kib(x):
+    return f"{x / 1024:,.1f}"
+
+for preset in ("deepseek-v2", "deepseek-v3", "deepseek-v2-lite"):
+    cfg = mla.MLAConfig.from_preset(preset)
+    layers = memory.NUM_LAYERS[preset]
+    rows = memory.kv_cache_table(cfg, seq_len=32768, num_layers=layers, schemes=SCHEMES)
+    mla_bytes = next(row["bytes_per_token"] for row in rows if row["scheme"] == "mla")
+    print(f"{preset}: {layers} layers, h = {cfg.num_heads}, bf16")
+    print(f"  {'scheme':30s} {'elem/token/layer':>16s} {'KiB/token':>10s} {'GiB @ 32k':>10s} "
+          f"{'vs MLA':>7s}")
+    for row in rows:
+        print(f"  {LABELS[row['scheme']]:30s} {row['elements_per_token_layer']:>16,d} "
+              f"{kib(row['bytes_per_token']):>10s} {row['bytes_per_sequence'] / 2**30:>10.2f} "
+              f"{row['bytes_per_token'] / mla_bytes:>6.1f}x")
+    print()
+
+v2 = mla.MLAConfig.from_preset("deepseek-v2")
+print(f"MLA caches as much as GQA with {memory.mla_equivalent_gqa_groups(v2):g} groups "
+      "(the paper: 2.25)")
+print(f"DeepSeek-V2 vs DeepSeek 67B: {memory.paper_kv_reduction_vs_67b():.1%} less KV cache with "
+      f"V2's cache at ~6 bits an element (the paper's 93.3%), "
+      f"{memory.paper_kv_reduction_vs_67b(16):.1%} with both in bf16")
+
+# %% [markdown]
+# ## KV cache per sequence, across context lengths
+#
+# The cache of one sequence grows linearly with its length; the slope is the per-token figure
+# above. The dashed line is the memory of one H200 (141 GB) for scale: at DeepSeek-V3 sizes one
+# 128k-token MHA sequence would not fit on it, while MLA's cache of the same sequence is ~9 GB.
+
+# %%
+contexts = [2 ** k for k in range(10, 18)]                          # 1k ... 128k tokens
+fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+for ax, preset in zip(axes, ("deepseek-v2", "deepseek-v3")):
+    cfg, layers = mla.MLAConfig.from_preset(preset), memory.NUM_LAYERS[preset]
+    for scheme in SCHEMES:
+        gb = [memory.kv_cache_table(cfg, t, layers, schemes=(scheme,))[0]["bytes_per_sequence"] / 1e9
+              for t in contexts]
+        ax.plot(contexts, gb, "o-", ms=3, label=LABELS[scheme])
+    ax.axhline(141, color="grey", ls="--", lw=0.8)
+    ax.text(contexts[0], 160, "one H200 (141 GB)", fontsize=8, color="grey")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens in the sequence")
+    ax.set_title(f"{preset}: {layers} layers, bf16")
+axes[0].set_ylabel("KV cache of one sequence (GB)")
+axes[1].legend(fontsize=8)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Or turned around: how many tokens of cache fit in a budget, say 100 GB left for the cache after
+# the weights (the weights of a 671B-parameter model span many GPUs; the point is the ratio).
+
+# %%
+v3 = mla.MLAConfig.from_preset("deepseek-v3")
+for row in memory.kv_cache_table(v3, 1, memory.NUM_LAYERS["deepseek-v3"], schemes=SCHEMES):
+    print(f"{LABELS[row['scheme']]:30s} {100e9 / row['bytes_per_token']:>12,.0f} tokens in 100 GB")
+
+# %% [markdown]
+# ## What a decode step costs, on this machine
+#
+# A decode step of the naive tier up-projects the whole cached latent; the absorbed tier reads
+# it once (notebook 2 counts the FLOPs). A CPU is not the target, but the difference in how the
+# two grow with the context shows anywhere. One sequence at DeepSeek-V2-Lite sizes (16 heads,
+# float32, random weights); the cache is filled with random latents (what they hold does not
+# change the time), then one decode step is timed on a fresh copy of it, median of three.
+
+# %%
+torch.manual_seed(0)
+lite = mla.MLAConfig.from_preset("deepseek-v2-lite")
+weights = mla.MLAWeights(lite, dtype=torch.float32).requires_grad_(False)
+tiers = {tier: mla.build(weights, tier) for tier in ("naive", "absorbed")}
+step = torch.randn(1, 1, lite.hidden_size)
+
+def decode_ms(attn, context, repeats=3):
+    filled = attn.new_cache(1, context + 1)
+    filled.kv_c[:, :context] = torch.randn(1, context, lite.kv_lora_rank)
+    filled.k_pe[:, :context] = torch.randn(1, context, lite.qk_rope_head_dim)
+    filled.seq_lens[:] = context
+    runs = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            cache = copy.deepcopy(filled)
+            start = time.perf_counter()
+            attn(step, cache)
+            runs.append(time.perf_counter() - start)
+    return 1e3 * sorted(runs)[repeats // 2]
+
+print(f"torch threads: {torch.get_num_threads()}")
+print(f"{'context':>8s} {'naive ms':>9s} {'absorbed ms':>12s} {'speed-up':>9s} {'FLOPs ratio':>12s}")
+for context in (256, 1024, 4096, 16384):
+    naive_ms, absorbed_ms = (decode_ms(tiers[t_], context) for t_ in ("naive", "absorbed"))
+    flops = memory.attention_flops(lite, 1, context + 1)
+    print(f"{context:>8d} {naive_ms:>9.1f} {absorbed_ms:>12.1f} {naive_ms / absorbed_ms:>8.1f}x "
+          f"{flops.up_projected / flops.absorbed:>11.0f}x")
+
+# %% [markdown]
+# The absorbed step grows far more slowly with the context than the naive one, which
+# up-projects every cached token again at every step (timings on a shared CPU are noisy; the
+# trend is what to read). The measured speed-up stays below the attention-FLOPs
+# ratio because both tiers also pay the same projections (`q_proj`, `kv_a_proj_with_mqa`,
+# `o_proj`) and per-call overheads, which the ratio leaves out.
+
+# %% [markdown]
+# ## The GPU results
+#
+# The benchmarks run on one NVIDIA H200 and commit JSON under `benchmarks/results/`
+# (`benchmarks/NOTES.md` says how each measures). This section plots every file it finds there,
+# by the kind of rows it holds; if the folder is empty it says so.
+
+# %%
+def find_results():
+    """benchmarks/results/, looked for from this notebook's folder and from the repository root."""
+    for base in (Path.cwd(), Path.cwd().parent, *Path.cwd().parents):
+        folder = base / "benchmarks" / "results"
+        if folder.is_dir():
+            return folder
+    return None
+
+results_dir = find_results()
+results = {}
+if results_dir is not None:
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            results[path.stem] = json.loads(path.read_text())
+        except ValueError as err:
+            print(f"{path.name}: not valid JSON ({err})")
+if not results:
+    print("No results committed yet: benchmarks/results/ holds no JSON. Run the benchmarks on a "
+          "GPU (below) and execute this notebook again.")
+else:
+    print(f"{len(results)} result files in {results_dir.relative_to(results_dir.parents[1])}:")
+    for name, data in results.items():
+        print(f"  {name + '.json':34s} {data.get('device', '?'):12s} {len(data.get('rows', []))} rows")
+
+def rows_with(*keys):
+    """The result files whose rows all carry `keys`: {name: data}."""
+    return {name: data for name, data in results.items()
+            if data.get("rows") and all(all(k in row for k in keys) for row in data["rows"])}
+
+# %% [markdown]
+# ### Decode kernel against its floor
+#
+# Files of the decode benchmark (`bench_decode.py`: `h200-decode.json`, and earlier versions
+# kept under other names) hold one row per shape ($b$ sequences of $t$ tokens, $h$ heads, DeepSeek-V3's
+# 576-wide bf16 cache in pages of 64) with the kernel's time and the shape's *floor*,
+# $\max(\text{bytes}/\text{copy bandwidth},\ \text{FLOPs}/\text{matmul rate})$, both ceilings
+# measured in the same run. `share_of_floor` = floor / time: 1.0 would be the hardware's limit.
+# Few heads are memory bound, many heads compute bound.
+
+# %%
+decode = {name: data for name, data in rows_with("b", "t", "h", "time_us", "floor_us").items()}
+if not decode:
+    print("No decode results committed yet (benchmarks/results/h200-decode.json).")
+else:
+    for name, data in decode.items():
+        print(f"{name}: copy {data.get('copy_GBps', float('nan')):.0f} GB/s, "
+              f"matmul {data.get('matmul_TFLOPs', float('nan')):.0f} TFLOP/s, "
+              f"{data.get('device', '?')}, triton {data.get('triton', '?')}")
+        print(f"  {'b':>4s} {'t':>7s} {'h':>4s} {'floor us':>9s} {'bound':>7s} {'time us':>9s} "
+              f"{'share':>6s} {'torch us':>9s} {'splits':>6s}")
+        for row in data["rows"]:
+            time_us = row.get("time_us")
+            torch_us = row.get("torch_us")
+            print(f"  {row['b']:>4d} {row['t']:>7d} {row['h']:>4d} {row['floor_us']:>9.1f} "
+                  f"{row.get('bound', ''):>7s} "
+                  + (f"{time_us:>9.1f} {row['floor_us'] / time_us:>6.2f} " if time_us else
+                     f"{'error':>9s} {'':>6s} ")
+                  + (f"{torch_us:>9.1f}" if torch_us else f"{'-':>9s}")
+                  + f" {row.get('config', {}).get('num_kv_splits', ''):>6}")
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    shapes = sorted({(row["h"], row["b"], row["t"]) for data in decode.values()
+                     for row in data["rows"]})
+    labels = [f"h{h_} b{b_}\nt{t_ // 1024}k" for h_, b_, t_ in shapes]
+    width = 0.8 / (len(decode) + 1)
+    for k, (name, data) in enumerate(decode.items()):
+        by_shape = {(row["h"], row["b"], row["t"]): row for row in data["rows"]}
+        share = [(by_shape[s_]["floor_us"] / by_shape[s_]["time_us"])
+                 if s_ in by_shape and by_shape[s_].get("time_us") else 0 for s_ in shapes]
+        axes[0].bar([i + k * width for i in range(len(shapes))], share, width, label=name)
+        if k == len(decode) - 1:   # the torch baseline of the newest file
+            base = [(by_shape[s_]["floor_us"] / by_shape[s_]["torch_us"])
+                    if s_ in by_shape and by_shape[s_].get("torch_us") else 0 for s_ in shapes]
+            axes[0].bar([i + (k + 1) * width for i in range(len(shapes))], base, width,
+                        color="grey", alpha=0.5, label=f"torch gather+einsum ({name})")
+        rows = sorted(data["rows"], key=lambda row: row["floor_us"])
+        axes[1].scatter([row["floor_us"] for row in rows if row.get("time_us")],
+                        [row["time_us"] for row in rows if row.get("time_us")], label=name, s=18)
+    axes[0].set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))], labels, fontsize=7)
+    axes[0].axhline(1.0, color="black", lw=0.8)
+    axes[0].set_ylabel("share of floor (floor / time)")
+    axes[0].set_title("mla_decode on the GPU: how close to the hardware limit")
+    axes[0].legend(fontsize=7)
+    lims = [min(row["floor_us"] for d_ in decode.values() for row in d_["rows"]) / 1.5,
+            max(row.get("time_us") or 0 for d_ in decode.values() for row in d_["rows"]) * 1.5]
+    axes[1].plot(lims, lims, "k-", lw=0.8, label="time = floor")
+    axes[1].plot(lims, [2 * x for x in lims], "k:", lw=0.8, label="2x floor")
+    axes[1].set_xscale("log"), axes[1].set_yscale("log")
+    axes[1].set_xlabel("floor (us)"), axes[1].set_ylabel("measured (us)")
+    axes[1].set_title("time against floor, every shape")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    plt.show()
+
+# %% [markdown]
+# ### concat_and_cache against device copy
+#
+# The cache write is pure data movement, so its ceiling is the copy bandwidth (read + write)
+# measured in the same run.
+
+# %%
+concat = rows_with("tokens", "GBps", "kv_cache_dtype")
+if not concat:
+    print("No concat_and_cache results committed yet (benchmarks/results/*concat*.json).")
+for name, data in concat.items():
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for dtype in sorted({row["kv_cache_dtype"] for row in data["rows"]}):
+        rows = sorted((row for row in data["rows"] if row["kv_cache_dtype"] == dtype),
+                      key=lambda row: row["tokens"])
+        ax.plot([row["tokens"] for row in rows], [row["GBps"] for row in rows], "o-",
+                label=f"kernel, cache {dtype}")
+        if all("torch_us" in row for row in rows):
+            ax.plot([row["tokens"] for row in rows],
+                    [row["bytes"] / (row["torch_us"] * 1e-6) / 1e9 for row in rows], "x--",
+                    label=f"torch index_put, cache {dtype}")
+    if "copy_GBps" in data:
+        ax.axhline(data["copy_GBps"], color="grey", ls="--", lw=0.8,
+                   label=f"device copy {data['copy_GBps']:.0f} GB/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens written")
+    ax.set_ylabel("GB/s (bytes read + written)")
+    ax.set_title(f"{name}: {data.get('device', '')}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.show()
+
+# %% [markdown]
+# ### Prefill: up-projection against absorption, measured
+#
+# Notebook 2 predicted from FLOPs where up-projecting a chunk of new tokens beats absorbing it.
+# The prefill benchmark times both paths of the paged tier at DeepSeek-V3 sizes, $s$ new tokens
+# over a cached context; the dotted line is `mla.memory.prefill_crossover` for the same context.
+# Where the measured crossover sits left of the FLOP model, the absorbed path loses to something
+# the FLOP count leaves out (memory traffic, kernel efficiency).
+
+# %%
+prefill = rows_with("s", "t", "up_project_ms", "absorbed_ms")
+if not prefill:
+    print("No prefill results committed yet (benchmarks/results/*prefill*.json).")
+for name, data in prefill.items():
+    # t is the cached context the s new tokens attend over (the file's "context")
+    groups = sorted({(row.get("b", 1), row["t"]) for row in data["rows"]})
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    for b_, ctx in groups:
+        rows = sorted((row for row in data["rows"] if row.get("b", 1) == b_ and row["t"] == ctx),
+                      key=lambda row: row["s"])
+        ax.plot([row["s"] for row in rows], [row["absorbed_ms"] / row["up_project_ms"]
+                                             for row in rows], "o-", ms=3,
+                label=f"b={b_}, context {ctx}")
+    model = memory.prefill_crossover(mla.MLAConfig.from_preset(data.get("config", "deepseek-v3")),
+                                     int(data.get("context", 4096)))
+    ax.axvline(model, color="grey", ls=":", label=f"FLOP model crossover ({model})")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xscale("log", base=2), ax.set_yscale("log")
+    ax.set_xlabel("new tokens s")
+    ax.set_ylabel("absorbed time / up-projected time")
+    ax.set_title(f"{name}: above 1, up-projection is faster")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    plt.show()
+    if "measured" in data:
+        print("measured crossover:", data["measured"])
+
+# %% [markdown]
+# ### One layer's decode step
+#
+# The layer benchmark times a whole DeepSeek-V3 layer's decode step (projections included) for
+# the absorbed tier in eager mode and the paged tier eager and captured in a CUDA graph.
+
+# %%
+layer = rows_with("b", "absorbed_eager_us")
+if not layer:
+    print("No layer results committed yet (benchmarks/results/*layer*.json).")
+for name, data in layer.items():
+    columns = [k for k in ("absorbed_eager_us", "paged_eager_us", "paged_graph_us")
+               if all(k in row for row in data["rows"])]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.8 / len(columns)
+    for k, column in enumerate(columns):
+        ax.bar([i + k * width for i in range(len(data["rows"]))],
+               [row[column] for row in data["rows"]], width, label=column.replace("_us", ""))
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(data["rows"]))],
+                  [f"b={row['b']}, t={row.get('t', '')}" for row in data["rows"]])
+    ax.set_ylabel("us per decode step")
+    ax.set_title(f"{name}: {data.get('config', '')}, {data.get('dtype', '')}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.show()
+
+# %% [markdown]
+# Any other result file (config sweeps, kernel variants) is listed with what it holds:
+
+# %%
+shown = set(decode) | set(concat) | set(prefill) | set(layer)
+others = {name: data for name, data in results.items() if name not in shown}
+for name, data in others.items():
+    rows = data.get("rows", [])
+    print(f"{name}.json: {len(rows)} rows with keys {sorted(rows[0]) if rows else []}")
+    best = data.get("best")
+    if best:
+        for row in best:
+            print("   best:", {k: row[k] for k in ("b", "t", "h", "time_us", "config") if k in row})
+if not others:
+    print("(none)")
+
+# %% [markdown]
+# ## Running the benchmarks again
+#
+# On a machine with a CUDA GPU, from the repository root (the CLI runs the scripts in
+# `benchmarks/`; extra arguments pass through):
+#
+# ```
+# python -m mla bench decode  --out benchmarks/results          # h200-decode.json, ~2-4 min
+# python -m mla bench decode  --out benchmarks/results --sweep  # h200-decode-sweep.json
+# python -m mla bench concat  --out benchmarks/results          # concat.json
+# python -m mla bench layer   --out benchmarks/results
+# python -m mla bench prefill --out benchmarks/results
+# ```
+#
+# `benchmarks/gpu_suite.sh` runs them time-boxed with logs, e.g.
+# `OUT=/tmp/mla-gpu bash benchmarks/gpu_suite.sh tests decode-bench concat-bench`. Each script
+# prints a table and writes JSON; none asserts a time. Commit the JSON under `benchmarks/results/`
+# and execute this notebook again to plot it:
+#
+# ```
+# .venv/bin/jupytext --to ipynb --execute tutorials/04_memory_and_speed.py
+# ```
