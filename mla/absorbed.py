@@ -13,20 +13,26 @@ so the probabilities weight the latent itself and W^{UV} is applied once per new
 remains is multi-query attention: h query heads of width c + r against one shared key/value
 head of width c + r (the value is the first c dims of the same cached row).
 
-Per new token and cached token, per head (decode, with t cached tokens):
-    naive     up-projects the cache: 2·t·c·(d+v) FLOPs a head on top of attention (2·t·(d+r+v))
-    absorbed  attention over the latent: 2·t·(c+r) + 2·t·c FLOPs a head, plus 2·c·(d+v) once
-For V3 (c 512, d 128, r 64, v 128) decode costs ~2.2k FLOPs per (head, cached token) absorbed
-against ~263k naive: absorption is what makes MLA decode cheap. For a prefill of s tokens the
-up-projection is paid once per cached token and shared by all s queries, while absorbed
-attention costs (c+r+c)/(d+r+v) = 1088/320 = 3.4x more per score: for long new chunks
-up-projecting is cheaper, so `prefill="up-project"` (default) sends rows with more than one new
-token down the naive dataflow. mla/memory.py's `attention_flops` has the exact counts.
+Decode rows attend this way and prefill rows, by default, up-project: the class docstring of
+`AbsorbedMLA` gives the FLOPs per token of both paths.
 
-`precompute=True` multiplies the factors once: W_UQ·W_UK (h, q, c) and W_UV·W_O (h, c, hidden),
-so the query and output each take one matmul. This trades memory for FLOPs: for V3, W_UV·W_O
-holds 128·512·7168 = 470M values against W_O's 117M. DeepSeek's inference code applies the
-factors per call (`precompute=False`, our default).
+`precompute=True` multiplies the factors once, W_UQ·W_UK (h, q, c) and W_UV·W_O (h, c, hidden),
+so that the query and the output take one matmul each instead of two. This is the paper's
+literal reading of absorption, but it does not save FLOPs: the products are wider than the
+factors. Per decode token, all heads (`absorption_flops` computes these; V3: h 128, q 1536,
+c 512, d 128, v 128, hidden 7168):
+
+                  factors                              product
+    query    2·h·q·d + 2·h·d·c      = 50.3M + 16.8M =  67M    2·h·q·c      = 201M
+    output   2·h·c·v + 2·h·v·hidden = 16.8M + 235M  = 252M    2·h·c·hidden = 940M
+
+and the products hold 101M + 470M values against the factors' 34M + 126M, all read once per
+decode step, so they cost bytes too. A product is cheaper only when the head width passes
+q·c/(q+c) (query; 384 at V3) or c·hidden/(c+hidden) (output; 478), far above DeepSeek's 128.
+What precomputing buys is one GEMM a side instead of two (fewer kernel launches, no (b, s, h, d)
+or (b, s, h, v) intermediate), which can pay only in small layers where launches dominate; here
+it shows (and the tests check) that the folded matrices give the same outputs. DeepSeek's
+inference code applies the factors per call (`precompute=False`, our default).
 """
 
 from __future__ import annotations
@@ -34,12 +40,32 @@ from __future__ import annotations
 import torch
 
 from .cache import LatentCache
+from .config import MLAConfig
 from .layer import MLAAttention
 from .naive import (attend_up_projected, causal_mask, latent, padding_mask, positions_and_rope,
                     query_latent, query_nope, query_rope)
 from .weights import MLAWeights
 
 PREFILL_MODES = ("up-project", "absorbed")
+
+
+def absorption_flops(config: MLAConfig) -> dict[str, int]:
+    """FLOPs (2 x multiply-adds) per decode token, all heads, of the absorbed path's query and
+    output maps, for each `precompute` option:
+
+        query_factors   2·h·q·d + 2·h·d·c         c_Q -> q_nope (W_UQ) -> q_lat (W_UK)
+        query_product   2·h·q·c                   c_Q -> q_lat (W_UQ·W_UK)
+        output_factors  2·h·c·v + 2·h·v·hidden    o_lat -> o (W_UV) -> y (W_O)
+        output_product  2·h·c·hidden              o_lat -> y (W_UV·W_O)
+
+    q is q_lora_rank, or hidden without query compression (the query's input is x itself).
+    """
+    h, d, v, c = config.num_heads, config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
+    hidden = config.hidden_size
+    q = hidden if config.q_lora_rank is None else config.q_lora_rank
+    return dict(query_factors=2 * h * q * d + 2 * h * d * c, query_product=2 * h * q * c,
+                output_factors=2 * h * c * v + 2 * h * v * hidden,
+                output_product=2 * h * c * hidden)
 
 
 # --8<-- [start:attend_absorbed]
@@ -64,6 +90,25 @@ def attend_absorbed(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
 
 class AbsorbedMLA(MLAAttention):
     """MLA with weight absorption for decode rows; prefill rows up-project (or absorb, by option).
+
+    Why each path where it is: FLOPs of the attention beyond the projections both paths share,
+    for one new token over t cached ones, per head (`mla.memory.attention_flops` counts them
+    exactly; c kv_lora_rank, d nope, r rope, v value width):
+
+        up-projected  2·t·c·(d+v)     kv_b_proj over the whole cache, every call
+                      + 2·t·(d+r+v)   MHA scores and values
+        absorbed      2·c·(d+v)       W_UK into the query and W_UV on the output, once a token
+                      + 2·t·(2c+r)    MQA over the (c + r)-wide latent, value = its first c
+
+    Decode (one new token) pays the up-projection of all t cached tokens for a single query:
+    at V3 sizes and t = 4096 that is 137.8 GFLOPs a token up-projected against 1.17 GFLOPs
+    absorbed (117x fewer). A prefill of s tokens shares the up-projection among its s queries,
+    and then the per-score cost decides: 2c + r = 1088 against d + r + v = 320, 3.4x. A
+    4096-token prefill costs 201M FLOPs a token up-projected against 604M absorbed (3x more),
+    so `prefill="up-project"` (the default) sends every row with more than one new token down
+    the naive dataflow. By this count up-projection wins from about 168 new tokens over a
+    4096-token context (`mla.memory.prefill_crossover`); the paged tier measures its own
+    threshold. For the `precompute` option's FLOPs see the module docstring.
 
     Args:
         weights: the layer's MLAWeights (shared, not copied).

@@ -28,7 +28,15 @@ TIERS = ("naive", "absorbed", "paged")
 
 
 class MLAAttention(nn.Module):
-    """Base of the tiers: holds the shared MLAWeights (a reference, never a copy)."""
+    """Base of the tiers: holds the shared MLAWeights (a reference, never a copy).
+
+    Args:
+        weights: the layer's MLAWeights, whole or a `shard(rank, world_size)` of them.
+        process_group: tensor parallelism over heads: each rank holds `weights.shard(rank, w)`
+            and the tier all-reduces the heads' partial outputs over the group. The group's size
+            must be the shard's world size and this process's rank in it the shard's rank
+            (checked here): whole weights under a group of w ranks would sum w full outputs.
+    """
 
     tier: str = "base"
 
@@ -36,6 +44,8 @@ class MLAAttention(nn.Module):
         super().__init__()
         if not isinstance(weights, MLAWeights):
             raise TypeError(f"weights must be an mla.MLAWeights, got {type(weights).__name__}")
+        if process_group is not None:
+            _check_process_group(process_group, weights)
         self.weights = weights
         self.config = weights.config
         self.process_group = process_group
@@ -68,8 +78,9 @@ class MLAAttention(nn.Module):
         if not isinstance(cache, cache_type):
             raise TypeError(f"cache must be a {cache_type.__name__} from this tier's new_cache(), "
                             f"got {type(cache).__name__}")
-        if cache.batch_size != b:
-            raise ValueError(f"x has batch {b} but the cache was made for batch {cache.batch_size}")
+        # The cache must fit this layer (c, r, dtype, device, batch) before anything is written.
+        cache.check_fits(batch_size=b, kv_lora_rank=cfg.kv_lora_rank,
+                         rope_dim=cfg.qk_rope_head_dim, dtype=w.dtype, device=w.device)
         lengths = _as_lengths(lengths, b, s)
         room = cache.max_seq_len - cache.seq_lens
         over = torch.nonzero(lengths > room).flatten().tolist()
@@ -95,6 +106,25 @@ class MLAAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"tier={self.tier!r}, config={self.config.name!r}"
+
+
+def _check_process_group(group: Any, weights: MLAWeights) -> None:
+    """The group's size and this process's rank in it must be the shard's (MLAWeights.shard)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("process_group was given but torch.distributed is not initialised; "
+                         "call torch.distributed.init_process_group first (see mla.parallel)")
+    rank, world_size = weights.tp_rank, weights.tp_world_size
+    size, group_rank = dist.get_world_size(group), dist.get_rank(group)
+    if size != world_size:
+        held = "the whole layer" if world_size == 1 else f"shard {rank} of {world_size}"
+        raise ValueError(
+            f"process_group has {size} ranks but the weights are {held} (tp_world_size="
+            f"{world_size}); the all-reduce would sum {size} outputs of a {world_size}-way head "
+            f"split. On rank k pass full_weights.shard(k, {size})")
+    if group_rank != rank:
+        raise ValueError(f"this process is rank {group_rank} of process_group but the weights are "
+                         f"shard {rank} of {world_size}; rank k must hold weights.shard(k, "
+                         f"{world_size})")
 
 
 def _as_lengths(lengths: Any, b: int, s: int) -> torch.Tensor:

@@ -53,6 +53,12 @@ class MLAWeights(nn.Module):
         seed: random init, reproducible across machines: each matrix ~ N(0, 1/fan_in) so that
             activations stay O(1) through random layers; norm weights 1 + N(0, 0.1^2) so that a
             forgotten norm weight shows in tests. Load a checkpoint to get real values.
+
+    Attributes:
+        tp_rank, tp_world_size: which share of the heads these weights hold: 0 and 1 for a
+            whole layer, k and w for `shard(k, w)`. Plain ints, not parameters or buffers, so
+            state dicts are HF's either way; a tier built with a process_group checks them
+            against the group (`mla.layer.MLAAttention`).
     """
 
     def __init__(self, config: MLAConfig, *, dtype: torch.dtype = torch.float32,
@@ -74,6 +80,7 @@ class MLAWeights(nn.Module):
         self.kv_a_layernorm = RMSNorm(c, cfg.rms_norm_eps).to(**kw)
         self.kv_b_proj = nn.Linear(c, h * (d + v), bias=False, **kw)
         self.o_proj = nn.Linear(h * v, cfg.hidden_size, bias=bias, **kw)
+        self.tp_rank, self.tp_world_size = 0, 1  # the whole layer; shard() sets its share
         self.reset_parameters(seed)
 
     @torch.no_grad()
@@ -242,9 +249,10 @@ class MLAWeights(nn.Module):
         the bias, kept whole on every shard, counts once. The softmax scale depends on d + r and
         YaRN only, not on h.
 
-        Returns a new MLAWeights whose config has num_heads = h/w (its name notes "tp k/w");
-        its tensors are copies (same dtype and device), so changing one set of weights later
-        does not change the other.
+        Returns a new MLAWeights whose config has num_heads = h/w (its name notes "tp k/w") and
+        whose tp_rank, tp_world_size record the share (sharding a shard again splits its share:
+        rank k·w' + k', world size w·w'); its tensors are copies (same dtype and device), so
+        changing one set of weights later does not change the other.
         """
         cfg = self.config
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -273,6 +281,8 @@ class MLAWeights(nn.Module):
 
         shard = MLAWeights(config, dtype=self.dtype, device=self.device)
         shard.load_state_dict(state)                             # copies into the new tensors
+        shard.tp_rank = self.tp_rank * world_size + rank
+        shard.tp_world_size = self.tp_world_size * world_size
         return shard.requires_grad_(self.kv_b_proj.weight.requires_grad)
 
 

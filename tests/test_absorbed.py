@@ -83,3 +83,34 @@ def test_property_absorbed_equals_naive(heads, nope, rope, value, rank, q_lora, 
     if not any(int(l.sum()) for _, l in calls):
         return  # nothing real to compare
     assert _run_both(w, calls, batch, 40, precompute=precompute) < 1e-5
+
+
+def test_precompute_flops_in_the_docstring_are_the_code_s():
+    """The module docstring's per-decode-token FLOPs of each `precompute` option, recomputed."""
+    from mla import absorbed as module
+    from mla.memory import attention_flops, prefill_crossover
+
+    v3 = MLAConfig.from_preset("deepseek-v3")
+    f = module.absorption_flops(v3)
+    h, q, c, d, v, x = 128, 1536, 512, 128, 128, 7168  # V3's config.json
+    assert f == dict(query_factors=2 * h * q * d + 2 * h * d * c, query_product=2 * h * q * c,
+                     output_factors=2 * h * c * v + 2 * h * v * x, output_product=2 * h * c * x)
+    millions = {k: round(n / 1e6) for k, n in f.items()}
+    assert millions == dict(query_factors=67, query_product=201, output_factors=252,
+                            output_product=940)
+    for n in millions.values():
+        assert f"= {n:3d}M" in module.__doc__ or f"= {n}M" in module.__doc__, n
+    # the products cost more than the factors at every DeepSeek size
+    for preset in ("deepseek-v2", "deepseek-v2-lite", "deepseek-v3"):
+        f = module.absorption_flops(MLAConfig.from_preset(preset))
+        assert f["query_product"] > f["query_factors"]
+        assert f["output_product"] > f["output_factors"]
+    # the class docstring's decode and prefill figures (V3, per new token)
+    doc = module.AbsorbedMLA.__doc__
+    decode = attention_flops(v3, 1, 4096)
+    assert f"{decode.up_projected / 1e9:.1f} GFLOPs" in doc and f"{decode.absorbed / 1e9:.2f}" in doc
+    assert f"({decode.up_projected / decode.absorbed:.0f}x fewer)" in doc
+    prefill = attention_flops(v3, 4096, 4096)
+    assert f"{prefill.up_projected / 4096 / 1e6:.0f}M FLOPs a token up-projected" in doc
+    assert f"against {prefill.absorbed / 4096 / 1e6:.0f}M absorbed" in doc
+    assert f"about {prefill_crossover(v3, 4096)} new tokens" in doc

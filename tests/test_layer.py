@@ -1,4 +1,5 @@
-"""The common call's checks, for the naive and absorbed tiers: clear errors, nothing written.
+"""The common call's checks: clear errors, nothing written (naive and absorbed; every tier for
+the cache's fit).
 
 (The paged tier's own bad-input tests live in tests/test_paged.py.)
 """
@@ -8,6 +9,7 @@ import torch
 
 import mla
 from mla import MLAConfig, MLAWeights
+from mla.paged import PagedLatentCache
 
 
 @pytest.fixture(params=["naive", "absorbed"])
@@ -75,3 +77,73 @@ def test_rows_sitting_out_keep_their_cache(layer):
     y = layer(torch.randn(2, 2, 64), cache, [2, 0])
     assert cache.seq_lens.tolist() == [5, 2]
     assert torch.equal(cache.kv_c[1], row1) and torch.all(y[1] == 0)
+
+
+# ---- a cache that does not fit the layer, every tier ----------------------------------------
+TINY = MLAConfig.from_preset("tiny")  # kv_lora_rank 32, rope width 8
+MISFITS = {  # name: (the config and dtype of the layer that makes the cache, its batch, error)
+    "dtype": (TINY, torch.bfloat16, 2, ValueError,
+              "cache has dtype torch.bfloat16 but the weights are torch.float32"),
+    "kv_lora_rank": (TINY.replace(kv_lora_rank=16), torch.float32, 2, ValueError,
+                     r"cache holds latents of c \+ r = 16 \+ 8 .* expects 32 \+ 8"),
+    "rope width": (TINY.replace(qk_rope_head_dim=4), torch.float32, 2, ValueError,
+                   r"cache holds .* = 32 \+ 4 .* expects 32 \+ 8"),
+    # c + r the same (40), split elsewhere: a paged page of 40 would take it without complaint
+    "same width": (TINY.replace(kv_lora_rank=30, qk_rope_head_dim=10), torch.float32, 2,
+                   ValueError, r"cache holds .* = 30 \+ 10 .* expects 32 \+ 8"),
+    "batch": (TINY, torch.float32, 3, ValueError, "cache was made for batch 3 but x has batch 2"),
+}
+
+
+def _cache_state(cache):
+    """Everything a call could change, cloned (the paged allocator's state included)."""
+    if isinstance(cache, PagedLatentCache):
+        return (cache.kv_cache.clone(), cache.block_table.clone(), cache.block_table_cpu.clone(),
+                cache.seq_lens.clone(), list(cache.free_blocks), cache.blocks_of(0))
+    return _snapshot(cache)
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("tier", mla.TIERS)
+@pytest.mark.parametrize("misfit", list(MISFITS))
+def test_cache_that_does_not_fit_raises_and_stays_unchanged(tier, misfit):
+    config, dtype, batch, exc, match = MISFITS[misfit]
+    options = {"block_size": 4} if tier == "paged" else {}
+    layer = mla.build(MLAWeights(TINY), tier, **options)
+    maker = mla.build(MLAWeights(config, dtype=dtype, seed=1), tier, **options)
+    cache = maker.new_cache(batch, 8)
+    maker(torch.randn(batch, 3, config.hidden_size, dtype=dtype), cache)  # something cached
+    before = _cache_state(cache)
+    with pytest.raises(exc, match=match):
+        layer(torch.randn(2, 2, 64), cache, [2, 1])
+    assert _same(_cache_state(cache), before)
+
+
+@pytest.mark.parametrize("tier", mla.TIERS)
+def test_cache_on_another_device_raises(tier):
+    layer = mla.build(MLAWeights(TINY), tier)
+    cache = mla.build(MLAWeights(TINY, device="meta"), tier).new_cache(2, 8)
+    with pytest.raises(ValueError, match="cache is on meta but the weights are on cpu"):
+        layer(torch.randn(2, 2, 64), cache)
+    assert cache.seq_lens.tolist() == [0, 0]
+
+
+def test_hand_made_latent_cache_is_checked():
+    from mla.cache import LatentCache
+
+    layer = mla.build(MLAWeights(TINY), "absorbed")
+    good = layer.new_cache(2, 8)
+    bad = [(LatentCache(good.kv_c, good.k_pe[:, :5], good.seq_lens), "same b and t"),
+           (LatentCache(good.kv_c, good.k_pe.double(), good.seq_lens), "cache.k_pe is"),
+           (LatentCache(good.kv_c, good.k_pe, good.seq_lens.int()), "cache.seq_lens must be")]
+    for cache, match in bad:
+        with pytest.raises(ValueError, match=match):
+            layer(torch.randn(2, 1, 64), cache)
+        assert torch.all(cache.kv_c == 0) and torch.all(cache.k_pe == 0)
+    # append itself refuses latents that do not fit, before writing
+    with pytest.raises(ValueError, match=r"append: k_pe must have shape \(b=2, s=1, r=8\)"):
+        good.append(torch.ones(2, 1, 32), torch.ones(2, 1, 6), torch.tensor([1, 1]))
+    assert torch.all(good.kv_c == 0) and good.seq_lens.tolist() == [0, 0]

@@ -52,6 +52,7 @@ CASES = [
     pytest.param(3, 16, YARN_V3, id="v3-qlora-yarn"),
     pytest.param(3, None, YARN, id="v3-noqlora-yarn"),
     pytest.param(2, 16, None, id="v2-qlora"),
+    pytest.param(2, None, None, id="v2-noqlora"),
     pytest.param(2, None, YARN, id="v2-noqlora-yarn"),
     pytest.param(2, 16, YARN, id="v2-qlora-yarn"),
 ]
@@ -63,17 +64,24 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("version,q_lora_rank,yarn", CASES)
 def test_naive_matches_transformers(version, q_lora_rank, yarn):
-    max_pos = 64 if yarn is not None else 64
+    b, s = 2, 40
+    if yarn is not None:
+        # YaRN stretches the original 16 positions by its factor (4) to 64; the 40 tokens run
+        # past the original context, where YaRN's interpolated frequencies take over.
+        original = yarn["original_max_position_embeddings"]
+        max_pos = int(yarn["factor"] * original)
+        assert original < s <= max_pos
+    else:
+        max_pos = s  # plain RoPE: the model is made for exactly the positions used
     cfg = mla.MLAConfig(q_lora_rank=q_lora_rank, rope_scaling=yarn,
                         max_position_embeddings=max_pos, **SMALL)
     hf_attn, hf_rope, _ = hf_attention(cfg, version)
+    assert hf_rope.rope_type == ("default" if yarn is None else "yarn")  # HF took our scaling
     weights = mla.MLAWeights(cfg, dtype=torch.float64, seed=1)
     weights.load_state_dict(hf_attn.state_dict())  # HF names load as they are
     hf_attn.load_state_dict(weights.state_dict())
     naive = NaiveMLA(weights)
 
-    # 40 tokens: past original_max_position_embeddings (16) when YaRN is on.
-    b, s = 2, 40
     x = torch.randn(b, s, cfg.hidden_size, dtype=torch.float64)
     with torch.no_grad():
         ref = hf_forward(hf_attn, hf_rope, x)

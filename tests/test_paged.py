@@ -232,6 +232,42 @@ def test_gather_padded_is_zero_past_each_sequence():
     assert torch.equal(got[0, :5], rows[10:]) and torch.all(got[0, 5:] == 0)
 
 
+def test_slot_mapping_and_gather_name_the_bad_argument():
+    c, r = 4, 2
+    cache = PagedLatentCache(2, 16, c, r, block_size=4, shuffle=1)
+    rows = torch.randn(7, c + r)
+    cache.append(rows[:, :c], rows[:, c:], [0, 1], [5, 2])
+    before = snapshot(cache)
+    one = torch.tensor([0])
+    cases = [  # (call, what the error must say)
+        # a negative position used to map silently to slot 0's page
+        (lambda: cache.slot_mapping(one, torch.tensor([-1])),
+         r"positions of real tokens must be >= 0, got \[-1\]"),
+        (lambda: cache.slot_mapping(torch.tensor([2, 0]), torch.tensor([0, 1])),
+         r"token_seq must lie in \[0, batch_size=2\) \(or be -1 for padding\), got \[2\]"),
+        (lambda: cache.slot_mapping(torch.tensor([0, 1]), one), "of one length"),
+        (lambda: cache.gather(5), r"gather\(i\) needs a row index i in \[0, batch_size=2\), got 5"),
+        (lambda: cache.gather(-1), r"in \[0, batch_size=2\), got -1"),
+        (lambda: cache.gather_padded([7], 4),
+         r"gather_padded: seq_ids must lie in \[0, batch_size=2\), got \[7\]"),
+        (lambda: cache.gather_padded([0, -1], 4), r"seq_ids must lie in .*got \[0, -1\]"),
+        (lambda: cache.gather_padded([0], -1), "t must be an int >= 0, got -1"),
+        (lambda: cache.gather_padded([0], 17), "longer than max_seq_len=16"),
+        # kv_c and k_pe of widths 3 + 3: the page width c + r = 6 fits, the split does not
+        (lambda: cache.append(rows[:, :3], rows[:, 3:], [0], [7]),
+         r"append: kv_c must have shape \(T, c=4\), got \(7, 3\)"),
+        (lambda: cache.append(rows[:, :c], rows[:6, c:], [0], [6]),
+         r"append: k_pe must have shape \(T=7, r=2\), got \(6, 2\)"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+        assert_unchanged(cache, before)
+    # padding tokens (token_seq -1) still map to -1, whatever their position
+    slots = cache.slot_mapping(torch.tensor([-1, 0]), torch.tensor([-5, 1]))
+    assert slots[0] == -1 and slots[1] >= 0
+
+
 # ---- the layer against the absorbed tier ---------------------------------------------------
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 def test_paged_matches_absorbed_prefill_extend_decode(block_size):

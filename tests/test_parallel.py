@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import mla
 from mla import parallel
@@ -112,6 +113,56 @@ def test_partial_outputs_sum_to_the_full_layer(tier):
     assert rel(total, expected) < 1e-5
 
 
+def test_shard_records_its_share_outside_the_state_dict():
+    full = mla.MLAWeights(TINY)
+    assert (full.tp_rank, full.tp_world_size) == (0, 1)
+    shard = full.shard(1, 2)
+    assert (shard.tp_rank, shard.tp_world_size) == (1, 2)
+    sub = shard.shard(1, 2)                          # heads 3 of 4: rank 3 of 4
+    assert (sub.tp_rank, sub.tp_world_size) == (3, 4)
+    assert torch.equal(sub.W_UK, full.W_UK[3:])
+    # plain attributes: the state dict keeps HF's names and loads into a fresh MLAWeights
+    assert set(shard.state_dict()) == set(full.state_dict())
+    fresh = mla.MLAWeights(shard.config)
+    fresh.load_state_dict(shard.state_dict())
+    assert (fresh.tp_rank, fresh.tp_world_size) == (0, 1)
+
+
+@pytest.fixture
+def group_of_one():
+    """A gloo process group of one rank in this process (no port: an in-memory store)."""
+    if dist.is_initialized():
+        pytest.skip("a default process group exists already")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tier", mla.TIERS)
+def test_process_group_must_match_the_shard(tier, group_of_one):
+    full = mla.MLAWeights(TINY, seed=4)
+    x = torch.randn(2, 3, TINY.hidden_size)
+    with torch.no_grad():
+        ref_layer = mla.build(full, tier)
+        ref = ref_layer(x, ref_layer.new_cache(2, 8))
+        # whole weights under a group of one: the all-reduce is the identity
+        layer = mla.build(full, tier, process_group=group_of_one)
+        assert rel(layer(x, layer.new_cache(2, 8)), ref) < 1e-6
+    # half the heads under a group of one would drop the other half: refused
+    with pytest.raises(ValueError, match=r"process_group has 1 ranks but the weights are shard "
+                                         r"0 of 2 \(tp_world_size=2\).*shard\(k, 1\)"):
+        mla.build(full.shard(0, 2), tier, process_group=group_of_one)
+
+
+def test_process_group_without_torch_distributed():
+    if dist.is_initialized():
+        pytest.skip("a default process group exists already")
+    with pytest.raises(ValueError, match="torch.distributed is not initialised"):
+        mla.build(mla.MLAWeights(TINY), "naive", process_group=object())
+
+
 # ---- sharded over a process group ---------------------------------------------------------
 def _latent_rows(cache, i):
     if isinstance(cache, PagedLatentCache):
@@ -126,6 +177,18 @@ def _check_tiers(rank, world_size, group, backend, dtype, tolerance, config_name
     Returns {(config, layer): (max rel err, all-reduces per call)} for the parent to judge.
     """
     device = parallel.device_for(rank, backend)
+    # whole weights, or another rank's shard, under the group: refused before any all-reduce
+    full = mla.MLAWeights(TINY, device=device)
+    for weights, match in ((full, f"has {world_size} ranks but the weights are the whole layer"),
+                           (full.shard((rank + 1) % world_size, world_size),
+                            f"rank {rank} of process_group but the weights are shard")):
+        for tier in mla.TIERS:
+            try:
+                mla.build(weights, tier, process_group=group)
+            except ValueError as err:
+                assert match in str(err), str(err)
+            else:
+                raise AssertionError(f"{tier}: {match!r} was not raised")
     out = {}
     for config_name in config_names:
         config = CONFIGS[config_name]

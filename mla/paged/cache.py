@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..cache import check_cache_fits
 from ..kernels import concat_and_cache
 
 UNUSED = -1  # block-table entry that holds no page
@@ -123,6 +124,18 @@ class PagedLatentCache:
     def device(self) -> torch.device:
         return self.kv_cache.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv_cache.dtype
+
+    def check_fits(self, *, batch_size: int, kv_lora_rank: int, rope_dim: int,
+                   dtype: torch.dtype, device: torch.device | str) -> None:
+        """Raise unless this cache can take a layer's latents (kv_lora_rank, rope width, the
+        weights' dtype and device) for a call of `batch_size` rows; as
+        `mla.cache.LatentCache.check_fits`. Writes nothing."""
+        check_cache_fits(self, batch_size=batch_size, kv_lora_rank=kv_lora_rank,
+                         rope_dim=rope_dim, dtype=dtype, device=device)
+
     def blocks_of(self, i: int) -> list[int]:
         """The pages row i holds, in token order."""
         return self.block_table_cpu[i, : self._num_pages[i]].tolist()
@@ -181,8 +194,19 @@ class PagedLatentCache:
         slot = block_table[i, pos // n] · n + pos % n; -1 where token_seq < 0 (padding). The
         pages must be allocated (`allocate`); a position without a page is an error.
         """
-        token_seq, positions = token_seq.to("cpu", torch.int64), positions.to("cpu", torch.int64)
+        token_seq = torch.as_tensor(token_seq).to("cpu", torch.int64)
+        positions = torch.as_tensor(positions).to("cpu", torch.int64)
+        if token_seq.dim() != 1 or positions.shape != token_seq.shape:
+            raise ValueError(f"slot_mapping: token_seq and positions must be (T,) tensors of one "
+                             f"length, got {tuple(token_seq.shape)} and {tuple(positions.shape)}")
         real = token_seq >= 0
+        if bool((token_seq >= self.batch_size).any()):
+            raise ValueError(f"slot_mapping: token_seq must lie in [0, batch_size="
+                             f"{self.batch_size}) (or be -1 for padding), got "
+                             f"{token_seq[token_seq >= self.batch_size].unique().tolist()}")
+        if bool((real & (positions < 0)).any()):
+            raise ValueError(f"slot_mapping: positions of real tokens must be >= 0, got "
+                             f"{positions[real & (positions < 0)].unique().tolist()}")
         rows, pos = token_seq.clamp_min(0), positions.clamp_min(0)
         n = self.block_size
         pages = self.block_table_cpu[rows, (pos // n).clamp_max(self.max_blocks_per_seq - 1)]
@@ -220,7 +244,15 @@ class PagedLatentCache:
         on the cache's device.
         """
         seq_ids, new_lens = self._check_rows(seq_ids, new_lens)
+        c, r = self.kv_lora_rank, self.rope_dim
+        # concat_and_cache checks c + r against the page width only; check each part here, so
+        # that kv_c and k_pe of other widths with the same sum are not split at the wrong place
+        if kv_c.dim() != 2 or kv_c.shape[1] != c:
+            raise ValueError(f"append: kv_c must have shape (T, c={c}), got {tuple(kv_c.shape)}")
         T = kv_c.shape[0]
+        if tuple(k_pe.shape) != (T, r):
+            raise ValueError(f"append: k_pe must have shape (T={T}, r={r}), "
+                             f"got {tuple(k_pe.shape)}")
         real = int(new_lens.sum())
         if real > T:
             raise ValueError(f"append: new_lens add up to {real} tokens but kv_c holds {T}")
@@ -248,6 +280,9 @@ class PagedLatentCache:
     # ---- reading back -----------------------------------------------------------------------
     def gather(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence i's cached latent, pages put back in order: kv_c (t, c), k_pe (t, r)."""
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.batch_size:
+            raise ValueError(f"gather(i) needs a row index i in [0, batch_size={self.batch_size}), "
+                             f"got {i!r}")
         t = int(self.seq_lens[i])
         pages = self.block_table_cpu[i, : math.ceil(t / self.block_size)].to(self.device,
                                                                               torch.int64)
@@ -260,7 +295,15 @@ class PagedLatentCache:
         Zeros, not whatever the pages hold: padding keys must stay finite, because a masked
         score times a NaN value is still NaN.
         """
-        seq_ids = torch.as_tensor(seq_ids, dtype=torch.int64)
+        seq_ids = torch.as_tensor(seq_ids).to("cpu", torch.int64)
+        if seq_ids.dim() != 1:
+            raise ValueError(f"gather_padded: seq_ids must be a (n,) list of rows, got shape "
+                             f"{tuple(seq_ids.shape)}")
+        if bool(((seq_ids < 0) | (seq_ids >= self.batch_size)).any()):
+            raise ValueError(f"gather_padded: seq_ids must lie in [0, batch_size="
+                             f"{self.batch_size}), got {seq_ids.tolist()}")
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"gather_padded: t must be an int >= 0, got {t!r}")
         n_pages = math.ceil(t / self.block_size)
         if n_pages > self.max_blocks_per_seq:
             raise ValueError(f"gather_padded: t={t} is longer than max_seq_len={self.max_seq_len}")
