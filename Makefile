@@ -6,6 +6,8 @@ VENV     := .venv
 BIN      := $(VENV)/bin
 PIP      := $(BIN)/python -m pip install -q -c constraints.txt
 DEMO_ARGS ?=
+# make test executes the tutorial notebooks too, each cell and each notebook within 180 s
+NBMAKE   := --nbmake --nbmake-timeout=180
 
 .PHONY: demo test docs docs-serve clean browser
 
@@ -26,7 +28,7 @@ demo: $(VENV)/.installed-run
 	$(BIN)/python -m mla demo $(DEMO_ARGS)
 
 test: $(VENV)/.installed-test browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(NBMAKE)
 
 docs: $(VENV)/.installed-test browser
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict

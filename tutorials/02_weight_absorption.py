@@ -288,5 +288,21 @@ plt.show()
 
 # %% [markdown]
 # The ratio rises from ~1/117 at $S = 1$ to its ceiling $(2c + r)/(d + r + v) = 3.4$ for long
-# chunks. The paged tier (notebook 3) follows the same rule of thumb: single-token rows go to the
-# absorbed Triton decode kernel, longer rows are up-projected.
+# chunks.
+#
+# The paged tier (notebook 3) applies this per row, with a measured threshold instead of the
+# model's: decode rows (one new token) go to the absorbed Triton decode kernel; a prefill or
+# extend row, under the default `prefill="auto"`, attends absorbed while it has fewer than
+# `prefill_crossover` new tokens and is up-projected from there on. That threshold
+# (`PREFILL_CROSSOVER` in mla/paged/layer.py) was timed on an H200 at V3 sizes over 4096 cached
+# tokens (benchmarks/bench_prefill.py) and does not depend on the context; the FLOP count
+# leaves out that the absorbed path's float32 scores over $c + r$-wide rows cost more than
+# their FLOPs, and the up-projection (one GEMM) less:
+
+# %%
+paged = mla.build(mla.MLAWeights(config, dtype=torch.float32, seed=0), "paged")
+print(f"paged tier, prefill={paged.prefill!r}: absorbed below {paged.prefill_crossover} new "
+      f"tokens (measured); the FLOP model at C = 4096, V3 sizes: "
+      f"{memory.prefill_crossover(mla.MLAConfig.from_preset('deepseek-v3'), 4096)}")
+print({S: paged.prefill_path(S, 4096) for S in (2, paged.prefill_crossover - 1,
+                                                 paged.prefill_crossover, 1024)})

@@ -25,6 +25,7 @@
 # belongs on a GPU (where the kernel is tested in bf16).
 
 # %%
+import inspect
 import math
 
 import matplotlib.pyplot as plt
@@ -309,46 +310,85 @@ for splits in (1, 2, 3, 8):
           f"{float((lse_s - ref_lse).abs().max()):.1e}")
 
 # %% [markdown]
-# How many splits the kernel picks by itself (`num_kv_splits=None`) depends on the GPU: enough
-# programs to keep ~90% of the SMs busy, with every split at least 4 tiles long. On the CPU it
-# assumes an H100/H200's 132 SMs. Our toy batch is too short to split at all; at DeepSeek sizes:
+# How many splits the kernel picks by itself (`num_kv_splits=None`) is
+# `choose_num_kv_splits(b, h, t, num_sms)`. Stage 1 runs $P = b \lceil h / \text{BLOCK\_H} \rceil$
+# programs per split, and the rule depends on the head block that `default_config(h)` gives:
+#
+# - **small head blocks** (BLOCK_H < 64: memory bound, a program's tile is small and several
+#   programs share an SM, each with its loads in flight) aim at a fixed number of programs per
+#   SM: the split count whose $P \cdot$ splits lands nearest that target;
+# - **64-head blocks** (compute bound, one program an SM): 1 split if $P$ already covers the SMs,
+#   otherwise the smallest count whose programs keep at least 90% of the SMs busy over all their
+#   waves, $P s / (\lceil P s / \text{SMs} \rceil \cdot \text{SMs})$.
+#
+# Either way every split keeps at least `min_tiles_per_split` tiles of BLOCK_N tokens of the
+# longest sequence, and there are at most `max_splits`. On the CPU there are no SMs to count, so
+# we pass an H100/H200's 132, as `mla_decode` does there. Our toy batch is too short to split at
+# all; at DeepSeek sizes (the last two columns are what each rule looks at):
 
 # %%
-print(f"{'b':>4s} {'h':>4s} {'t':>7s} {'BLOCK_H':>8s} {'programs':>9s} {'splits':>7s}")
+SMS = 132
+print("defaults:", {k: v.default for k, v in inspect.signature(choose_num_kv_splits).parameters.items()
+                    if k in ("min_tiles_per_split", "max_splits")})
+print(f"{'b':>4s} {'h':>4s} {'t':>7s} {'BLOCK_H':>8s} {'BLOCK_N':>8s} {'programs':>9s} "
+      f"{'splits':>7s} {'programs/SM':>12s} {'wave use':>9s}")
 for b_, h_, t_ in [(4, 16, 22), (1, 16, 32768), (1, 128, 32768), (8, 16, 4096),
                    (64, 16, 4096), (64, 128, 4096), (132, 16, 1024)]:
-    block_h = default_config(h_)["BLOCK_H"]
-    programs = b_ * math.ceil(h_ / block_h)
-    print(f"{b_:>4d} {h_:>4d} {t_:>7d} {block_h:>8d} {programs:>9d} "
-          f"{choose_num_kv_splits(b_, h_, t_, 132):>7d}")
+    cfg_ = default_config(h_)
+    programs = b_ * math.ceil(h_ / cfg_["BLOCK_H"])
+    splits = choose_num_kv_splits(b_, h_, t_, SMS)
+    total = programs * splits
+    use = total / (math.ceil(total / SMS) * SMS)
+    print(f"{b_:>4d} {h_:>4d} {t_:>7d} {cfg_['BLOCK_H']:>8d} {cfg_['BLOCK_N']:>8d} {programs:>9d} "
+          f"{splits:>7d} {total / SMS:>12.2f} {use:>9.0%}")
 
 # %% [markdown]
 # ## The paged tier against the absorbed tier
 #
 # `mla.build(weights, "paged")` puts it all together behind the common call: the projections of
 # notebook 1, `cache.append` (allocator, slot mapping, `concat_and_cache`), decode rows through
-# `mla_decode` with $W^{UK}$ absorbed into the query and $W^{UV}$ into the output, and prefill rows
-# up-projected over the gathered pages. Same weights, same inputs, against the absorbed tier:
-# a ragged prefill, then decode steps; pages of 4 tokens, handed out in a shuffled order so
-# that no sequence's pages are contiguous.
+# `mla_decode` with $W^{UK}$ absorbed into the query and $W^{UV}$ into the output. Prefill rows (more
+# than one new token) go the way `paged.prefill_path(new_len, context_len)` says: under the
+# default `prefill="auto"`, a row with fewer than `prefill_crossover` new tokens (a threshold
+# measured on an H200 by benchmarks/bench_prefill.py) attends absorbed over the gathered pages
+# too, and a longer one is up-projected over them (keys and values of the whole context, as in
+# notebook 1). `prefill="absorbed"` or `"up-project"` forces one path for every row.
+#
+# Same weights, same inputs, against the absorbed tier: a ragged prefill of at most 12 tokens,
+# then decode steps; pages of 4 tokens, handed out in a shuffled order so that no sequence's
+# pages are contiguous. 12 tokens is below the crossover, so under "auto" the prefill goes the
+# absorbed path; a second paged layer with `prefill="up-project"` runs the other path on the
+# same calls. (The absorbed tier itself up-projects prefill rows by default, so that second
+# layer's prefill is the one computed the same way as the reference.)
 
 # %%
 config = mla.MLAConfig.from_preset("tiny")
 weights = mla.MLAWeights(config, dtype=torch.float32, seed=0).requires_grad_(False)
 absorbed = mla.build(weights, "absorbed")
 paged = mla.build(weights, "paged", block_size=4, shuffle=1)
+paged_up = mla.build(weights, "paged", block_size=4, shuffle=1, prefill="up-project")
+print(f"prefill={paged.prefill!r}, prefill_crossover={paged.prefill_crossover}:",
+      {s_: paged.prefill_path(s_, 0) for s_ in (5, 9, 12, paged.prefill_crossover)})
+print(f"prefill={paged_up.prefill!r}:", {s_: paged_up.prefill_path(s_, 0) for s_ in (5, 9, 12)})
 
 b = 3
-caches = {"absorbed": absorbed.new_cache(b, 64), "paged": paged.new_cache(b, 64)}
+caches = {"absorbed": absorbed.new_cache(b, 64), "paged": paged.new_cache(b, 64),
+          "paged_up": paged_up.new_cache(b, 64)}
 gen = torch.Generator().manual_seed(2)
 calls = [(torch.randn(b, 12, config.hidden_size, generator=gen), torch.tensor([12, 5, 9]))]
 calls += [(torch.randn(b, 1, config.hidden_size, generator=gen), None) for _ in range(8)]
-worst = 0.0
+worst = {(name, step): 0.0 for name in ("paged", "paged_up") for step in ("prefill", "decode")}
 for x, lengths in calls:
+    step = "prefill" if x.shape[1] > 1 else "decode"
     y_abs = absorbed(x, caches["absorbed"], lengths)
-    y_paged = paged(x, caches["paged"], lengths)
-    worst = max(worst, float((y_paged - y_abs).abs().max() / y_abs.abs().max()))
-print(f"paged vs absorbed over 1 prefill + 8 decode steps: max relative difference {worst:.1e}")
+    for name, layer in (("paged", paged), ("paged_up", paged_up)):
+        y = layer(x, caches[name], lengths)
+        rel = float((y - y_abs).abs().max() / y_abs.abs().max())
+        worst[name, step] = max(worst[name, step], rel)
+print("paged vs absorbed, max relative difference:      the prefill   8 decode steps")
+for name, label in (("paged", "prefill='auto' (prefill absorbed)"),
+                    ("paged_up", "prefill='up-project'")):
+    print(f"  {label:34s} {worst[name, 'prefill']:>14.1e} {worst[name, 'decode']:>16.1e}")
 print("paged cache:", caches["paged"])
 print("its block table (shuffled pages)\n", caches["paged"].block_table)
 

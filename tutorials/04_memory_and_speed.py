@@ -377,10 +377,15 @@ if not others:
 # ```
 # python -m mla bench decode  --out benchmarks/results          # h200-decode.json, ~2-4 min
 # python -m mla bench decode  --out benchmarks/results --sweep  # h200-decode-sweep.json
-# python -m mla bench concat  --out benchmarks/results          # concat.json
-# python -m mla bench layer   --out benchmarks/results
-# python -m mla bench prefill --out benchmarks/results
+# python -m mla bench concat  --out /tmp/mla-gpu                # concat.json
+# python -m mla bench layer   --out /tmp/mla-gpu                # layer.json
+# python -m mla bench prefill --out /tmp/mla-gpu                # prefill.json
+# for f in concat layer prefill; do cp /tmp/mla-gpu/$f.json benchmarks/results/h200-$f.json; done
 # ```
+#
+# The concat, layer and prefill scripts write `concat.json`, `layer.json` and `prefill.json`;
+# the committed ones are named for the H200 they ran on (`benchmarks/results/h200-concat.json`,
+# `h200-layer.json`, `h200-prefill.json`), hence the copy.
 #
 # `benchmarks/gpu_suite.sh` runs them time-boxed with logs, e.g.
 # `OUT=/tmp/mla-gpu bash benchmarks/gpu_suite.sh tests decode-bench concat-bench`. Each script
