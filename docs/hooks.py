@@ -6,13 +6,18 @@ What they do, in build order:
   and the section appears when the first one lands).
 - on_files: puts tutorials/*.ipynb into the site's files, so that mkdocs-jupyter renders them
   (the notebooks live at the repository root, not under docs/).
+  It also draws the benchmark plots with matplotlib from benchmarks/results/*.json and adds
+  them as generated files (site/assets/benchmarks/*.png, never into the tree);
+  benchmark_section embeds them on the benchmarks page.
 - on_page_markdown: replaces `{{ mla: EXPR }}` or `{{ mla: EXPR | FORMAT }}` with the value of
   the Python expression EXPR, evaluated in `NAMESPACE` below (the package, its presets, the
   helpers of this file) and formatted with the format spec FORMAT (`,`, `.1%`, ...). Every number
   a page states comes from the code this way; an expression that fails stops the build. Written
   with a backslash, \\{{ mla: ... }}, it is left alone (Markdown then drops the backslash).
 - on_post_page: drops the CDN scripts (MathJax 2, require.js, mermaid) that nbconvert writes
-  into notebook pages; MathJax 3 from the site typesets notebooks as well.
+  into notebook pages; MathJax 3 from the site typesets notebooks as well. On every page it
+  marks the math in table-of-contents entries (\\(...\\) or a notebook's $...$) for MathJax,
+  which otherwise leaves the table of contents alone.
 - on_post_build: copies MathJax 3's es5 bundle (from the django-static-mathjax wheel) into
   site/assets/mathjax, so math typesets offline.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import io
 import json
 import re
 import shutil
@@ -67,6 +73,10 @@ def _namespace() -> dict:
         "crossover_table": crossover_table,
         "measured": measured,
         "measured_section": measured_section,
+        "split_rule": split_rule,
+        "split_table": split_table,
+        "default": default,
+        "default_page_tiles": default_page_tiles,
         "kib": lambda n: n / 1024,
         "mib": lambda n: n / 1024**2,
     }
@@ -76,7 +86,79 @@ def _namespace() -> dict:
         ns["decode"] = decode
     except Exception:  # noqa: BLE001 - the kernels may not import on every machine
         pass
+    from mla import parallel
+
+    ns["parallel"] = parallel
+    try:
+        from mla.paged import layer as paged_layer
+
+        ns["paged_layer"] = paged_layer
+    except Exception:  # noqa: BLE001 - as above: it imports the kernels
+        pass
     return ns
+
+
+def split_table(heads=(16, 128), batches=(1, 4, 16, 64, 132), contexts=(1024, 4096, 32768,
+                                                                          131072)) -> str:
+    """Markdown: the split counts `choose_num_kv_splits` picks on the SM count the CPU
+    interpreter assumes, over the batch at t = 4,096, then for one sequence over its length."""
+    from mla.kernels import decode
+
+    sms = decode._CPU_NUM_SMS
+    head = "| h = " + " | h = ".join(f"{h:,}" for h in heads) + " |"
+    rule = "|---:|" + "---:|" * len(heads)
+    out = ["| batch (t = 4,096) " + head, rule]
+    out += [f"| {b:,} | " + " | ".join(str(decode.choose_num_kv_splits(b, h, 4096, sms))
+                                       for h in heads) + " |" for b in batches]
+    out += ["", "| length t (batch 1) " + head, rule]
+    out += [f"| {t:,} | " + " | ".join(str(decode.choose_num_kv_splits(1, h, t, sms))
+                                       for h in heads) + " |" for t in contexts]
+    return "\n".join(out)
+
+
+def default_page_tiles() -> bool:
+    """Whether the paged tier's default page size is a multiple of the decode kernel's default
+    BLOCK_N at every head count (so the kernel reads the block table once a tile)."""
+    from mla.kernels import decode
+    from mla.paged import PagedMLA
+
+    page = default(PagedMLA, "block_size")
+    return all(page % decode.default_config(h)["BLOCK_N"] == 0 for h in (1, 16, 32, 64, 128))
+
+
+def default(obj, name: str):
+    """The default value of keyword `name` of the callable `obj` (a class: its __init__)."""
+    return inspect.signature(obj).parameters[name].default
+
+
+def split_rule():
+    """The constants of `mla.kernels.decode.choose_num_kv_splits`, read from the code: keyword
+    defaults from its signature, the rest by asking the function itself on inputs where one
+    constant decides the answer (so a page quoting them follows any change to the heuristic).
+
+    Fields: max_splits, min_tiles_per_split, programs_per_sm (the small-head-block target a SM),
+    busy (the share of the SMs' waves the 64-head rule asks for), big_block_h (the largest
+    BLOCK_H, the one the second rule is for), small_block_h (the smallest), cpu_sms (the SM count
+    the CPU interpreter assumes).
+    """
+    from types import SimpleNamespace
+
+    from mla.kernels import decode
+
+    choose = decode.choose_num_kv_splits
+    defaults = {k: v.default for k, v in inspect.signature(choose).parameters.items()}
+    big = decode.default_config(1 << 20)["BLOCK_H"]
+    small = decode.default_config(1)["BLOCK_H"]
+    huge = 1 << 30
+    # one program (batch 1, one small head block), one SM, no cap: the split count is the target
+    programs_per_sm = choose(1, small, huge, 1, max_splits=huge)
+    # one program of the big head block on 1000 SMs: the first count that keeps `busy` of them
+    # busy is busy * 1000
+    busy = choose(1, big, huge, 1000, max_splits=huge) / 1000
+    return SimpleNamespace(max_splits=defaults["max_splits"],
+                           min_tiles_per_split=defaults["min_tiles_per_split"],
+                           programs_per_sm=programs_per_sm, busy=busy, big_block_h=big,
+                           small_block_h=small, cpu_sms=decode._CPU_NUM_SMS)
 
 
 def source(dotted: str) -> str:
@@ -230,14 +312,17 @@ def measured(key: str):
 
 
 def measured_section() -> str:
-    """The absorption page's "Measured" section: from the committed decode results, or a plain
-    statement that there are none."""
+    """The absorption page's "Measured" section: from the committed decode and prefill
+    results, or a plain statement that there are none."""
     path = _decode_results()
-    if path is None:
+    if path is None and not (RESULTS / PREFILL_RESULTS).is_file():
         return ("**Not yet measured.** The GPU benchmark (`python -m mla bench`) writes "
                 "`benchmarks/results/*.json`; once a result is committed, [Kernels and "
                 "benchmarks](../benchmarks.md) shows it, and this section states the measured "
                 "ceilings from it. Nothing on this page is a measured time.")
+    if path is None:
+        return ("No decode results are committed, so this page states no measured ceilings."
+                "\n\n" + prefill_section())
     from mla.config import MLAConfig
 
     data = json.loads(path.read_text())
@@ -251,9 +336,94 @@ def measured_section() -> str:
         f"**{ridge:,.0f} FLOPs/byte**. Absorbed decode at 16 heads "
         f"({16 * per_head:,.0f} FLOPs/byte) is memory bound there, at 128 heads "
         f"({128 * per_head:,.0f}) compute bound, as the `bound` column of the decode rows on "
-        "[Kernels and benchmarks](../benchmarks.md) records. The prefill crossover has not been "
-        "timed; the FLOP count above is the only statement this page makes about it."]
+        "[Kernels and benchmarks](../benchmarks.md) records.", "", prefill_section()]
     return "\n".join(lines)
+
+
+PREFILL_RESULTS = "h200-prefill.json"
+
+
+def _prefill_crossovers(data: dict) -> dict[int, int | None]:
+    """{batch: fewest new tokens from which up-projection was faster at every larger s} from a
+    prefill result: its `measured` block ("b1": {"up_project_wins_from": 64}, ...) where it has
+    one, else worked out from its rows. None: up-projection never won for good."""
+    found: dict[int, int | None] = {}
+    for key, value in (data.get("measured") or {}).items():
+        batch = re.fullmatch(r"b(\d+)", key)
+        if batch and isinstance(value, dict) and "up_project_wins_from" in value:
+            found[int(batch.group(1))] = value["up_project_wins_from"]
+    if found:
+        return dict(sorted(found.items()))
+    by_batch: dict[int, list[dict]] = {}
+    for row in data["rows"]:
+        by_batch.setdefault(row["b"], []).append(row)
+    for b, rows in sorted(by_batch.items()):
+        rows.sort(key=lambda r: r["s"])
+        found[b] = None
+        for row in reversed(rows):  # the longest run of up-projection wins that reaches the end
+            if row["up_project_ms"] >= row["absorbed_ms"]:
+                break
+            found[b] = row["s"]
+    return found
+
+
+def prefill_section() -> str:
+    """What the committed prefill benchmark measured about the crossover, or that it has not
+    been timed (benchmarks/results/h200-prefill.json)."""
+    path = RESULTS / PREFILL_RESULTS
+    if not path.is_file():
+        return ("The prefill crossover has not been timed (no "
+                f"`benchmarks/results/{PREFILL_RESULTS}` is committed); the FLOP count above is "
+                "the only statement this page makes about it.")
+    from mla import memory
+    from mla.config import MLAConfig
+
+    data = json.loads(path.read_text())
+    preset = data.get("config", "deepseek-v3")
+    cfg = MLAConfig.from_preset(preset)
+    context = data.get("context")
+    model = data.get("model_crossover")
+    if model is None and context is not None:
+        model = memory.prefill_crossover(cfg, context)
+    crossovers = _prefill_crossovers(data)
+
+    def say(b, s):
+        who = "one sequence" if b == 1 else f"a batch of {b}"
+        return (f"from **{s:,}** new tokens on for {who}" if s is not None else
+                f"at no length measured for {who}")
+
+    found = [say(b, s) for b, s in crossovers.items()]
+    where = (f"{context:,} cached tokens" if context is not None else "a cached context")
+    out = [
+        f"The prefill crossover was timed as well, in `{path.relative_to(ROOT).as_posix()}` "
+        f"({data.get('device', 'GPU')}, {preset} sizes, {data.get('dtype', '')}, {where}; "
+        f"what was timed: `{data.get('timed', 'both prefill paths')}`). Up-projection was faster "
+        + (", ".join(found[:-1]) + " and " + found[-1] if len(found) > 1 else "".join(found))
+        + (f", where the FLOP count above puts the crossover at **{model:,}**." if model else ".")]
+    measured_lower = model and all(s is not None and s < model for s in crossovers.values())
+    if measured_lower:
+        out.append(
+            "Time crosses over earlier than FLOPs do: the absorbed path works in float32 "
+            "(`attend_absorbed` above), at \\(2 d_c + d_h^R\\) = "
+            f"{2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim:,} multiply-adds for every score (its "
+            "dot product and its share of the output), "
+            "which costs more than its FLOP count says, while the up-projection is one bf16 "
+            "GEMM, which costs less.")
+    try:
+        from mla.paged import layer as paged_layer
+    except Exception:  # noqa: BLE001 - the kernels may not import on every machine
+        paged_layer = None
+    if paged_layer is not None:
+        constant = paged_layer.PREFILL_CROSSOVER
+        same = [b for b, s in crossovers.items() if s == constant]
+        who = ("" if not same else "one sequence" if same[0] == 1 else f"a batch of {same[0]}")
+        origin = f", the measured crossover for {who}" if who else ""
+        out.append(
+            f"The paged tier's default threshold is `PREFILL_CROSSOVER` = **{constant:,}** "
+            f"(`mla/paged/layer.py`){origin}: under its default `prefill=\"auto\"`, rows with "
+            "fewer new tokens attend absorbed and longer ones up-project. "
+            "[Kernels and benchmarks](../benchmarks.md#plots) plots both paths' times.")
+    return " ".join(out)
 
 
 def benchmark_section() -> str:
@@ -264,7 +434,7 @@ def benchmark_section() -> str:
                 "    `benchmarks/results/` holds no JSON yet. The GPU benchmark "
                 "(`python -m mla bench`) writes it there; this page shows it once it is "
                 "committed. Until then nothing on this site is a measured time.")
-    parts = []
+    parts = _plots_section()
     for path in files:
         data = json.loads(path.read_text())
         parts.append(f"### `{path.relative_to(ROOT)}`\n")
@@ -290,6 +460,234 @@ def benchmark_section() -> str:
     for png in sorted(RESULTS.glob("*.png")):
         parts.append(f"![{png.name}]({png.relative_to(ROOT).as_posix()})\n")
     return "\n".join(parts)
+
+
+# ---- plots of the committed results, drawn when the site is built ---------------------------
+#
+# on_files draws one PNG per known result file with matplotlib and adds it to the site as a
+# generated file (site/assets/benchmarks/*.png; nothing is written into the tree);
+# benchmark_section embeds them, or says which file is missing. Every plot reads its file by its
+# fields (rows of dicts, as bench_*.py write them), never by position, so a rerun that rewrites a
+# file with the same schema is plotted as it is.
+
+PLOT_DIR = "assets/benchmarks"
+_PLOTS: dict[str, dict] = {}  # name -> title, caption, file, src (site path) or note
+
+
+def _tokens(t: int) -> str:
+    return f"{t // 1024}k" if t >= 1024 and t % 1024 == 0 else f"{t:,}"
+
+
+def _plain_log2(ax) -> None:
+    """A base-2 log x axis labelled 1, 4, 16, ... 4k rather than 2^0, 2^2, ..."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _tokens(int(round(v)))))
+
+
+def _figure(panels: int):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.0, 0.3 + 3.4 * panels), layout="constrained")
+    axes = fig.subplots(panels, 1, squeeze=False)[:, 0]  # stacked: the page is one column
+    for ax in axes:
+        ax.grid(True, which="major", alpha=0.3)
+    return fig, axes
+
+
+def _plot_decode(data: dict):
+    """Time against the floor, and the share of the floor, for each (b, t) shape and head count."""
+    rows = data["rows"]
+    shapes = sorted({(r["b"], r["t"]) for r in rows}, key=lambda bt: (bt[0] * bt[1], bt[0]))
+    heads = sorted({r["h"] for r in rows})
+    fig, (ax_time, ax_share) = _figure(2)
+    width = 0.8 / len(heads)
+    for k, h in enumerate(heads):
+        of_h = {(r["b"], r["t"]): r for r in rows if r["h"] == h}
+        xs = [i + (k - (len(heads) - 1) / 2) * width for i, bt in enumerate(shapes) if bt in of_h]
+        sel = [of_h[bt] for bt in shapes if bt in of_h]
+        bounds = {r.get("bound") for r in sel} - {None}
+        label = f"{h} heads" + (f" ({bounds.pop()} bound)" if len(bounds) == 1 else "")
+        color = f"C{k}"
+        ax_time.bar(xs, [r["time_us"] for r in sel], width, color=color, label=label)
+        ax_time.plot(xs, [r["floor_us"] for r in sel], linestyle="none", marker="_",
+                     markersize=60 * width, markeredgewidth=2, color="black",
+                     label="floor" if k == len(heads) - 1 else None)
+        ax_share.bar(xs, [r["share_of_floor"] for r in sel], width, color=color, label=label)
+    labels = [f"b {b}\nt {_tokens(t)}" for b, t in shapes]
+    for ax in (ax_time, ax_share):
+        ax.set_xticks(range(len(shapes)), labels)
+        ax.set_xlabel("batch b, cached tokens t (a sequence)")
+    ax_time.set_yscale("log")
+    ax_time.set_ylabel("decode step (µs), log scale")
+    ax_time.set_title("measured time and its floor")
+    ax_share.set_ylim(0, 1.05)
+    ax_share.axhline(1.0, color="black", linewidth=0.8)
+    ax_share.set_ylabel("share of floor (floor / time)")
+    ax_share.set_title("share of the floor reached")
+    ax_time.legend(fontsize=8)
+    ax_share.legend(fontsize=8)
+    return fig
+
+
+def _plot_prefill(data: dict):
+    """Both prefill paths' times against the new tokens s, and their ratio, per batch."""
+    rows = data["rows"]
+    batches = sorted({r["b"] for r in rows})
+    crossovers = _prefill_crossovers(data)
+    model = data.get("model_crossover")
+    fig, (ax_time, ax_ratio) = _figure(2)
+    for k, b in enumerate(batches):
+        sel = sorted((r for r in rows if r["b"] == b), key=lambda r: r["s"])
+        s = [r["s"] for r in sel]
+        color = f"C{k}"
+        ax_time.plot(s, [r["up_project_ms"] for r in sel], "o-", color=color, markersize=3,
+                     label=f"b {b}: up-projected")
+        ax_time.plot(s, [r["absorbed_ms"] for r in sel], "s--", color=color, markersize=3,
+                     label=f"b {b}: absorbed")
+        ax_ratio.plot(s, [r["absorbed_ms"] / r["up_project_ms"] for r in sel], "o-",
+                      color=color, markersize=3, label=f"b {b}")
+        if crossovers.get(b) is not None:
+            ax_ratio.axvline(crossovers[b], color=color, linestyle=":",
+                             label=f"b {b}: up-projection faster from s = {crossovers[b]:,}")
+    if model:
+        ax_ratio.axvline(model, color="black", linestyle="--",
+                         label=f"FLOP model's crossover, s = {model:,}")
+    ax_ratio.axhline(1.0, color="black", linewidth=0.8)
+    for ax in (ax_time, ax_ratio):
+        _plain_log2(ax)
+        ax.set_xlabel("new tokens a sequence, s"
+                      + (f" (over {data['context']:,} cached)" if "context" in data else ""))
+    ax_time.set_yscale("log")
+    ax_time.set_ylabel("prefill attention (ms), log scale")
+    ax_time.set_title("both paths")
+    ax_ratio.set_ylabel("absorbed time / up-projected time")
+    ax_ratio.set_title("above 1: up-projection is faster")
+    ax_time.legend(fontsize=7)
+    ax_ratio.legend(fontsize=7)
+    return fig
+
+
+def _plot_layer(data: dict):
+    """One layer's decode step: every `*_us` column of each row, side by side."""
+    rows = data["rows"]
+    series = list(dict.fromkeys(k for r in rows for k in r if k.endswith("_us")))
+    if not series:
+        raise ValueError("no *_us columns")
+    fig, (ax,) = _figure(1)
+    width = 0.8 / len(series)
+    for k, key in enumerate(series):
+        xs = [i + (k - (len(series) - 1) / 2) * width for i, r in enumerate(rows) if key in r]
+        ax.bar(xs, [r[key] for r in rows if key in r], width, color=f"C{k}",
+               label=key[:-3].replace("_", " "))
+    ax.set_xticks(range(len(rows)),
+                  [f"b {r['b']}" + (f"\nt {_tokens(r['t'])}" if "t" in r else "") for r in rows])
+    ax.set_xlabel("batch b, cached tokens t")
+    ax.set_ylabel("one decode step of one layer (µs)")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _plot_concat(data: dict):
+    """concat_and_cache's bandwidth against the tokens written, per cache dtype, and the copy
+    bandwidth measured in the same run."""
+    rows = data["rows"]
+    kinds = list(dict.fromkeys(r.get("kv_cache_dtype", "") for r in rows))
+    fig, (ax,) = _figure(1)
+    for k, kind in enumerate(kinds):
+        sel = sorted((r for r in rows if r.get("kv_cache_dtype", "") == kind),
+                     key=lambda r: r["tokens"])
+        ax.plot([r["tokens"] for r in sel], [r["GBps"] for r in sel], "o-", color=f"C{k}",
+                label=f"kv_cache_dtype={kind}" if kind else "concat_and_cache")
+    if "copy_GBps" in data:
+        ax.axhline(data["copy_GBps"], color="black", linestyle="--", label="device copy")
+    _plain_log2(ax)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("tokens written in one call")
+    ax.set_ylabel("GB/s (bytes read + written)")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _plot_specs() -> list[tuple[str, Path, object, str, str]]:
+    """(name, result file, drawing function, title, caption) of each plot."""
+    decode = _decode_results() or RESULTS / "h200-decode.json"
+    return [
+        ("decode", decode, _plot_decode, "Decode kernel against its floor",
+         "`mla_decode` for each shape of the run, grouped by head count. Top: the measured time "
+         "(bars, log scale) and the floor of that shape (black ticks): the larger of bytes over "
+         "the measured copy bandwidth and FLOPs over the measured matmul rate. Bottom: "
+         "`share_of_floor`, floor over time; 1 would be the ceiling."),
+        ("prefill", RESULTS / PREFILL_RESULTS, _plot_prefill, "Prefill: up-projection against "
+         "absorption", "The two paths of the paged tier's prefill for each number of new tokens "
+         "s. Top: both times. Bottom: absorbed time over up-projected time; above 1 "
+         "up-projection is faster. Dotted lines: where up-projection became faster for good in "
+         "this run; dashed: where the FLOP model puts the crossover."),
+        ("layer", RESULTS / "h200-layer.json", _plot_layer, "One layer's decode step",
+         "A whole decode step of one layer, projections included, for each batch: the absorbed "
+         "tier and the paged tier called eagerly, and the paged tier's `decode_step` eagerly "
+         "and replayed as a CUDA graph (the file's note says how each was timed)."),
+        ("concat", RESULTS / "h200-concat.json", _plot_concat, "concat_and_cache against device "
+         "copy", "The concat-and-cache kernel's bandwidth (bytes read plus bytes written over "
+         "time) for each number of tokens written in one call, for a cache in the input dtype "
+         "(`auto`) and in fp8, against the device copy bandwidth measured in the same run."),
+    ]
+
+
+def _draw_plots(config, files) -> None:
+    """Draw every plot whose result file is committed and add it to `files`; record a note for
+    the others. Fills _PLOTS."""
+    _PLOTS.clear()
+    specs = _plot_specs()
+    if not any(path.is_file() for _, path, _, _, _ in specs):
+        return
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise PluginError("matplotlib is missing: pip install matplotlib (the docs extra) to "
+                          "draw the benchmark plots") from err
+    matplotlib.rcParams.update({"font.size": 9, "axes.titlesize": 9})
+    for name, path, draw, title, caption in specs:
+        rel = path.relative_to(ROOT).as_posix()
+        entry = {"title": title, "caption": caption, "file": rel, "src": None, "note": ""}
+        _PLOTS[name] = entry
+        if not path.is_file():
+            entry["note"] = f"`{rel}` is not committed, so there is nothing to plot here."
+            continue
+        try:
+            data = json.loads(path.read_text())
+            fig = draw(data)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as err:
+            entry["note"] = (f"`{rel}` is committed but could not be plotted ({err!r}): its "
+                             "fields are not the ones this plot reads. Its tables are below.")
+            continue
+        device = data.get("device")
+        fig.suptitle(rel + (f" ({device})" if device else ""), fontsize=9)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=144, metadata={"Software": None})
+        src = f"{PLOT_DIR}/{name}.png"
+        existing = files.get_file_from_path(src)
+        if existing is not None:
+            files.remove(existing)
+        files.append(File.generated(config, src, content=buf.getvalue()))
+        entry["src"] = src
+
+
+def _plots_section() -> list[str]:
+    if not _PLOTS:
+        return []
+    parts = ["### Plots", "",
+             "Drawn with matplotlib from the committed JSON files (below) each time the site is "
+             "built; the images exist only in the built site.", ""]
+    for entry in _PLOTS.values():
+        parts.append(f"#### {entry['title']}\n")
+        if entry["src"]:
+            parts.append(f"{entry['caption']} From `{entry['file']}`.\n")
+            parts.append(f"![{entry['title']}]({entry['src']})\n")
+        else:
+            parts.append(f"!!! note \"Not plotted\"\n    {entry['note']}\n")
+    return parts
 
 
 def _cell(v) -> str:
@@ -345,6 +743,7 @@ def on_files(files, config, **kwargs):
         src = png.relative_to(ROOT).as_posix()
         if files.get_file_from_path(src) is None:
             files.append(File(src, str(ROOT), config["site_dir"], config["use_directory_urls"]))
+    _draw_plots(config, files)
     return files
 
 
@@ -385,10 +784,27 @@ def _foreign_script(match: re.Match) -> str:
     return match.group(0)
 
 
+# A table-of-contents entry: the theme writes each heading's text, tags stripped, into a span
+# with a class, which MathJax skips (mathjax.js: only .arithmatex and notebook markdown are
+# searched). Its math, \(...\) from a page or $...$ from a notebook, is wrapped the way
+# arithmatex wraps inline math, so MathJax typesets it there too.
+_TOC_ENTRY = re.compile(r'(<a href="#[^"]*" class="md-nav__link">\s*<span class="md-ellipsis">)'
+                        r"(.*?)(</span>)", re.S)
+_TOC_MATH = re.compile(r"\\\((.+?)\\\)|(?<![\\$])\$(?!\$)(.+?)(?<![\\$])\$")
+
+
+def _toc_math(match: re.Match) -> str:
+    def wrap(m: re.Match) -> str:
+        tex = m.group(1) if m.group(1) is not None else m.group(2)
+        return f'<span class="arithmatex">\\({tex}\\)</span>'
+
+    return match.group(1) + _TOC_MATH.sub(wrap, match.group(2)) + match.group(3)
+
+
 def on_post_page(output, page, config, **kwargs):
     if page.file.src_path.endswith(".ipynb"):
         output = _SCRIPT.sub(_foreign_script, output)
-    return output
+    return _TOC_ENTRY.sub(_toc_math, output)
 
 
 def on_post_build(config, **kwargs):

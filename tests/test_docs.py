@@ -170,6 +170,27 @@ def test_benchmark_page_is_honest(site):
         absorption = _text(site, "derivations/absorption")
         assert "not yet measured" not in absorption.lower()
         assert "ridge point" in absorption
+    # the plots are drawn at build time from the JSON, into the site only
+    html = (site / "benchmarks" / "index.html").read_text(encoding="utf-8")
+    names = {p.name for p in results}
+    for plot, present in (("decode", bool(decode)), ("prefill", "h200-prefill.json" in names),
+                          ("layer", "h200-layer.json" in names),
+                          ("concat", "h200-concat.json" in names)):
+        png = site / "assets" / "benchmarks" / f"{plot}.png"
+        if present:
+            assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+            assert f"assets/benchmarks/{plot}.png" in html, f"the {plot} plot is not on the page"
+        else:
+            assert not png.exists()
+    assert not list((ROOT / "docs").rglob("*.png")), "a plot was written into the tree"
+    prefill = ROOT / "benchmarks" / "results" / "h200-prefill.json"
+    absorption = _text(site, "derivations/absorption")
+    if prefill.is_file():
+        assert "has not been timed" not in absorption
+        for value in json.loads(prefill.read_text()).get("measured", {}).values():
+            assert f"from {value['up_project_wins_from']:,} new tokens on" in absorption
+    else:
+        assert "has not been timed" in absorption
 
 
 # ---- the browser --------------------------------------------------------------------------------
@@ -236,6 +257,32 @@ _VISIBLE_TEXT = """() => {
   return clone.innerText;
 }"""
 
+# TeX that reached the reader as text. Markdown eats the backslash of \[ and \( (and `_..._`
+# may become emphasis), so a display block it did not hand to arithmatex shows up as "[ q_{t,i}
+# = \operatorname{RoPE}(...) ]" in a <p>, which _RAW_TEX cannot see: the delimiters are gone,
+# the commands, sub- and superscripts are not. So every text node of the article and of the
+# table of contents outside MathJax's output and code is searched for a TeX command (a backslash
+# and two or more letters), `^{`, `_{` or a delimiter. Hidden text (a notebook cell's copy of its
+# source for the clipboard) and mkdocstrings' rendering of docstrings (which write W^{UK} as plain
+# text on purpose, for help()) are left out.
+_TEX_LEFT_IN_TEXT = r"""() => {
+  const roots = document.querySelectorAll('article, .md-sidebar--secondary');
+  const skip = 'mjx-container, pre, code, kbd, samp, script, style, textarea, .highlight, .doc';
+  const tex = /\\[A-Za-z]{2,}|[\^_]\{|\\[\[\]()]|\$\$/;
+  const found = [];
+  for (const root of roots) {
+    const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+      const parent = node.parentElement;
+      if (parent.closest(skip) || !parent.checkVisibility()) continue;
+      const text = node.data.replace(/\s+/g, ' ').trim();
+      const hit = text.match(tex);
+      if (hit) found.push(text.slice(Math.max(0, hit.index - 30), hit.index + 50));
+    }
+  }
+  return found;
+}"""
+
 _GLYPHS_DRAWN = """() => {
   const c = document.querySelector('mjx-container mjx-c');
   if (!c) return null;
@@ -298,6 +345,8 @@ def test_notebooks_render_offline_with_math(notebook_site, browser):
     assert page.locator(".jp-RenderedMarkdown mjx-container").count() == 2
     assert not _RAW_TEX.findall(page.evaluate(_VISIBLE_TEXT)), "raw TeX left in the notebook"
     assert "$" not in page.locator(".jp-RenderedMarkdown").first.inner_text()
+    left = page.evaluate(_TEX_LEFT_IN_TEXT)
+    assert not left, f"TeX left as text in the notebook or its table of contents: {left[:5]}"
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / "tutorials_probe.png"), full_page=True)
     page.close()
@@ -337,6 +386,11 @@ def test_pages_in_the_browser(site, server, browser):
             assert glyph not in (None, "none", "normal"), f"{path}: MathJax drew no glyphs"
             raw = _RAW_TEX.findall(page.evaluate(_VISIBLE_TEXT))
             assert not raw, f"{path}: raw TeX left in the text: {raw[:5]}"
+        # on every page, math or not: a page whose only display block went untypeset has no
+        # arithmatex element at all
+        left = page.evaluate(_TEX_LEFT_IN_TEXT)
+        if left:
+            problems.append(f"{path}: TeX left as text (not typeset): {left[:3]}")
         for href in page.eval_on_selector_all("a[href]", "els => els.map(e => e.href)"):
             parsed = urlparse(href)
             if href.startswith(server):
