@@ -8,7 +8,9 @@ and the bf16 matmul rate (8192^3, random data). Then, for DeepSeek-V3's cache (b
 c + r = 576, value c = 512) at each (b, t, h) of ``SHAPES``: mla_decode, plain torch (gather the
 pages, einsum, softmax, einsum) and FlashMLA / FlashInfer when they import, each the median of
 triton.testing.do_bench (which clears L2 before every call; caches under 3x L2 are also rotated
-between copies). The floor of a shape is ``max(bytes / copy_bw, FLOPs / matmul_rate)`` with
+between copies). mla_decode is timed twice: ``time_us`` replays it from a CUDA graph (the
+kernels alone, as a serving loop that captures its decode step runs them) and ``eager_us``
+calls it from Python (checks, allocation and two launches each time; ~10 us more at b <= 4). The floor of a shape is ``max(bytes / copy_bw, FLOPs / matmul_rate)`` with
 bytes = cache rows read + q + out and FLOPs = 2·b·h·t·(576 + 512). Prints a table and writes
 ``h200-decode.json`` in DESIGN.md's schema.
 
@@ -122,6 +124,27 @@ def rotating(fn, caches):
     return call
 
 
+def graphed(fn, caches):
+    """fn(cache) for each copy captured in a CUDA graph; returns a call that replays them in turn.
+
+    Replays time the kernels alone: no Python, no launch gaps between stage 1 and the merge, as
+    in a serving loop that captures its decode step (``PagedMLA.decode_step``).
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compile) outside the capture
+        for cache in caches:
+            fn(cache)
+    torch.cuda.current_stream().wait_stream(side)
+    graphs = []
+    for cache in caches:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(cache)
+        graphs.append(graph)
+    return rotating(lambda graph: graph.replay(), graphs)
+
+
 def torch_decode(q, kv_cache, block_table, seq_lens):
     """The plain-torch way: gather every sequence's pages, then dense MQA attention."""
     b, h, _ = q.shape
@@ -195,7 +218,7 @@ def run_default(out_dir):
 
     rows = []
     print(
-        f"{'b':>4} {'t':>7} {'h':>4} {'floor us':>9} {'bound':>7} {'mla us':>9} {'share':>6} "
+        f"{'b':>4} {'t':>7} {'h':>4} {'floor us':>9} {'bound':>7} {'mla us':>9} {'share':>6} {'eager us':>9} "
         f"{'torch us':>9} {'splits':>6}  err"
     )
     for b, t, h in SHAPES:
@@ -213,7 +236,8 @@ def run_default(out_dir):
         fl, bound = floor_us(b, t, h, copy_GBps, mm_TFLOPs)
         row.update(floor_us=fl, bound=bound, time_us=None, share_of_floor=None)
         try:  # a config that does not compile here is a result too: record it, time the rest
-            row["time_us"] = bench_us(rotating(ours, caches))
+            row["eager_us"] = bench_us(rotating(ours, caches))
+            row["time_us"] = bench_us(graphed(ours, caches))
             row["share_of_floor"] = fl / row["time_us"]
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -237,7 +261,8 @@ def run_default(out_dir):
         rows.append(row)
         cells = [
             f"{b:>4} {t:>7} {h:>4} {fl:>9.1f} {bound:>7}",
-            f"{row['time_us']:>9.1f} {row['share_of_floor']:>6.2f}" if row["time_us"] else f"{'error':>9} {'':>6}",
+            f"{row['time_us']:>9.1f} {row['share_of_floor']:>6.2f} {row['eager_us']:>9.1f}" if row["time_us"]
+            else f"{'error':>9} {'':>6} {'':>9}",
             f"{row['torch_us']:>9.1f}" if row.get("torch_us") else f"{'-':>9}",
             f"{splits:>6} ",
             f"{row['max_rel_err_vs_torch']:.1e}" if "max_rel_err_vs_torch" in row else row.get("error", "-"),
@@ -394,10 +419,81 @@ VARIANTS = [  # v3, on default_config of today (16 h: BLOCK_N 64, 8 warps, 3 sta
     ("128h-splits", {}, [(2, 65536, 128)], [32, 60], "32 ~5% faster than 30 (v1 sweep)"),
 ]
 
+VARIANTS_V3 = VARIANTS
+A128, B128, D128, F128 = (64, 4096, 128), (128, 8192, 128), (2, 65536, 128), (1, 32768, 128)
+# v4, on default_config of today: 16 h BLOCK_N 64, 4 warps, 3 stages, ~2 programs an SM, cap 64;
+# the merge reads all splits of a chunk of c in one load (was a loop over the splits)
+VARIANTS = [
+    ("16h-swap", {"SWAP_AB": True}, [A16, B16, D16, F16], None,
+     "wgmma (64-row tiles) instead of mma.sync: 15-30% faster if the tile stays pipelined"),
+    ("16h-swap-s2", {"SWAP_AB": True, "num_stages": 2}, [A16, B16], None, "within 5% of swap s3"),
+    ("16h-swap-w8", {"SWAP_AB": True, "num_warps": 8}, [A16, B16], None,
+     "two warpgroups halve the acc^T rows each: faster than swap w4 if registers spill at w4"),
+    ("128h-swap", {"SWAP_AB": True}, [A128, B128, D128], None,
+     "q^T from shared memory frees ~70 registers a thread: fewer spills, 10-30% faster"),
+    ("128h-swap-n32-s3", {"SWAP_AB": True, "BLOCK_N": 32, "num_stages": 3}, [A128, D128], None,
+     "smaller tiles, deeper pipeline: within 10% of swap n64 s2"),
+    ("v4-16h-w8-old-default", {"num_warps": 8}, [A16, B16, D16], None,
+     "8 warps ~20% slower than 4 (v3: 146 vs 116 at 64x4096)"),
+    ("v4-16h-splits", {}, [A16], [8], "8 splits (old 4-an-SM rule) ~8% slower than auto (4)"),
+    ("v4-16h-splits", {}, [B16], [4], "4 splits within 3% of auto (2)"),
+    ("v4-16h-splits", {}, [D16, F16], [32, 128],
+     "with the one-load merge, 128 splits beat 64 (auto) at b <= 2: every SM reads"),
+    ("v4-128h-splits", {}, [D128, F128], [16, 64, 120],
+     "with the one-load merge more splits stop costing: 60-120 within 10% of the best"),
+]
+# ran once (results/h200-decode-variants-v4.json) on a kernel with a SWAP_AB option (the products
+# transposed so a 16-head block uses wgmma); it lost everywhere and was removed (NOTES.md)
+VARIANTS_V4 = VARIANTS
+# v5, on the same defaults: 16-head tiles and stages at 4 warps, split counts around the rule
+VARIANTS = [
+    ("16h-n32-w4-s3", {"BLOCK_N": 32, "num_stages": 3}, [A16, B16], None,
+     "half the B-fragment registers of n64: no spills; within 10% of n64 s3"),
+    ("16h-n32-w4-s4", {"BLOCK_N": 32, "num_stages": 4}, [A16, B16], None, "within 5% of n32 s3"),
+    ("16h-n32-w4-s5", {"BLOCK_N": 32, "num_stages": 5}, [A16, B16], None, "within 5% of n32 s3"),
+    ("16h-n64-w4-s2", {"num_stages": 2}, [A16, B16], None, "5-10% slower than s3 (one tile in flight)"),
+    ("16h-n16-w4-s6", {"BLOCK_N": 16, "num_stages": 6}, [A16, B16], None, "slower: 4x the loop trips of n64"),
+    ("16h-splits", {}, [A16], [2, 3, 5, 6], "4 (auto) within 5% of the best"),
+    ("16h-splits", {}, [B16, C16], [1, 3], "2 (auto) within 5% of the best"),
+    ("16h-w8-small-b", {"num_warps": 8}, [D16, E16, F16], None,
+     "one program an SM: 8 warps hide more latency than 4; faster than w4 at b <= 4"),
+    ("16h-w8-small-b", {"num_warps": 8}, [D16, F16], [128], "v3 (w8, 128 splits): 101 / 49 us"),
+]
+
+
+def kernel_stats(jit_fn, seen: set) -> list[dict]:
+    """Registers, spills, shared memory and instruction mix of kernels jit_fn compiled since last asked.
+
+    Reads Triton's in-memory kernel cache (its layout differs between versions, so searched
+    loosely); each CompiledKernel is reported once, keyed by id in ``seen``.
+    """
+    import re
+
+    found = []
+    for cache in getattr(jit_fn, "device_caches", {}).values():
+        for part in cache if isinstance(cache, tuple) else (cache,):
+            if isinstance(part, dict):
+                found += [k for k in part.values() if hasattr(k, "asm")]
+    stats = []
+    for k in found:
+        if id(k) in seen:
+            continue
+        seen.add(id(k))
+        ptx = k.asm.get("ptx", "")
+        stats.append(dict(
+            n_regs=getattr(k, "n_regs", None), n_spills=getattr(k, "n_spills", None),
+            shared=k.metadata.shared, num_warps=k.metadata.num_warps, num_stages=k.metadata.num_stages,
+            wgmma=len(re.findall(r"wgmma.mma_async", ptx)), mma_sync=len(re.findall(r"\bmma.sync", ptx)),
+            cp_async=len(re.findall(r"cp.async.(?:ca|cg)", ptx)), tma=len(re.findall(r"cp.async.bulk.tensor", ptx)),
+        ))
+    return stats
+
+
 def run_variants(out_dir, budget_s):
-    from mla.kernels.decode import choose_num_kv_splits, default_config, mla_decode
+    from mla.kernels.decode import _mla_decode_split_kernel, choose_num_kv_splits, default_config, mla_decode
 
     t0 = time.time()
+    seen = set()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = sorted({shape for _, _, shs, _, _ in VARIANTS for shape in shs})
     inputs = {}
@@ -422,7 +518,8 @@ def run_variants(out_dir, budget_s):
                         num_kv_splits=splits, _config=overrides,
                     )
                     row["time_us"] = bench_us(fn, warmup_ms=5, rep_ms=30)
-                    msg = str(config)
+                    row["compiled"] = kernel_stats(_mla_decode_split_kernel, seen)
+                    msg = str(config) + (f" {row['compiled']}" if row["compiled"] else "")
                 except Exception as e:  # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {e}"[:200]
                     msg = row["error"][:100]

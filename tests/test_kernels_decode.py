@@ -158,6 +158,13 @@ def test_split_tail(split_tail):
     assert_matches(*out, case["seq_lens"], TOL[torch.float32])
 
 
+def test_merge_many_splits_in_chunks():
+    # 100 splits: the merge reads (128 splits x 32 columns) a program, so c = 64 takes two
+    # chunks; most splits of the short rows are empty
+    case = make_case([3, 150, 1600], heads=3, c=64, r=16, block_size=16, seed=13)
+    assert_matches(*run_both(case, num_kv_splits=100), case["seq_lens"], TOL[torch.float32])
+
+
 @pytest.mark.parametrize("heads, block_h", [(3, 16), (20, 16), (20, 32), (3, 64)])
 def test_padded_head_blocks(heads, block_h):
     # heads not a multiple of BLOCK_H: the last head block is part padding
@@ -222,10 +229,11 @@ def test_choose_num_kv_splits():
     # 64-head blocks, small batch: the first count that keeps >= 90% of 132 SMs busy
     assert choose_num_kv_splits(1, 128, 32_768, 132) == 60  # 2 head blocks x 60 splits: 91%
     assert choose_num_kv_splits(4, 128, 131_072, 132) == 15  # 8 x 15 = 120 programs
-    # 16-head blocks (memory bound): about 4 programs an SM, the nearest split count
-    assert choose_num_kv_splits(64, 16, 4096, 132) == 8  # 512 programs (sweep v1's best)
-    assert choose_num_kv_splits(128, 16, 8192, 132) == 4
-    assert choose_num_kv_splits(528, 16, 100_000, 132) == 1  # already 4 an SM
+    # 16-head blocks (memory bound): about 2 programs an SM, the nearest split count
+    assert choose_num_kv_splits(64, 16, 4096, 132) == 4  # 256 programs (H200: 102 us vs 125 at 8)
+    assert choose_num_kv_splits(128, 16, 8192, 132) == 2
+    assert choose_num_kv_splits(64, 16, 4096, 132, programs_per_sm=4) == 8
+    assert choose_num_kv_splits(264, 16, 100_000, 132) == 1  # already 2 an SM
     assert choose_num_kv_splits(2000, 16, 100_000, 132) == 1
     # one sequence, long: capped at max_splits
     assert choose_num_kv_splits(1, 16, 131_072, 132) == 128

@@ -41,7 +41,7 @@ Blocked pseudo-code of stage 1, one program per (sequence i, head block, split):
         m = m_new
     partial_out = acc / l ;  partial_lse = m + log(l)                (-inf for an empty split)
 
-Stage 2, one program per (sequence, head): ``lse = logsumexp_s(partial_lse[s])``,
+Stage 2, one program per (sequence, head, chunk of c): ``lse = logsumexp_s(partial_lse[s])``,
 ``out = sum_s exp(partial_lse[s] - lse) * partial_out[s]``.
 
 The exponentials run in base 2 (``exp2``, the cheap instruction), with the scale folded into
@@ -68,6 +68,7 @@ __all__ = [
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
 _LN2 = 0.6931471805599453  # ln(2):    log(x) = log2(x) * ln(2)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MERGE_TILE = 4096  # partial-output values one merge program reads (splits x chunk of c)
 _CPU_NUM_SMS = 132  # an H100/H200's SM count, so CPU runs choose the splits a GPU would
 
 
@@ -253,7 +254,7 @@ def _mla_decode_split_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage 2: one program per (sequence, head) merges the splits by log-sum-exp
+# Stage 2: one program per (sequence, head, chunk of c) merges the splits by log-sum-exp
 # ---------------------------------------------------------------------------------------------
 
 
@@ -273,35 +274,43 @@ def _mla_decode_merge_kernel(
     stride_ob, stride_oh,
     stride_lb, stride_lh,
     # meta-parameters
-    BLOCK_C: tl.constexpr,
+    BLOCK_C: tl.constexpr,  # the chunk of c this program merges
     BLOCK_S: tl.constexpr,  # next_power_of_2(num_splits)
 ):
+    # All splits' partials of the chunk are read in one (BLOCK_S, BLOCK_C) load, so every load is
+    # in flight at once, and the chunks of c are separate programs, so even one sequence fills
+    # the GPU. The loop over splits this replaced took 15 us at (1, 32768, 16 heads) with 128
+    # splits against 2.6 us now (H200, benchmarks/NOTES.md).
     pid_b = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
+    pid_c = tl.program_id(2)
 
-    # ---- the global max over the splits' lse; subtracted so no exp overflows
+    # ---- weights exp(lse_s - m), m the max over the splits so no exp overflows
     offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < num_splits
     lse_row = part_lse_ptr + pid_b * stride_plb + pid_h * stride_plh
-    lse_parts = tl.load(lse_row + offs_s * stride_pls, mask=offs_s < num_splits, other=float("-inf"))
+    lse_parts = tl.load(lse_row + offs_s * stride_pls, mask=mask_s, other=float("-inf"))
     m = tl.max(lse_parts, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights exp(-inf) = 0, no NaN
-    total = tl.sum(tl.exp(lse_parts - m), 0)
+    weights = tl.exp(lse_parts - m)  # (BLOCK_S,); 0 for empty and padding splits
+    total = tl.sum(weights, 0)
 
-    # ---- out = sum_s exp(lse_s - m) * out_s / total
-    offs_c = tl.arange(0, BLOCK_C)
+    # ---- out = sum_s weight_s * out_s / total over this chunk of c
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < kv_lora_rank
     out_row = part_out_ptr + pid_b * stride_pob + pid_h * stride_poh
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for split in range(0, num_splits):
-        weight = tl.exp(tl.load(lse_row + split * stride_pls) - m)
-        acc += weight * tl.load(out_row + split * stride_pos + offs_c, mask=mask_c, other=0.0)
+    parts = tl.load(
+        out_row + offs_s[:, None] * stride_pos + offs_c[None, :], mask=mask_s[:, None] & mask_c[None, :], other=0.0
+    )  # (BLOCK_S, BLOCK_C)
+    acc = tl.sum(parts * weights[:, None], 0)
 
     nonempty = total > 0.0
     total_safe = tl.where(nonempty, total, 1.0)
     out = acc / total_safe
-    lse = tl.where(nonempty, m + tl.log(total_safe), float("-inf"))
     tl.store(out_ptr + pid_b * stride_ob + pid_h * stride_oh + offs_c, out.to(out_ptr.dtype.element_ty), mask=mask_c)
-    tl.store(lse_ptr + pid_b * stride_lb + pid_h * stride_lh, lse)
+    if pid_c == 0:
+        lse = tl.where(nonempty, m + tl.log(total_safe), float("-inf"))
+        tl.store(lse_ptr + pid_b * stride_lb + pid_h * stride_lh, lse)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,15 +329,16 @@ def default_config(num_heads: int) -> dict:
     are the grid's fastest dimension, so the head blocks of one sequence run at the same time
     and share its tiles through L2. ``SPLIT_TAIL``: whole tiles run without token masks, the
     split's partial last tile separately. Chosen from the H200 runs (``benchmarks/NOTES.md``):
-    16-head blocks ``BLOCK_N 64, 8 warps, 3 stages``; 64-head blocks ``BLOCK_N 64, 8 warps,
-    2 stages``; 32-head blocks (not measured) ``BLOCK_N 32, 8 warps, 2 stages``. For caches of
+    16-head blocks ``BLOCK_N 64, 4 warps, 3 stages`` (20-30% faster than 8 warps at large
+    batch); 64-head blocks ``BLOCK_N 64, 8 warps, 2 stages``; 32-head blocks (not measured)
+    ``BLOCK_N 32, 8 warps, 2 stages``. For caches of
     more than 2 bytes a value ``mla_decode`` lowers stages and tile to fit shared memory.
     """
     block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
     if block_h >= 64:
         tile = {"BLOCK_H": block_h, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
     elif block_h == 16:
-        tile = {"BLOCK_H": block_h, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+        tile = {"BLOCK_H": block_h, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     else:
         tile = {"BLOCK_H": block_h, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     return dict(tile, PAGE_TILE=True, HEAD_MAJOR=True, SPLIT_TAIL=True)
@@ -371,9 +381,9 @@ def choose_num_kv_splits(
 
     - Small head blocks (``block_h < 64``, the memory-bound case: a program's tile is small and
       several programs share an SM, each with its loads in flight) aim for
-      ``programs_per_sm`` (4) x ``num_sms`` programs: the split count nearest to that, at
-      least 1. On an H200 (64, 4096, 16) ran 156 us at 8 splits (512 programs)
-      and 169-201 us at 2 (128 programs).
+      ``programs_per_sm`` (2) x ``num_sms`` programs: the split count nearest to that, at
+      least 1. On an H200 (64, 4096, 16) ran 102 us at 4 splits (256 programs), 125 at 8 and
+      142 at 2.
     - Big head blocks (``block_h = 64``, compute bound, one program an SM): 1 if ``P`` covers
       ``num_sms``; otherwise the smallest split count ``s`` whose ``P * s`` programs keep >= 90%
       of the SMs busy over all their waves (``P*s / (ceil(P*s / num_sms) * num_sms)``; e.g.
@@ -390,7 +400,9 @@ def choose_num_kv_splits(
         num_sms: the device's streaming multiprocessors
             (``torch.cuda.get_device_properties(d).multi_processor_count``).
         block_h, block_n: the stage-1 tile; ``default_config(heads)``'s when None.
-        programs_per_sm: the small-head-block target; None: 4.
+        programs_per_sm: the small-head-block target; None: 2.
+        max_splits: the cap; 128, where (1, 32768, 16) and (2, 65536, 16) ran 18-22% faster
+            than at 64 once the merge read all splits in one load.
     Returns:
         An int in ``[1, max_splits]``.
     """
@@ -402,7 +414,7 @@ def choose_num_kv_splits(
         return 1
     most = max(1, min(max_splits, max_seq_len // (min_tiles_per_split * block_n)))
     if block_h < 64:
-        target = (4 if programs_per_sm is None else programs_per_sm) * num_sms
+        target = (2 if programs_per_sm is None else programs_per_sm) * num_sms
         return max(1, min(most, (target + programs // 2) // programs))  # nearest count
     if programs >= num_sms:
         return 1
@@ -608,16 +620,18 @@ def mla_decode(
         num_stages=config["num_stages"],
     )
     if num_kv_splits > 1:
-        _mla_decode_merge_kernel[(b, h)](
+        block_s = triton.next_power_of_2(num_kv_splits)
+        merge_block_c = max(16, min(block_c, _MERGE_TILE // block_s))  # <= 4096 partials a program
+        _mla_decode_merge_kernel[(b, h, triton.cdiv(c, merge_block_c))](
             part_out, part_lse, out, lse,
             c, num_kv_splits,
             *part_out_strides,
             *part_lse_strides,
             out.stride(0), out.stride(1),
             lse.stride(0), lse.stride(1),
-            BLOCK_C=triton.next_power_of_2(c),
-            BLOCK_S=triton.next_power_of_2(num_kv_splits),
-            num_warps=4 if c >= 256 else 1,
+            BLOCK_C=merge_block_c,
+            BLOCK_S=block_s,
+            num_warps=4,
         )
     return out, lse
 
