@@ -201,7 +201,7 @@ OTHERS = {"flashmla": flashmla_fn, "flashinfer": flashinfer_fn}
 # ---------------------------------------------------------------------------------------------
 
 
-def run_default(out_dir):
+def run_default(out_dir, overrides=None, out_name="h200-decode.json"):
     from mla.kernels.decode import choose_num_kv_splits, default_config, mla_decode
 
     t0 = time.time()
@@ -224,12 +224,13 @@ def run_default(out_dir):
     for b, t, h in SHAPES:
         copies = rotation_copies(b, t)
         q, caches, block_table, seq_lens = make_inputs(b, t, h, copies=copies)
-        config = default_config(h)
+        config = dict(default_config(h), **(overrides or {}))
         splits = choose_num_kv_splits(b, h, t, num_sms, block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
 
         def ours(cache):
             return mla_decode(
-                q, cache, block_table, seq_lens, kv_lora_rank=C, softmax_scale=SCALE, num_kv_splits=splits
+                q, cache, block_table, seq_lens, kv_lora_rank=C, softmax_scale=SCALE, num_kv_splits=splits,
+                _config=overrides,
             )
 
         row = dict(b=b, t=t, h=h, page=PAGE, config=dict(config, num_kv_splits=splits), copies=copies)
@@ -282,7 +283,9 @@ def run_default(out_dir):
         wall_s=time.time() - t0,
         rows=rows,
     )
-    write_json(out_dir, "h200-decode.json", result)
+    if overrides:
+        result["overrides"] = overrides
+    write_json(out_dir, out_name, result)
     print(f"done in {time.time() - t0:.0f} s")
 
 
@@ -459,6 +462,21 @@ VARIANTS = [
      "one program an SM: 8 warps hide more latency than 4; faster than w4 at b <= 4"),
     ("16h-w8-small-b", {"num_warps": 8}, [D16, F16], [128], "v3 (w8, 128 splits): 101 / 49 us"),
 ]
+VARIANTS_V5 = VARIANTS  # results/h200-decode-variants-v5.json
+# v6 (results/h200-decode-variants-v6.json) ran on a kernel with a TMA option: whole tiles by
+# tensor descriptor instead of pointer loads. Correct and memcheck-clean, but 16 heads lost
+# 50-70% and 128 heads gained 1-2%, so the option was removed (NOTES.md); kept as the record.
+VARIANTS_V6 = [
+    ("16h-tma", {"TMA": True}, [A16, B16, C16, D16, F16], None,
+     "no per-element addresses in registers (255 -> <200, no spills): 10-25% faster at 16 h"),
+    ("16h-tma-s2", {"TMA": True, "num_stages": 2}, [A16, B16], None, "within 5% of tma s3"),
+    ("16h-tma-s4", {"TMA": True, "num_stages": 4}, [A16, B16], None, "may not fit; else within 5%"),
+    ("16h-tma-w8", {"TMA": True, "num_warps": 8}, [A16, B16], None, "slower than w4, as without TMA"),
+    ("128h-tma", {"TMA": True}, [A128, B128, D128], None, "within 10% (compute bound)"),
+    ("128h-tma-s3-n32", {"TMA": True, "BLOCK_N": 32, "num_stages": 3}, [A128, D128], None,
+     "deeper pipeline fits with TMA's smaller footprint: within 10% of n64 s2"),
+]
+VARIANTS = VARIANTS_V5  # --variants reruns v5 on today's kernel
 
 
 def kernel_stats(jit_fn, seen: set) -> list[dict]:
@@ -550,6 +568,9 @@ def main(argv=None):
     parser.add_argument("--sweep", action="store_true", help="time a grid of kernel configs instead")
     parser.add_argument("--variants", action="store_true", help="time the VARIANTS list instead")
     parser.add_argument("--budget-s", type=float, default=240, help="sweep: stop starting configs after this")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="default run: override a default_config key (int or true/false), to try a "
+                             "candidate default at every shape; writes h200-decode-candidate.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_decode: needs a CUDA GPU")
@@ -558,6 +579,14 @@ def main(argv=None):
         run_variants(args.out, args.budget_s)
     elif args.sweep:
         run_sweep(args.out, args.budget_s)
+    elif args.set:
+        overrides = {}
+        for item in args.set:
+            key, _, value = item.partition("=")
+            overrides[key] = {"true": True, "false": False}.get(value.lower(), value)
+            if isinstance(overrides[key], str):
+                overrides[key] = int(value)
+        run_default(args.out, overrides, "h200-decode-candidate.json")
     else:
         run_default(args.out)
 
