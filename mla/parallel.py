@@ -142,6 +142,10 @@ def _rank(rank: int, fn: Callable[..., Any], world_size: int, address: str, back
         raise
     dist.destroy_process_group()
     queue.put((rank, True, value))
+    # Leave without the interpreter's teardown: gloo's worker threads can still be winding down
+    # then, and destroying them during finalisation aborted a rank now and then ("terminate
+    # called without an active exception", SIGABRT) after its result was already sent.
+    os._exit(0)
 
 
 # ---- python -m mla demo --tp N --------------------------------------------------------------
