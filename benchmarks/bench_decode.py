@@ -582,7 +582,9 @@ def main(argv=None):
     elif args.set:
         overrides = {}
         for item in args.set:
-            key, _, value = item.partition("=")
+            key, eq, value = item.partition("=")
+            if not eq or not value:
+                parser.error(f"--set takes KEY=VALUE, got {item!r}")
             overrides[key] = {"true": True, "false": False}.get(value.lower(), value)
             if isinstance(overrides[key], str):
                 overrides[key] = int(value)

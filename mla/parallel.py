@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -141,10 +142,13 @@ def _rank(rank: int, fn: Callable[..., Any], world_size: int, address: str, back
         queue.put((rank, False, traceback.format_exc()))
         raise
     dist.destroy_process_group()
-    queue.put((rank, True, value))
     # Leave without the interpreter's teardown: gloo's worker threads can still be winding down
     # then, and destroying them during finalisation aborted a rank now and then ("terminate
-    # called without an active exception", SIGABRT) after its result was already sent.
+    # called without an active exception", SIGABRT) after its result was already sent. What
+    # the teardown would have flushed (a rank's block-buffered prints to a pipe) is flushed here.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    queue.put((rank, True, value))
     os._exit(0)
 
 

@@ -279,8 +279,12 @@ def test_launch_reports_a_failing_rank():
         parallel.launch(_fails_on_rank_1, 2)
 
 
-def test_demo_tp_2(tmp_path, capfd):
+def test_demo_tp_2(tmp_path, capfd, monkeypatch):
     from mla.__main__ import main
+
+    # ranks inherit the environment: without PYTHONUNBUFFERED their stdout is block-buffered
+    # into the pipe, so rank 0's table shows only if the rank flushes before it leaves
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
 
     out = tmp_path / "demo.json"
     main(["demo", "--preset", "tiny", "--tp", "2", "--batch", "3", "--prompt-len", "8",
