@@ -280,7 +280,7 @@ def _mla_decode_merge_kernel(
     # All splits' partials of the chunk are read in one (BLOCK_S, BLOCK_C) load, so every load is
     # in flight at once, and the chunks of c are separate programs, so even one sequence fills
     # the GPU. The loop over splits this replaced took 15 us at (1, 32768, 16 heads) with 128
-    # splits against 2.6 us now (H200, benchmarks/NOTES.md).
+    # splits against 2.6 us now (H200, benchmarks/results/h200-decode-merge-probe.json).
     pid_b = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     pid_c = tl.program_id(2)
@@ -401,8 +401,9 @@ def choose_num_kv_splits(
             (``torch.cuda.get_device_properties(d).multi_processor_count``).
         block_h, block_n: the stage-1 tile; ``default_config(heads)``'s when None.
         programs_per_sm: the small-head-block target; None: 2.
-        max_splits: the cap; 128, where (1, 32768, 16) and (2, 65536, 16) ran 18-22% faster
-            than at 64 once the merge read all splits in one load.
+        max_splits: the cap; 128, where (1, 32768, 16) and (2, 65536, 16) ran 17-18% faster
+            than at 64 once the merge read all splits in one load (eager calls on an H200,
+            ``benchmarks/results/h200-decode-merge-probe.json``).
     Returns:
         An int in ``[1, max_splits]``.
     """
