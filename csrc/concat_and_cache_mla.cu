@@ -2,18 +2,27 @@
 //
 // Goal: run at copy bandwidth. Each token moves (c + r) values (576 for DeepSeek: 1152 bytes in
 // bf16) from two strided input rows to one cache row picked by slot_mapping; there is no reuse,
-// so the kernel is a gather-free scatter whose only job is to keep enough bytes in flight.
+// so the kernel is a scatter whose only job is to keep enough bytes in flight.
 //
 // Work split: one thread per VEC-wide vector of a row (VEC * sizeof(in) = 16 bytes when the
-// pointers and strides allow, else VEC = 1). A row of 576 bf16 values is 72 vectors; thread k of
-// the grid takes vector k % 72 of token k / 72, so a warp covers consecutive vectors of one or
-// two tokens (coalesced), every launched thread moves 16 bytes and no lane idles at a row's end
-// (one block or one warp per token would leave 56 of 128 lanes idle in its last pass).
+// pointers and strides allow, else VEC = 1), in 2-D blocks of (vectors a row) x (rows). A row of
+// 576 bf16 values is 72 vectors, so a block is 72 x 4 threads moving 4 rows: thread (j, y) of
+// block k moves vector j of token 4k + y. Token and vector are the block and thread indices, no
+// division; a warp moves consecutive vectors of one or two rows (coalesced) and no lane idles
+// at a row's end. Rows of more than 1024 vectors take several blocks side by side (grid y).
 //
 //   for each thread (token i, vector j):
-//     x     = j < c / VEC ? kv_c[i, j*VEC : j*VEC+VEC] : k_pe[i, j*VEC-c : ...]   (load first)
-//     slot  = slot_mapping[i];  if slot < 0 or slot >= num_slots: done            (-1 = skip)
+//     x, slot = the vector j of [kv_c[i] | k_pe[i]], slot_mapping[i]     (both loads in flight)
+//     if slot < 0 or slot >= num_slots: done                            (-1 = skip)
 //     kv_cache_flat[slot * (c + r) + j*VEC : ... + VEC] = q(x)
+//
+// Measured on an H200 (bf16, random slots; benchmarks/probe_concat.py and bench_concat.py,
+// results/h200-concat-probe.json and h200-concat.json): the first kernel (one flat index split
+// into token and vector by a 64-bit division, and the input load sunk below the slot test by the
+// compiler) ran at 0.72 / 0.78 of copy bandwidth at 64k / 256k tokens; this layout with both
+// loads in flight at 0.82 / 0.87 in the probe. Moving 2, 4 or 8 rows a thread (more loads in
+// flight before the first store) changed nothing (within 1%); streaming cache hints
+// (ld/st.global.cs) cost 5%.
 //
 // q is a bit copy (kv_cache_dtype "auto") or e4m3(clamp(x / scale, -448, 448)) ("fp8"): the
 // division is IEEE (no fast-math), and __NV_SATFINITE clamps to +-448 while keeping NaN as NaN,
@@ -29,6 +38,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -46,6 +56,7 @@ template <typename bits_t>
 struct CopyBits {
   using in_t = bits_t;
   using cache_t = bits_t;
+  CopyBits() = default;
   __device__ explicit CopyBits(const float*) {}
   __device__ bits_t operator()(bits_t x) const { return x; }
 };
@@ -60,6 +71,7 @@ struct QuantizeE4M3 {
   using in_t = input_t;
   using cache_t = __nv_fp8_storage_t;  // the e4m3 byte
   float scale;
+  QuantizeE4M3() = default;
   __device__ explicit QuantizeE4M3(const float* scale_ptr) : scale(*scale_ptr) {}
   __device__ cache_t operator()(in_t x) const {
     return __nv_cvt_float_to_fp8(to_float(x) / scale, __NV_SATFINITE, __NV_E4M3);
@@ -81,43 +93,38 @@ __global__ void concat_and_cache_mla_kernel(
   using in_vec = Vec<typename Q::in_t, VEC>;
   using cache_vec = Vec<typename Q::cache_t, VEC>;
 
-  // ---- which (token, vector) this thread moves
-  const int64_t vecs_per_row = (kv_lora_rank + rope_dim) / VEC;
-  const int64_t total = num_tokens * vecs_per_row;
-  const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (k >= total) return;
-  int64_t token, j;
-  if (total <= UINT32_MAX) {  // uniform branch: 32-bit division is several times cheaper
-    const uint32_t k32 = static_cast<uint32_t>(k), n32 = static_cast<uint32_t>(vecs_per_row);
-    token = k32 / n32;
-    j = k32 - static_cast<uint32_t>(token) * n32;
-  } else {
-    token = k / vecs_per_row;
-    j = k - token * vecs_per_row;
-  }
+  // ---- which (token, vector) this thread moves: block (x, y) = (vector, row), grid (rows, vectors)
+  const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   const int64_t e = j * VEC;  // first element of this vector in the row [kv_c | k_pe]
 
-  // ---- load the inputs before the slot, so the two loads are in flight together
+  // ---- load the input and the slot together, then test the slot. Written this way (both loads
+  // in one block, the slot -1 otherwise) the compiler issues the two loads back to back; with
+  // the slot test between them it sank the input load below the test, so each thread waited
+  // for slot_mapping before asking for its input: two round trips to memory in a row (SASS of
+  // the first kernel; 0.72 of copy bandwidth at 64k tokens against 0.82).
   in_vec x;
-  if (e < kv_lora_rank) {
-    x = *reinterpret_cast<const in_vec*>(kv_c + token * stride_kv_c + e);
-  } else {
-    x = *reinterpret_cast<const in_vec*>(k_pe + token * stride_k_pe + (e - kv_lora_rank));
+  int64_t slot = -1;
+  Q q;  // fp8: the scale is a third load, issued with the other two
+  if (token < num_tokens && e < kv_lora_rank + rope_dim) {
+    x = *reinterpret_cast<const in_vec*>(e < kv_lora_rank ? kv_c + token * stride_kv_c + e
+                                                          : k_pe + token * stride_k_pe + (e - kv_lora_rank));
+    slot = slot_mapping[token];
+    q = Q(scale);
   }
-  const int64_t slot = slot_mapping[token];
-  // -1 is padding; slots past the cache are rejected by the Python wrapper, skipped here so that
-  // a caller of torch.ops.mla that skips validation cannot write out of bounds.
+  // -1 is padding (and the spare threads of the last blocks); slots past the cache are rejected
+  // by the Python wrapper, skipped here so a caller of torch.ops.mla that skips validation
+  // cannot write out of bounds.
   if (slot < 0 || slot >= num_slots) return;
 
   // ---- quantise (or copy) and store into the contiguous cache row of this slot
-  const Q q(scale);
   cache_vec y;
 #pragma unroll
   for (int t = 0; t < VEC; ++t) y.v[t] = q(x.v[t]);
   *reinterpret_cast<cache_vec*>(kv_cache + slot * (kv_lora_rank + rope_dim) + e) = y;
 }
 
-constexpr int kThreads = 256;
+constexpr int64_t kThreads = 288;  // 4 rows of 72 vectors (576 bf16 values)
 
 template <typename Q>
 void launch(const at::Tensor& kv_c, const at::Tensor& k_pe, at::Tensor& kv_cache,
@@ -140,18 +147,22 @@ void launch(const at::Tensor& kv_c, const at::Tensor& k_pe, at::Tensor& kv_cache
                       stride_kv_c % kVec == 0 && stride_k_pe % kVec == 0 &&
                       aligned(kv_c_ptr, 16) && aligned(k_pe_ptr, 16) &&
                       aligned(cache_ptr, kVec * sizeof(cache_t));
-  const int64_t vecs = a.num_tokens * (a.kv_lora_rank + a.rope_dim) / (vec_ok ? kVec : 1);
-  const int64_t blocks = (vecs + kThreads - 1) / kThreads;
+  // block: (vectors a row, capped at 1024) x (rows), about kThreads threads: 72 x 4 at c + r = 576
+  const int64_t vecs_per_row = (a.kv_lora_rank + a.rope_dim) / (vec_ok ? kVec : 1);
+  const dim3 block(static_cast<unsigned>(std::min<int64_t>(vecs_per_row, 1024)),
+                   static_cast<unsigned>(std::max<int64_t>(1, kThreads / vecs_per_row)));
+  const int64_t blocks = (a.num_tokens + block.y - 1) / block.y;
   TORCH_CHECK(blocks <= INT32_MAX, "concat_and_cache_mla: too many tokens for one launch");
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>((vecs_per_row + block.x - 1) / block.x));
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
   if (vec_ok) {
-    concat_and_cache_mla_kernel<Q, kVec><<<blocks, kThreads, 0, stream>>>(
+    concat_and_cache_mla_kernel<Q, kVec><<<grid, block, 0, stream>>>(
         kv_c_ptr, k_pe_ptr, cache_ptr, slots, scale, a.num_tokens, a.kv_lora_rank, a.rope_dim,
         a.num_slots, stride_kv_c, stride_k_pe);
   } else {
-    concat_and_cache_mla_kernel<Q, 1><<<blocks, kThreads, 0, stream>>>(
+    concat_and_cache_mla_kernel<Q, 1><<<grid, block, 0, stream>>>(
         kv_c_ptr, k_pe_ptr, cache_ptr, slots, scale, a.num_tokens, a.kv_lora_rank, a.rope_dim,
         a.num_slots, stride_kv_c, stride_k_pe);
   }
