@@ -1,0 +1,463 @@
+// mla_decode_sm80, CUDA: stage 1 of split-KV MLA decode for few heads (the memory-bound case),
+// with warp-level tensor-core instructions (mma.sync m16n8k16, ldmatrix, cp.async: sm_80 ones).
+//
+// A candidate, not part of the package: benchmarks/probe_decode_cuda.py builds it on its own
+// (op torch.ops.mla_probe.mla_decode_sm80), checks it against mla_decode_reference and times
+// it against the Triton kernel; benchmarks/NOTES.md (rows 33-34) has the results. Status: the
+// 8-warp, 4 x 32-token shape (Shape0) ran on an H200 before the code became a template over
+// the launch shape: correct (and memcheck clean), 15% faster than Triton at b = 1, 7-19% slower
+// at b >= 4. The template and Shapes 1-3 are compiled, not yet run on a GPU.
+// Shape0's ~176 KiB of shared memory a block fits sm_90 (H100/H200: 227 KiB), not A100
+// (163 KiB); the launcher checks the device's limit and says so.
+//
+// The same computation as the Triton kernel in mla/kernels/decode.py (see its docstring), for
+// DeepSeek's sizes only: a cache row is [kv_c (c = 512) | k_pe (r = 64)] in bf16 or fp16, the
+// key is the whole row, the value its first c values, and 16 heads share each tile (one mma
+// M). It writes fp32 partial outputs and log-sum-exps in the layout of the Triton merge kernel,
+// which combines the splits.
+//
+// Why a second kernel: at 16 heads the Triton program holds 255 registers and spills (each warp
+// keeps the whole (16, 576) query and a full tile's operand fragments), runs 8 warps an SM and
+// keeps one tile in flight (benchmarks/NOTES.md rows 30-31). Here the fragments are loaded a
+// k-step at a time, the query's fragments stay in registers, and kStages tiles are in flight.
+//
+// One CTA per (head block of 16, sequence, split); W warps; tiles of kTile tokens, kStages deep
+// in shared memory (rows padded to 584 values so ldmatrix is free of bank conflicts). For
+// Shape0 (W = 8, kTile = 32):
+//
+//   q (16, 576) -> shared -> each warp's fragments of its quarter of the 576 dims (registers)
+//   for each tile of 32 tokens of this split (cp.async, kStages - 1 tiles ahead):
+//     warp (tq, dq), tq in 0..1, dq in 0..3: s_part = q[:, dq quarter] . K[tq half, dq quarter]^T
+//     s = sum over the 4 quarters (through shared memory) * scale * log2(e); -inf past the split
+//     online softmax, one row a 16-thread group: m, l in registers; p (bf16) and alpha to shared
+//     warp w: acc[:, 64w : 64w + 64] = acc * alpha + p . V[:, 64w : 64w + 64]      (V = K[:, :c])
+//   part_out = acc / l, part_lse = (m + log2 l) * ln 2  (zeros and -inf for an empty split)
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+namespace mla {
+namespace {
+
+constexpr int kC = 512;                  // latent dim (value width)
+constexpr int kR = 64;                   // rope dim
+constexpr int kD = kC + kR;              // cache row
+constexpr int kHeads = 16;               // heads a CTA: one mma M
+constexpr int kRowStride = kD + 8;       // 584 values = 1168 bytes: 8 rows of ldmatrix hit 8 bank groups
+constexpr int kVecsPerRow = kD / 8;      // 72 16-byte vectors a row
+constexpr int kQKDims = kD / 4;          // 144 dims a warp in q . k (4 dim quarters)
+constexpr int kQKSteps = kQKDims / 16;   // 9 k-steps
+
+// A launch shape: TILE tokens a step, STAGES tiles in shared memory, WARPS warps a CTA, and
+// MIN_BLOCKS CTAs an SM for __launch_bounds__. Warps split q . k as (WARPS / 4 token groups) x
+// (4 dim quarters) and p . V by output dims (512 / WARPS each); 2 * WARPS threads a head row do
+// the softmax.
+template <int TILE, int STAGES, int WARPS, int MIN_BLOCKS>
+struct Shape {
+  static constexpr int kTile = TILE, kStages = STAGES, kWarps = WARPS, kMinBlocks = MIN_BLOCKS;
+  static constexpr int kThreads = 32 * WARPS;
+  static constexpr int kPStride = TILE + 8;    // p rows: 16-byte steps over the banks for ldmatrix
+  static constexpr int kRedStride = TILE + 8;  // partial-score rows: 8 lanes' rows spread over banks
+  static constexpr int kQKTok = TILE / (WARPS / 4);  // tokens a warp in q . k
+  static constexpr int kQKN = kQKTok / 8;            // its n-tiles
+  static constexpr int kPVDims = kC / WARPS;         // output dims a warp in p . V
+  static constexpr int kRowThreads = kThreads / kHeads;      // softmax threads a head row
+  static constexpr int kRowTok = TILE / kRowThreads;         // tokens a softmax thread
+  static constexpr int kLoads = TILE * kVecsPerRow / kThreads;  // 16-byte copies a thread a tile
+  static_assert(WARPS % 4 == 0 && kQKTok % 16 == 0, "q . k: whole pairs of n-tiles a warp");
+  static_assert(kPVDims % 16 == 0 && TILE % 16 == 0, "p . V: whole n-tile pairs and k-steps");
+  static_assert(kRowThreads <= 32 && 32 % kRowThreads == 0 && kRowTok % 2 == 0, "softmax rows");
+  static_assert(TILE * kVecsPerRow % kThreads == 0, "tile loads split evenly over the threads");
+  static constexpr size_t kSmemBytes =
+      (size_t(STAGES) * TILE * kRowStride + kHeads * kRowStride) * 2  // tiles, q
+      + size_t(4) * kHeads * kRedStride * 4                           // partial scores
+      + size_t(kHeads) * kPStride * 2                                 // p
+      + 2 * kHeads * 4;                                               // alpha, l
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, asynchronously; zero-filled (nothing read) when !pred.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool pred) {
+  const int bytes = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// d (16 x 8, fp32) += a (16 x 16) . b (16 x 8)
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// two floats, rounded to T, as one 4-byte store (dst 4-byte aligned)
+__device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float x, float y) {
+  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(x, y);
+}
+__device__ __forceinline__ void store_pair(__half* dst, float x, float y) {
+  *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(x, y);
+}
+
+template <typename T, typename S>
+__global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_kernel(
+    const T* __restrict__ q,             // (b, h, 576)
+    const T* __restrict__ kv,            // (pages, page_size, 576)
+    const int* __restrict__ block_table,  // (b, max_pages), last dim contiguous
+    const int* __restrict__ seq_lens,     // (b,), contiguous
+    float* __restrict__ part_out,         // (b, h, splits, 512)
+    float* __restrict__ part_lse,         // (b, h, splits)
+    int num_heads, int page_size, int num_splits, float scale_log2,
+    int64_t sqb, int64_t sqh, int64_t skp, int64_t skn, int64_t sbb,
+    int64_t sob, int64_t soh, int64_t sos, int64_t slb, int64_t slh, int64_t sls) {
+  constexpr int kTile = S::kTile, kStages = S::kStages, kThreads = S::kThreads;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* kv_s = reinterpret_cast<T*>(smem);                               // (kStages, kTile, kRowStride)
+  T* q_s = kv_s + kStages * kTile * kRowStride;                       // (kHeads, kRowStride)
+  float* red_s = reinterpret_cast<float*>(q_s + kHeads * kRowStride);  // (4, kHeads, kRedStride)
+  T* p_s = reinterpret_cast<T*>(red_s + 4 * kHeads * S::kRedStride);  // (kHeads, kPStride)
+  float* alpha_s = reinterpret_cast<float*>(p_s + kHeads * S::kPStride);  // (kHeads,)
+  float* l_s = alpha_s + kHeads;                                      // (kHeads,)
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int h0 = blockIdx.x * kHeads;
+  const int64_t b = blockIdx.y;
+  const int split = blockIdx.z;
+
+  // ---- this split's tokens: whole tiles, as the Triton kernel cuts them (same merge)
+  const int seq_len = seq_lens[b];
+  const int tiles_per_split = ((seq_len + kTile - 1) / kTile + num_splits - 1) / num_splits;
+  const int start = split * tiles_per_split * kTile;
+  const int end = max(min(start + tiles_per_split * kTile, seq_len), start);
+  const int n_tiles = (end - start + kTile - 1) / kTile;
+
+  // ---- q to shared memory (head rows past num_heads zero-filled)
+  for (int i = tid; i < kHeads * kVecsPerRow; i += kThreads) {
+    const int row = i / kVecsPerRow, col = (i % kVecsPerRow) * 8;
+    const bool ok = h0 + row < num_heads;
+    cp_async16(smem_addr(q_s + row * kRowStride + col), ok ? q + b * sqb + (h0 + row) * sqh + col : q,
+               ok);
+  }
+  cp_async_commit();
+
+  // ---- tile t of the split -> stage: one block-table entry (the tile lies in one page), kTile
+  // rows of 72 vectors; rows past the split's end are zero-filled, never read
+  const int* bt_row = block_table + b * sbb;
+  auto load_tile = [&](int t, int stage) {
+    const int tok0 = start + t * kTile;
+    const int64_t page = bt_row[tok0 / page_size];
+    const T* src = kv + page * skp + static_cast<int64_t>(tok0 % page_size) * skn;
+    T* dst = kv_s + stage * kTile * kRowStride;
+#pragma unroll
+    for (int k = 0; k < S::kLoads; ++k) {
+      const int i = tid + k * kThreads;
+      const int row = i / kVecsPerRow, col = (i % kVecsPerRow) * 8;
+      const bool ok = tok0 + row < end;
+      cp_async16(smem_addr(dst + row * kRowStride + col), ok ? src + row * skn + col : kv, ok);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_tiles) load_tile(s, s);
+    cp_async_commit();
+  }
+
+  // ---- this warp's query fragments: dims [dq * 144, dq * 144 + 144), 9 k-steps of 16
+  const int tq = warp >> 2, dq = warp & 3;
+  cp_async_wait<kStages - 1>();  // the q group (the oldest) has landed
+  __syncthreads();
+  uint32_t qf[kQKSteps][4];
+#pragma unroll
+  for (int ks = 0; ks < kQKSteps; ++ks) {
+    const int k0 = dq * kQKDims + ks * 16;
+    ldmatrix_x4(qf[ks], smem_addr(q_s + (lane & 15) * kRowStride + k0 + ((lane >> 4) << 3)));
+  }
+
+  // softmax rows: kRowThreads neighbouring lanes a head row, kRowTok tokens each
+  const int srow = tid / S::kRowThreads, scol = (tid % S::kRowThreads) * S::kRowTok;
+  float m_row = -INFINITY, l_row = 0.f;  // log2 units
+  float acc[S::kPVDims / 8][4];          // (16, kPVDims) of the output
+#pragma unroll
+  for (int j = 0; j < S::kPVDims / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+  for (int t = 0; t < n_tiles; ++t) {
+    cp_async_wait<kStages - 2>();  // tile t has landed (this thread's copies) ...
+    __syncthreads();               // ... everyone's; and every read of tile t - 1 is done
+    {
+      const int next = t + kStages - 1;
+      if (next < n_tiles) load_tile(next, next % kStages);
+      cp_async_commit();
+    }
+    const T* tile = kv_s + (t % kStages) * kTile * kRowStride;
+    const int valid = min(kTile, end - (start + t * kTile));
+
+    // -- partial scores of this warp: 16 heads x its kQKTok tokens over its 144 dims
+    float s[S::kQKN][4];
+#pragma unroll
+    for (int j = 0; j < S::kQKN; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kQKSteps; ++ks) {
+      const int k0 = dq * kQKDims + ks * 16;
+#pragma unroll
+      for (int np = 0; np < S::kQKN / 2; ++np) {
+        const int n0 = tq * S::kQKTok + np * 16;
+        uint32_t kf[4];  // tokens n0 + 0..7 / 8..15 x dims k0 + 0..7 / 8..15
+        ldmatrix_x4(kf, smem_addr(tile + (n0 + (lane & 7) + ((lane >> 4) << 3)) * kRowStride + k0 +
+                                  (((lane >> 3) & 1) << 3)));
+        mma16816<T>(s[2 * np], qf[ks], kf[0], kf[1]);
+        mma16816<T>(s[2 * np + 1], qf[ks], kf[2], kf[3]);
+      }
+    }
+    {
+      float* red = red_s + dq * kHeads * S::kRedStride;
+      const int r = lane >> 2;
+#pragma unroll
+      for (int j = 0; j < S::kQKN; ++j) {
+        const int tok = tq * S::kQKTok + j * 8 + (lane & 3) * 2;
+        *reinterpret_cast<float2*>(red + r * S::kRedStride + tok) = make_float2(s[j][0], s[j][1]);
+        *reinterpret_cast<float2*>(red + (r + 8) * S::kRedStride + tok) = make_float2(s[j][2], s[j][3]);
+      }
+    }
+    __syncthreads();
+
+    // -- full scores, online softmax: row srow, tokens scol ... scol + kRowTok - 1
+    {
+      float v[S::kRowTok];
+#pragma unroll
+      for (int k = 0; k < S::kRowTok; ++k) v[k] = 0.f;
+#pragma unroll
+      for (int d = 0; d < 4; ++d) {
+#pragma unroll
+        for (int k = 0; k < S::kRowTok; k += 2) {
+          const float2 part =
+              *reinterpret_cast<const float2*>(red_s + (d * kHeads + srow) * S::kRedStride + scol + k);
+          v[k] += part.x;
+          v[k + 1] += part.y;
+        }
+      }
+      float mx = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < S::kRowTok; ++k) {
+        v[k] = scol + k < valid ? v[k] * scale_log2 : -INFINITY;
+        mx = fmaxf(mx, v[k]);
+      }
+#pragma unroll
+      for (int o = S::kRowThreads / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float m_new = fmaxf(m_row, mx);      // finite: every tile holds a real token
+      const float alpha = exp2f(m_row - m_new);  // 0 on the first tile (m_row = -inf)
+      float sum = 0.f;
+#pragma unroll
+      for (int k = 0; k < S::kRowTok; ++k) {
+        v[k] = exp2f(v[k] - m_new);
+        sum += v[k];
+      }
+#pragma unroll
+      for (int o = S::kRowThreads / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      l_row = l_row * alpha + sum;
+      m_row = m_new;
+#pragma unroll
+      for (int k = 0; k < S::kRowTok; k += 2) store_pair(p_s + srow * S::kPStride + scol + k, v[k], v[k + 1]);
+      if (tid % S::kRowThreads == 0) alpha_s[srow] = alpha;
+    }
+    __syncthreads();
+
+    // -- acc = acc * alpha + p . V over this warp's kPVDims output dims
+    {
+      const float a_lo = alpha_s[lane >> 2], a_hi = alpha_s[(lane >> 2) + 8];
+#pragma unroll
+      for (int j = 0; j < S::kPVDims / 8; ++j) {
+        acc[j][0] *= a_lo;
+        acc[j][1] *= a_lo;
+        acc[j][2] *= a_hi;
+        acc[j][3] *= a_hi;
+      }
+#pragma unroll
+      for (int ks = 0; ks < kTile / 16; ++ks) {
+        const int k0 = ks * 16;
+        uint32_t pf[4];
+        ldmatrix_x4(pf, smem_addr(p_s + (lane & 15) * S::kPStride + k0 + ((lane >> 4) << 3)));
+#pragma unroll
+        for (int jj = 0; jj < S::kPVDims / 16; ++jj) {
+          const int n0 = warp * S::kPVDims + jj * 16;
+          uint32_t vf[4];  // tokens k0 + 0..7 / 8..15 x dims n0 + 0..7 / 8..15, transposed
+          ldmatrix_x4_trans(vf, smem_addr(tile + (k0 + (lane & 7) + (((lane >> 3) & 1) << 3)) *
+                                                     kRowStride +
+                                                 n0 + ((lane >> 4) << 3)));
+          mma16816<T>(acc[2 * jj], pf, vf[0], vf[1]);
+          mma16816<T>(acc[2 * jj + 1], pf, vf[2], vf[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- normalise and write; an empty split (l = 0) writes zeros and lse = -inf
+  if (tid % S::kRowThreads == 0) {
+    l_s[srow] = l_row;
+    const int h = h0 + srow;
+    if (h < num_heads) {
+      part_lse[b * slb + h * slh + split * sls] =
+          l_row > 0.f ? (m_row + log2f(l_row)) * 0.6931471805599453f : -INFINITY;
+    }
+  }
+  __syncthreads();
+  const int r = lane >> 2;
+  const float l_lo = l_s[r], l_hi = l_s[r + 8];
+  const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f, inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
+  float* out = part_out + b * sob + static_cast<int64_t>(split) * sos;
+#pragma unroll
+  for (int j = 0; j < S::kPVDims / 8; ++j) {
+    const int col = warp * S::kPVDims + j * 8 + (lane & 3) * 2;
+    if (h0 + r < num_heads) {
+      *reinterpret_cast<float2*>(out + (h0 + r) * soh + col) =
+          make_float2(acc[j][0] * inv_lo, acc[j][1] * inv_lo);
+    }
+    if (h0 + r + 8 < num_heads) {
+      *reinterpret_cast<float2*>(out + (h0 + r + 8) * soh + col) =
+          make_float2(acc[j][2] * inv_hi, acc[j][3] * inv_hi);
+    }
+  }
+}
+
+// The shapes built (NOTES.md has what each measured); `variant` picks one.
+using Shape0 = Shape<32, 4, 8, 1>;  // 8 warps, 4 tiles of 32: ~176 KiB, one CTA an SM
+using Shape1 = Shape<32, 2, 4, 2>;  // 4 warps, 2 tiles of 32: ~103 KiB, two CTAs an SM
+using Shape2 = Shape<64, 2, 8, 1>;  // 8 warps, 2 tiles of 64: ~186 KiB, one CTA an SM
+using Shape3 = Shape<16, 4, 4, 2>;  // 4 warps, 4 tiles of 16: ~94 KiB, two CTAs an SM
+
+template <typename S>
+void launch_shape(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                  const at::Tensor& seq_lens, at::Tensor& part_out, at::Tensor& part_lse,
+                  double softmax_scale, int64_t num_splits) {
+  const int64_t b = q.size(0), h = q.size(1), page_size = kv_cache.size(1);
+  TORCH_CHECK(page_size % S::kTile == 0, "mla_decode_sm80: page size must be a multiple of ", S::kTile);
+  int smem_optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                        q.get_device()));
+  TORCH_CHECK(static_cast<size_t>(smem_optin) >= S::kSmemBytes, "mla_decode_sm80: needs ",
+              S::kSmemBytes, " bytes of shared memory a block, this GPU allows ", smem_optin,
+              " (an H100/H200 does)");
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const dim3 grid(static_cast<unsigned>((h + kHeads - 1) / kHeads), static_cast<unsigned>(b),
+                  static_cast<unsigned>(num_splits));
+  const float scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
+  auto run = [&](auto* kernel, auto type_tag) {
+    using T = decltype(type_tag);
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(S::kSmemBytes)));
+    kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(
+        reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(kv_cache.data_ptr()),
+        block_table.data_ptr<int>(), seq_lens.data_ptr<int>(), part_out.data_ptr<float>(),
+        part_lse.data_ptr<float>(), static_cast<int>(h), static_cast<int>(page_size),
+        static_cast<int>(num_splits), scale_log2, q.stride(0), q.stride(1), kv_cache.stride(0),
+        kv_cache.stride(1), block_table.stride(0), part_out.stride(0), part_out.stride(1),
+        part_out.stride(2), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (q.scalar_type() == at::kBFloat16) {
+    run(mla_decode_sm80_kernel<__nv_bfloat16, S>, __nv_bfloat16{});
+  } else {
+    run(mla_decode_sm80_kernel<__half, S>, __half{});
+  }
+}
+
+void mla_decode_sm80(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                     const at::Tensor& seq_lens, at::Tensor& part_out, at::Tensor& part_lse,
+                     double softmax_scale, int64_t num_splits, int64_t variant) {
+  TORCH_CHECK(q.is_cuda() && kv_cache.is_cuda(), "mla_decode_sm80: CUDA tensors only");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == kD, "mla_decode_sm80: q must be (b, h, ", kD, ")");
+  TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(2) == kD,
+              "mla_decode_sm80: kv_cache must be (pages, page_size, ", kD, ")");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() &&
+                  (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf),
+              "mla_decode_sm80: q and kv_cache must both be bfloat16 or both float16");
+  const int64_t b = q.size(0), h = q.size(1);
+  TORCH_CHECK(q.stride(2) == 1 && kv_cache.stride(2) == 1, "mla_decode_sm80: last dims contiguous");
+  TORCH_CHECK(q.stride(0) % 8 == 0 && q.stride(1) % 8 == 0 && kv_cache.stride(0) % 8 == 0 &&
+                  kv_cache.stride(1) % 8 == 0 &&
+                  reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(kv_cache.data_ptr()) % 16 == 0,
+              "mla_decode_sm80: q and kv_cache rows must be 16-byte aligned");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
+                  block_table.size(0) == b && block_table.stride(1) == 1,
+              "mla_decode_sm80: block_table must be (b, max_pages) int32, last dim contiguous");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) == b &&
+                  seq_lens.stride(0) == 1,
+              "mla_decode_sm80: seq_lens must be (b,) int32, contiguous");
+  TORCH_CHECK(num_splits >= 1 && num_splits <= 65535, "mla_decode_sm80: num_splits in [1, 65535]");
+  TORCH_CHECK(part_out.scalar_type() == at::kFloat && part_out.dim() == 4 && part_out.size(0) == b &&
+                  part_out.size(1) == h && part_out.size(2) == num_splits &&
+                  part_out.size(3) == kC && part_out.stride(3) == 1 &&
+                  part_out.stride(0) % 2 == 0 && part_out.stride(1) % 2 == 0 &&
+                  part_out.stride(2) % 2 == 0,
+              "mla_decode_sm80: part_out must be (b, h, num_splits, ", kC, ") float32");
+  TORCH_CHECK(part_lse.scalar_type() == at::kFloat && part_lse.dim() == 3 && part_lse.size(0) == b &&
+                  part_lse.size(1) == h && part_lse.size(2) == num_splits,
+              "mla_decode_sm80: part_lse must be (b, h, num_splits) float32");
+  const at::Tensor* others[] = {&kv_cache, &block_table, &seq_lens, &part_out, &part_lse};
+  for (const at::Tensor* t : others) {
+    TORCH_CHECK(t->device() == q.device(), "mla_decode_sm80: all tensors on q's device");
+  }
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(part_out.data_ptr()) % 8 == 0,
+              "mla_decode_sm80: part_out must be 8-byte aligned");
+  TORCH_CHECK(b <= 65535, "mla_decode_sm80: at most 65535 sequences a launch");
+  if (b == 0 || h == 0) return;
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  switch (variant) {
+    case 0: launch_shape<Shape0>(q, kv_cache, block_table, seq_lens, part_out, part_lse, softmax_scale, num_splits); break;
+    case 1: launch_shape<Shape1>(q, kv_cache, block_table, seq_lens, part_out, part_lse, softmax_scale, num_splits); break;
+    case 2: launch_shape<Shape2>(q, kv_cache, block_table, seq_lens, part_out, part_lse, softmax_scale, num_splits); break;
+    case 3: launch_shape<Shape3>(q, kv_cache, block_table, seq_lens, part_out, part_lse, softmax_scale, num_splits); break;
+    default: TORCH_CHECK(false, "mla_decode_sm80: variant must be 0..3, got ", variant);
+  }
+}
+
+}  // namespace
+}  // namespace mla
+
+TORCH_LIBRARY(mla_probe, m) {
+  m.def(
+      "mla_decode_sm80(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor(a!) part_out, Tensor(b!) part_lse, float softmax_scale, int num_splits, int variant=0) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(mla_probe, CUDA, m) { m.impl("mla_decode_sm80", &mla::mla_decode_sm80); }
