@@ -13,7 +13,8 @@ Builds the kernel on its own by JIT (the package's extension is not touched), th
    CUDA kernel: for each launch shape (``VARIANTS``: warps, tile, stages) the count nearest one
    wave of programs (one or two CTAs an SM, by its shared memory) and twice that.
 
-Writes ``h200-decode-cuda-probe.json``.
+Writes ``h200-decode-cuda-probe.json`` (``h200-decode-cuda-probe-v0.json`` is the first run, of
+Shape0 alone, before the kernel was a template).
 """
 
 from __future__ import annotations

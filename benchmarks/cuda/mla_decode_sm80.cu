@@ -3,10 +3,10 @@
 //
 // A candidate, not part of the package: benchmarks/probe_decode_cuda.py builds it on its own
 // (op torch.ops.mla_probe.mla_decode_sm80), checks it against mla_decode_reference and times
-// it against the Triton kernel; benchmarks/NOTES.md (rows 33-34) has the results. Status: the
-// 8-warp, 4 x 32-token shape (Shape0) ran on an H200 before the code became a template over
-// the launch shape: correct (and memcheck clean), 15% faster than Triton at b = 1, 7-19% slower
-// at b >= 4. The template and Shapes 1-3 are compiled, not yet run on a GPU.
+// it against the Triton kernel; benchmarks/NOTES.md (rows 33-34) has the results. On an H200
+// all four launch shapes below are correct; Shape1 (4 warps, two CTAs an SM) is 1-13% faster
+// than the Triton kernel at every 16-head shape of the benchmark, Shape0 7-19% slower from
+// b = 4 up (memcheck ran on Shape0's first version, before the template).
 // Shape0's ~176 KiB of shared memory a block fits sm_90 (H100/H200: 227 KiB), not A100
 // (163 KiB); the launcher checks the device's limit and says so.
 //
