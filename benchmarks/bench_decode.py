@@ -202,7 +202,7 @@ OTHERS = {"flashmla": flashmla_fn, "flashinfer": flashinfer_fn}
 
 
 def run_default(out_dir, overrides=None, out_name="h200-decode.json"):
-    from mla.kernels.decode import choose_num_kv_splits, default_config, mla_decode
+    from mla.kernels.decode import _CUDA_HEADS, _CUDA_TILE, _pick_backend, choose_num_kv_splits, default_config, mla_decode
 
     t0 = time.time()
     copy_GBps, mm_TFLOPs = copy_bandwidth_GBps(), matmul_TFLOPs()
@@ -219,18 +219,24 @@ def run_default(out_dir, overrides=None, out_name="h200-decode.json"):
     rows = []
     print(
         f"{'b':>4} {'t':>7} {'h':>4} {'floor us':>9} {'bound':>7} {'mla us':>9} {'share':>6} {'eager us':>9} "
-        f"{'torch us':>9} {'splits':>6}  err"
+        f"{'torch us':>9} {'splits':>6} {'kernel':>6} {'triton us':>9}  err"
     )
     for b, t, h in SHAPES:
         copies = rotation_copies(b, t)
         q, caches, block_table, seq_lens = make_inputs(b, t, h, copies=copies)
         config = dict(default_config(h), **(overrides or {}))
-        splits = choose_num_kv_splits(b, h, t, num_sms, block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
+        triton_splits = choose_num_kv_splits(b, h, t, num_sms, block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
+        kernel = _pick_backend(q, caches[0], C, None, bool(overrides))  # what mla_decode runs by default
+        if kernel == "cuda":  # csrc/mla_decode_sm80.cu: 16 heads a program, tiles of 32
+            config = dict(kernel="cuda", BLOCK_H=_CUDA_HEADS, BLOCK_N=_CUDA_TILE, num_warps=4, num_stages=2)
+            splits = choose_num_kv_splits(b, h, t, num_sms, block_h=_CUDA_HEADS, block_n=_CUDA_TILE)
+        else:
+            config, splits = dict(config, kernel="triton"), triton_splits
 
-        def ours(cache):
+        def ours(cache, backend=kernel, splits=splits):
             return mla_decode(
                 q, cache, block_table, seq_lens, kv_lora_rank=C, softmax_scale=SCALE, num_kv_splits=splits,
-                _config=overrides,
+                _config=overrides, _backend=backend,
             )
 
         row = dict(b=b, t=t, h=h, page=PAGE, config=dict(config, num_kv_splits=splits), copies=copies)
@@ -240,6 +246,10 @@ def run_default(out_dir, overrides=None, out_name="h200-decode.json"):
             row["eager_us"] = bench_us(rotating(ours, caches))
             row["time_us"] = bench_us(graphed(ours, caches))
             row["share_of_floor"] = fl / row["time_us"]
+            if kernel == "cuda":  # the Triton kernel beside it, as it would run here
+                row["triton_time_us"] = bench_us(graphed(
+                    lambda cache: ours(cache, backend="triton", splits=triton_splits), caches))
+                row["triton_num_kv_splits"] = triton_splits
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         try:
@@ -265,7 +275,7 @@ def run_default(out_dir, overrides=None, out_name="h200-decode.json"):
             f"{row['time_us']:>9.1f} {row['share_of_floor']:>6.2f} {row['eager_us']:>9.1f}" if row["time_us"]
             else f"{'error':>9} {'':>6} {'':>9}",
             f"{row['torch_us']:>9.1f}" if row.get("torch_us") else f"{'-':>9}",
-            f"{splits:>6} ",
+            f"{splits:>6} {kernel:>6} " + (f"{row['triton_time_us']:>9.1f} " if "triton_time_us" in row else f"{'':>9} "),
             f"{row['max_rel_err_vs_torch']:.1e}" if "max_rel_err_vs_torch" in row else row.get("error", "-"),
         ]
         print(" ".join(cells), flush=True)
@@ -338,7 +348,7 @@ def run_sweep(out_dir, budget_s):
                 try:
                     fn = lambda: mla_decode(  # noqa: E731
                         q, cache, block_table, seq_lens, kv_lora_rank=C, softmax_scale=SCALE,
-                        num_kv_splits=splits, _config=config,
+                        num_kv_splits=splits, _config=config, _backend="triton",
                     )
                     row["time_us"] = bench_us(fn, warmup_ms=5, rep_ms=25)
                 except Exception as e:  # noqa: BLE001  (out of shared memory / registers: record it)
@@ -562,7 +572,7 @@ def run_variants(out_dir, budget_s):
                 try:
                     call = lambda cache_: mla_decode(  # noqa: E731
                         q, cache_, block_table, seq_lens, kv_lora_rank=C, softmax_scale=SCALE,
-                        num_kv_splits=splits, _config=overrides,
+                        num_kv_splits=splits, _config=overrides, _backend="triton",
                     )
                     row["eager_us"] = bench_us(lambda: call(cache), warmup_ms=5, rep_ms=30)
                     row["time_us"] = bench_us(graphed(call, [cache]), warmup_ms=5, rep_ms=30)

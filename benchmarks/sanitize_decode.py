@@ -1,4 +1,6 @@
-"""A few small launches of the Triton decode kernel, for `compute-sanitizer --tool memcheck`.
+"""A few small launches of the decode kernels, for `compute-sanitizer --tool memcheck`: the Triton
+stage 1, the CUDA one (csrc/mla_decode_sm80.cu) where it applies (<= 16 heads), and the merges:
+Triton's, and the CUDA one with and without programmatic dependent launch.
 
 Pages the sequences don't own are NaN and unused block-table entries are garbage, so a read
 outside a sequence's pages would also show as NaN in the output.
@@ -6,6 +8,7 @@ outside a sequence's pages would also show as NaN in the output.
 
 import torch
 
+from benchmarks.probe_decode_cuda import cuda_decode
 from mla.kernels import mla_decode, mla_decode_reference
 
 
@@ -13,7 +16,7 @@ def main() -> None:
     torch.manual_seed(0)
     c, r, page = 512, 64, 64
     for heads, seq_lens, splits in (((16), [1, 0, 130, 64], None), ((128), [300, 7], 4),
-                                    ((3), [65, 129, 1], 8)):
+                                    ((3), [65, 129, 1], 8), ((16), [33, 2000, 0], 40)):
         b = len(seq_lens)
         max_blocks = max(1, -(-max(seq_lens) // page)) + 1
         num_blocks = b * max_blocks + 3
@@ -31,15 +34,23 @@ def main() -> None:
             used += nb
         q = torch.randn(b, heads, c + r, device="cuda", dtype=torch.bfloat16)
         lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-        out, lse = mla_decode(q, cache, table, lens, kv_lora_rank=c, softmax_scale=0.1,
-                              num_kv_splits=splits)
         ref, ref_lse = mla_decode_reference(q, cache, table, lens, kv_lora_rank=c,
                                             softmax_scale=0.1)
-        torch.cuda.synchronize()
-        assert not out.isnan().any(), "NaN in output: a read outside the sequence's pages"
-        err = float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-9))
-        print(f"heads {heads} seq_lens {seq_lens} splits {splits}: rel err {err:.2e}")
-        assert err < 2e-2
+        runs = {"triton": lambda: mla_decode(q, cache, table, lens, kv_lora_rank=c, softmax_scale=0.1,
+                                             num_kv_splits=splits, _backend="triton")}
+        if heads <= 16:
+            runs["cuda"] = lambda: mla_decode(q, cache, table, lens, kv_lora_rank=c, softmax_scale=0.1,
+                                              num_kv_splits=splits, _backend="cuda")
+            for merge in ("cuda", "cuda-pdl"):
+                runs[f"cuda + {merge} merge"] = lambda m=merge: cuda_decode(
+                    q, cache, table, lens, softmax_scale=0.1, num_kv_splits=splits or 3, merge=m)
+        for name, run in runs.items():
+            out, lse = run()
+            torch.cuda.synchronize()
+            assert not out.isnan().any(), "NaN in output: a read outside the sequence's pages"
+            err = float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-9))
+            print(f"{name}: heads {heads} seq_lens {seq_lens} splits {splits}: rel err {err:.2e}")
+            assert err < 2e-2
 
 
 if __name__ == "__main__":

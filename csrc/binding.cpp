@@ -1,7 +1,8 @@
-// The one TORCH_LIBRARY(mla, ...) of the package: the op schema and the argument check that the
-// CPU twin (concat_and_cache_mla_cpu.cpp) and the CUDA kernel (concat_and_cache_mla.cu) share.
-// Each backend registers its implementation with TORCH_LIBRARY_IMPL in its own source, so a
-// CPU-only build compiles no CUDA.
+// The one TORCH_LIBRARY(mla, ...) of the package: the op schemas, and the argument check that the
+// CPU twin (concat_and_cache_mla_cpu.cpp) and the CUDA kernel (concat_and_cache_mla.cu) of
+// concat_and_cache_mla share. Each backend registers its implementations with TORCH_LIBRARY_IMPL
+// in its own source, so a CPU-only build compiles no CUDA (and has no kernel for the two decode
+// ops, which are CUDA only: mla_decode_sm80.cu).
 #include "concat_and_cache_mla.h"
 
 #include <torch/library.h>
@@ -76,4 +77,10 @@ TORCH_LIBRARY(mla, m) {
   m.def(
       "concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "str kv_cache_dtype, Tensor? scale) -> ()");
+  // Split-KV decode for <= 16 heads (mla/kernels/decode.py calls them): stage 1 writes each
+  // split's fp32 partial output and log-sum-exp, the merge combines them into out and lse.
+  m.def(
+      "mla_decode_sm80(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor(a!) part_out, Tensor(b!) part_lse, float softmax_scale, int num_splits) -> ()");
+  m.def("mla_decode_merge(Tensor part_out, Tensor part_lse, Tensor(a!) out, Tensor(b!) lse, bool pdl) -> ()");
 }

@@ -98,21 +98,27 @@ def _namespace() -> dict:
     return ns
 
 
-def split_table(heads=(16, 128), batches=(1, 4, 16, 64, 132), contexts=(1024, 4096, 32768,
-                                                                          131072)) -> str:
+def split_table(batches=(1, 4, 16, 64, 132), contexts=(1024, 4096, 32768, 131072)) -> str:
     """Markdown: the split counts `choose_num_kv_splits` picks on the SM count the CPU
-    interpreter assumes, over the batch at t = 4,096, then for one sequence over its length."""
+    interpreter assumes, over the batch at t = 4,096, then for one sequence over its length; at
+    16 heads for the CUDA stage 1 (what `mla_decode` runs on a GPU: 16 heads a program, tiles of
+    32) and the Triton one, and at 128 heads."""
     from mla.kernels import decode
 
     sms = decode._CPU_NUM_SMS
-    head = "| h = " + " | h = ".join(f"{h:,}" for h in heads) + " |"
-    rule = "|---:|" + "---:|" * len(heads)
+    columns = {  # header: keyword arguments beyond (batch, heads, t, SMs)
+        "h = 16, CUDA": (16, dict(block_h=decode._CUDA_HEADS, block_n=decode._CUDA_TILE)),
+        "h = 16, Triton": (16, {}),
+        "h = 128": (128, {}),
+    }
+    head = "| " + " | ".join(columns) + " |"
+    rule = "|---:|" + "---:|" * len(columns)
+    pick = lambda b, t: " | ".join(  # noqa: E731
+        str(decode.choose_num_kv_splits(b, h, t, sms, **kw)) for h, kw in columns.values())
     out = ["| batch (t = 4,096) " + head, rule]
-    out += [f"| {b:,} | " + " | ".join(str(decode.choose_num_kv_splits(b, h, 4096, sms))
-                                       for h in heads) + " |" for b in batches]
+    out += [f"| {b:,} | {pick(b, 4096)} |" for b in batches]
     out += ["", "| length t (batch 1) " + head, rule]
-    out += [f"| {t:,} | " + " | ".join(str(decode.choose_num_kv_splits(1, h, t, sms))
-                                       for h in heads) + " |" for t in contexts]
+    out += [f"| {t:,} | {pick(1, t)} |" for t in contexts]
     return "\n".join(out)
 
 

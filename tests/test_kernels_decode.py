@@ -281,10 +281,14 @@ BAD_INPUTS = {
     "rank-float": (lambda a: a.update(kv_lora_rank=32.0), TypeError, "kv_lora_rank must be an int"),
     "scale-nan": (lambda a: a.update(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
     "scale-str": (lambda a: a.update(softmax_scale="0.1"), TypeError, "softmax_scale must be a float"),
-    "splits-0": (lambda a: a.update(num_kv_splits=0), ValueError, "num_kv_splits must be >= 1"),
-    "splits-negative": (lambda a: a.update(num_kv_splits=-2), ValueError, "num_kv_splits must be >= 1"),
+    "splits-0": (lambda a: a.update(num_kv_splits=0), ValueError, r"num_kv_splits must be in \[1, 65535\]"),
+    "splits-negative": (lambda a: a.update(num_kv_splits=-2), ValueError, r"num_kv_splits must be in \[1, 65535\]"),
+    "splits-past-grid": (lambda a: a.update(num_kv_splits=65536), ValueError, r"num_kv_splits must be in \[1, 65535\]"),
     "splits-float": (lambda a: a.update(num_kv_splits=2.5), TypeError, "num_kv_splits must be an int"),
     "config-key": (lambda a: a.update(_config={"BLOCK_M": 16}), ValueError, "unknown _config keys"),
+    "backend-name": (lambda a: a.update(_backend="cutlass"), ValueError, "_backend must be None, 'triton' or 'cuda'"),
+    # c = 32, r = 8 here (and on a CPU machine, q on the CPU): the CUDA stage 1 says why it cannot
+    "backend-cuda-unfit": (lambda a: a.update(_backend="cuda"), ValueError, "_backend='cuda' cannot run"),
 }
 
 
@@ -298,7 +302,7 @@ def test_bad_input(name):
         mla_decode(**args)
     for k, v in before.items():
         torch.testing.assert_close(args[k], v, rtol=0, atol=0, equal_nan=True)
-    if name != "config-key":  # the reference has no _config; it checks the rest the same way
+    if name not in ("config-key", "backend-name", "backend-cuda-unfit"):  # the reference has neither hook
         args.pop("_config", None)
         with pytest.raises(error, match=message):
             mla_decode_reference(**args)
@@ -311,16 +315,16 @@ def test_bad_input(name):
 V3 = dict(c=512, r=64, block_size=64)
 
 
-def _gpu_case(seq_lens, heads, seed=0):
+def _gpu_case(seq_lens, heads, seed=0, dtype=torch.bfloat16, block_size=V3["block_size"]):
     """make_case's layout built on the GPU directly (the CPU build is slow at 32k-token lengths)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    c, r, block_size = V3["c"], V3["r"], V3["block_size"]
+    c, r = V3["c"], V3["r"]
     b, d = len(seq_lens), c + r
     pages_needed = [math.ceil(n / block_size) for n in seq_lens]
     num_blocks = sum(pages_needed) + 3
     max_blocks = max(pages_needed) + 2
     order = torch.randperm(num_blocks, device="cuda", generator=gen).int()
-    kv_cache = torch.full((num_blocks, block_size, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    kv_cache = torch.full((num_blocks, block_size, d), float("nan"), device="cuda", dtype=dtype)
     block_table = torch.full((b, max_blocks), GARBAGE_PAGES[0], dtype=torch.int32, device="cuda")
     start = 0
     for i, (n, pages) in enumerate(zip(seq_lens, pages_needed)):
@@ -328,9 +332,9 @@ def _gpu_case(seq_lens, heads, seed=0):
         start += pages
         block_table[i, :pages] = blocks
         pos = torch.arange(n, device="cuda")
-        rows = torch.randn(n, d, device="cuda", generator=gen).to(torch.bfloat16)
+        rows = torch.randn(n, d, device="cuda", generator=gen).to(dtype)
         kv_cache[blocks[pos // block_size].long(), pos % block_size] = rows
-    q = torch.randn(b, heads, d, device="cuda", generator=gen).to(torch.bfloat16)
+    q = torch.randn(b, heads, d, device="cuda", generator=gen).to(dtype)
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     return dict(
         q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens, kv_lora_rank=c, softmax_scale=192**-0.5
@@ -422,3 +426,80 @@ def test_gpu_cuda_graph_capture():
     torch.cuda.synchronize()
     torch.testing.assert_close(out, expected[0], rtol=0, atol=0)
     torch.testing.assert_close(lse, expected[1], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the CUDA stage 1 (csrc/mla_decode_sm80.cu) that mla_decode picks for <= 16 heads
+# ---------------------------------------------------------------------------------------------
+
+# lengths around the 32-token tile and the pages, an empty row, and two long ones
+CUDA_LENGTHS = [0, 1, 31, 32, 33, 64, 65, 1000, 5000, 127]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads", [1, 3, 16])
+@pytest.mark.parametrize("block_size", [32, 64, 128])
+def test_gpu_backends_match_reference(backend, dtype, heads, block_size):
+    case = _gpu_case(CUDA_LENGTHS, heads, seed=heads + block_size, dtype=dtype, block_size=block_size)
+    ref_out, ref_lse = mla_decode_reference(**case, compute_dtype=torch.float32)
+    for splits in (None, 1, 5, 40):  # 40 splits: most splits of the short rows are empty
+        out, lse = mla_decode(**case, num_kv_splits=splits, _backend=backend)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        assert_matches(out.float(), lse, ref_out.float(), ref_lse, case["seq_lens"], 1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_backend_is_the_default_where_it_applies():
+    case = _gpu_case([70, 300], 16)
+    pick = lambda **kw: decode._pick_backend(  # noqa: E731
+        kw.get("q", case["q"]), kw.get("kv_cache", case["kv_cache"]), kw.get("block_table", case["block_table"]),
+        case["seq_lens"], 512, kw.get("backend"), kw.get("config", False),
+    )
+    assert pick() == "cuda"
+    assert pick(q=case["q"].half(), kv_cache=case["kv_cache"].half()) == "cuda"
+    assert pick(config=True) == "triton"  # a _config tunes the Triton kernel
+    assert pick(backend="triton") == "triton"
+    wide = _gpu_case([70, 300], 20)
+    assert pick(q=wide["q"]) == "triton"
+    with pytest.raises(ValueError, match="20 heads, more than 16"):
+        pick(q=wide["q"], backend="cuda")
+    small_pages = _gpu_case([70, 300], 16, block_size=16)
+    assert pick(kv_cache=small_pages["kv_cache"]) == "triton"
+    with pytest.raises(ValueError, match="block size 16 is not a multiple of 32"):
+        pick(kv_cache=small_pages["kv_cache"], backend="cuda")
+    assert pick(q=case["q"].float(), kv_cache=case["kv_cache"].float()) == "triton"
+    strided_table = torch.cat([case["block_table"], case["block_table"]], dim=1)[:, ::2]
+    assert pick(block_table=strided_table) == "triton"  # the kernel reads block-table rows contiguously
+    # the two backends agree on the default call
+    out_c, lse_c = mla_decode(**case)
+    out_t, lse_t = mla_decode(**case, _backend="triton")
+    assert rel_err(out_c, out_t) < 1e-2 and (lse_c - lse_t).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_ops_reject_what_they_cannot_run():
+    # the ops' own checks (mla_decode checks first; these guard direct callers), nothing written
+    from mla.kernels.concat_cache import load_extension
+
+    assert load_extension()["decode"], load_extension()
+    case = _gpu_case([70, 300], 16)
+    q, cache, table, lens = case["q"], case["kv_cache"], case["block_table"], case["seq_lens"]
+    part_out = torch.full((2, 16, 3, 512), 7.0, device="cuda")
+    part_lse = torch.full((2, 16, 3), 7.0, device="cuda")
+    cases = {
+        "heads": (dict(q=torch.zeros(2, 32, 576, device="cuda", dtype=q.dtype)), "h <= 16"),
+        "dtype": (dict(q=q.float(), kv_cache=cache.float()), "bfloat16 or both float16"),
+        "page": (dict(kv_cache=cache.view(-1, 16, 576)), "multiple of 32"),
+        "no-page": (dict(kv_cache=cache[:, :0]), "multiple of 32"),
+        "table": (dict(block_table=table.long()), "block_table must be"),
+        "splits": (dict(num_splits=4), "part_out must be"),
+    }
+    for name, (override, message) in cases.items():
+        args = dict(q=q, kv_cache=cache, block_table=table, seq_lens=lens, part_out=part_out, part_lse=part_lse,
+                    softmax_scale=0.1, num_splits=3)
+        args.update(override)
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.mla.mla_decode_sm80(*args.values())
+    assert (part_out == 7.0).all() and (part_lse == 7.0).all()

@@ -21,7 +21,9 @@ Three implementations of the same op:
 The two compiled ones form one extension (op ``torch.ops.mla.concat_and_cache_mla``) that is
 built by JIT on first use, cached on disk by torch (``TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/torch_extensions``) and loaded once per process. If no compiler is available or the
-build fails, ``concat_and_cache`` falls back to the reference with one warning.
+build fails, ``concat_and_cache`` falls back to the reference with one warning. A CUDA build
+also holds the decode kernels of ``csrc/mla_decode_sm80.cu`` (ops ``torch.ops.mla.mla_decode_sm80``
+and ``torch.ops.mla.mla_decode_merge``), which ``mla.kernels.mla_decode`` uses for few heads.
 """
 
 from __future__ import annotations
@@ -74,8 +76,9 @@ def _cuda_arch_flags() -> list[str]:
 def load_extension() -> dict:
     """Build (first time on this machine) and load the extension; at most once per process.
 
-    Returns a dict: ``loaded`` (bool), ``cuda`` (whether the CUDA kernel is in it), ``error``
-    (why not, when not loaded). Never raises: a failed build is reported once by
+    Returns a dict: ``loaded`` (bool), ``cuda`` (whether the CUDA concat kernel is in it),
+    ``decode`` (whether the CUDA decode kernels are: built for GPUs of compute capability >= 8.0),
+    ``error`` (why not, when not loaded). Never raises: a failed build is reported once by
     ``concat_and_cache`` and the reference is used instead.
     """
     global _ext_state
@@ -90,9 +93,13 @@ def load_extension() -> dict:
         if not is_ninja_available():
             raise RuntimeError("ninja is not installed")
         with_cuda = _cuda_build_possible()
+        # the decode kernels use sm_80 instructions (mma.sync on bf16, cp.async)
+        with_decode = with_cuda and torch.cuda.get_device_capability() >= (8, 0)
         sources = [_CSRC / "binding.cpp", _CSRC / "concat_and_cache_mla_cpu.cpp"]
         if with_cuda:
             sources.append(_CSRC / "concat_and_cache_mla.cu")
+        if with_decode:
+            sources.append(_CSRC / "mla_decode_sm80.cu")
         load(
             # Different names keep the CPU-only and the CUDA builds apart in the cache dir.
             name="mla_C_cuda" if with_cuda else "mla_C_cpu",
@@ -103,11 +110,11 @@ def load_extension() -> dict:
             is_python_module=False,  # the library registers torch.ops.mla.* when loaded
             verbose=False,
         )
-        _ext_state = {"loaded": True, "cuda": with_cuda, "error": None}
+        _ext_state = {"loaded": True, "cuda": with_cuda, "decode": with_decode, "error": None}
     except Exception as exc:  # noqa: BLE001 - any failure means "use the reference"
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         error = f"{type(exc).__name__}: {first_line}"
-        _ext_state = {"loaded": False, "cuda": False, "error": error}
+        _ext_state = {"loaded": False, "cuda": False, "decode": False, "error": error}
     return _ext_state
 
 

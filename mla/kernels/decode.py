@@ -1,4 +1,4 @@
-"""Split-KV paged decode for Multi-head Latent Attention, in Triton.
+"""Split-KV paged decode for Multi-head Latent Attention: Triton, and CUDA for few heads.
 
 In the absorbed form, MLA decode is multi-query attention over the latent cache: every head of a
 sequence attends to the same cached rows ``[kv_c | k_pe]`` (c + r values a token), the key is the
@@ -17,7 +17,7 @@ Goals, in the order they shape the code:
 2. Fill the GPU when the batch is small. The sequence is cut into ``num_kv_splits`` pieces, each
    its own program (split-KV, "flash decoding"); a second, small kernel merges the pieces by
    log-sum-exp. The split count comes from batch, head blocks, length and SM count
-   (``choose_num_kv_splits``). With one split, stage 1 writes the result directly.
+   (``choose_num_kv_splits``). With one split, the Triton stage 1 writes the result directly.
 3. Paged cache. Token ``pos`` of sequence ``i`` lives in page ``block_table[i, pos // page]`` at
    row ``pos % page``. When the page size is a multiple of ``BLOCK_N`` (page 64: every default)
    a tile lies inside one page: one block-table load a tile, a contiguous 2-D tile load
@@ -46,6 +46,16 @@ Stage 2, one program per (sequence, head, chunk of c): ``lse = logsumexp_s(parti
 
 The exponentials run in base 2 (``exp2``, the cheap instruction), with the scale folded into
 ``softmax_scale * log2(e)``; the lse is turned back into natural log on the way out.
+
+Two stage-1 kernels compute this. The Triton one below serves every case (any heads, c, r,
+dtype, page size; on the CPU through Triton's interpreter). For DeepSeek's sizes at up to 16
+heads (one GPU's share of 128 heads at tensor parallelism 8), bf16 or fp16, pages of a multiple
+of 32 rows, on a GPU, ``mla_decode`` runs the CUDA one in ``csrc/mla_decode_sm80.cu`` instead:
+the same tiles and partials, with warp-level tensor-core instructions and fragments loaded a
+k-step at a time, so that nothing spills and (on an H100/H200) two programs share an SM
+(``benchmarks/NOTES.md`` rows 33-35 have its times). It lives in the package's compiled
+extension (``mla.kernels.concat_cache.load_extension``); where that cannot be built, or the GPU
+lacks the shared memory or sm_80 instructions it needs, the Triton kernel runs.
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import warnings
 
 import torch
 import triton
@@ -493,8 +504,10 @@ def _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scal
     if num_kv_splits is not None:
         if isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, numbers.Integral):
             raise TypeError(f"mla_decode: num_kv_splits must be an int or None, got {type(num_kv_splits).__name__}")
-        if num_kv_splits < 1:
-            raise ValueError(f"mla_decode: num_kv_splits must be >= 1, got {num_kv_splits}")
+        if not 1 <= num_kv_splits <= _MAX_GRID_YZ:
+            raise ValueError(f"mla_decode: num_kv_splits must be in [1, {_MAX_GRID_YZ}], got {num_kv_splits}")
+    if q.dim() == 3 and q.shape[0] > _MAX_GRID_YZ:
+        raise ValueError(f"mla_decode: at most {_MAX_GRID_YZ} sequences a call (q's batch is {q.shape[0]})")
 
 
 def _check_seq_lens(seq_lens, block_table, block_size) -> int:
@@ -514,6 +527,70 @@ def _check_seq_lens(seq_lens, block_table, block_size) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# Which stage-1 kernel: the CUDA one where it applies, else Triton
+# ---------------------------------------------------------------------------------------------
+
+_CUDA_HEADS, _CUDA_C, _CUDA_R, _CUDA_TILE = 16, 512, 64, 32  # what csrc/mla_decode_sm80.cu is built for
+_CUDA_SMEM_BYTES = 105_088  # its shared memory a CTA (DecodeShape::kSmemBytes; a static_assert there)
+_MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z: sequences and splits
+_BACKENDS = ("triton", "cuda")
+
+
+def _cuda_stage1_unfit(q, kv_cache, block_table, seq_lens, kv_lora_rank) -> str | None:
+    """None if the CUDA stage 1 can run these (checked) arguments, else why not, in words."""
+    b, h, d = q.shape
+    if q.device.type != "cuda":
+        return f"q is on {q.device.type}, not a GPU"
+    if torch.cuda.get_device_capability(q.device) < (8, 0):
+        return "the GPU's compute capability is below 8.0 (mma.sync, cp.async)"
+    props = torch.cuda.get_device_properties(q.device)
+    smem = getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
+    if smem < _CUDA_SMEM_BYTES:
+        return f"the GPU allows {smem} bytes of shared memory a block, the kernel needs {_CUDA_SMEM_BYTES}"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"q is {q.dtype}, not bfloat16 or float16"
+    if h > _CUDA_HEADS:
+        return f"q has {h} heads, more than {_CUDA_HEADS}"
+    if (kv_lora_rank, d - kv_lora_rank) != (_CUDA_C, _CUDA_R):
+        return f"c, r = {kv_lora_rank}, {d - kv_lora_rank}, not {_CUDA_C}, {_CUDA_R}"
+    if kv_cache.shape[1] % _CUDA_TILE:
+        return f"the block size {kv_cache.shape[1]} is not a multiple of {_CUDA_TILE}"
+    rows_aligned = all(st % 8 == 0 for st in (q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1)))
+    if not rows_aligned or q.data_ptr() % 16 or kv_cache.data_ptr() % 16:
+        return "q's or kv_cache's rows are not 16-byte aligned"
+    if block_table.stride(1) != 1 or seq_lens.stride(0) != 1:
+        return "block_table's rows or seq_lens are not contiguous"
+    from mla.kernels.concat_cache import load_extension
+
+    state = load_extension()
+    if not state["decode"]:
+        why = state["error"] or "built without the CUDA decode kernels (no nvcc, or a GPU below sm_80 at build time)"
+        return f"the compiled extension has no CUDA decode kernels ({why})"
+    return None
+
+
+_warned_cuda_fallback = False
+
+
+def _pick_backend(q, kv_cache, block_table, seq_lens, kv_lora_rank, backend, config_given) -> str:
+    """``"cuda"`` or ``"triton"``: the CUDA stage 1 by default where it applies."""
+    global _warned_cuda_fallback
+    if backend is not None and backend not in _BACKENDS:
+        raise ValueError(f"mla_decode: _backend must be None, 'triton' or 'cuda', got {backend!r}")
+    if backend == "triton" or (backend is None and (config_given or q.device.type != "cuda")):
+        return "triton"  # a _config tunes the Triton kernel, so it asks for that one
+    why_not = _cuda_stage1_unfit(q, kv_cache, block_table, seq_lens, kv_lora_rank)
+    if why_not is None:
+        return "cuda"
+    if backend == "cuda":
+        raise ValueError(f"mla_decode: _backend='cuda' cannot run these arguments: {why_not}")
+    if why_not.startswith("the compiled extension") and not _warned_cuda_fallback:
+        _warned_cuda_fallback = True
+        warnings.warn(f"mla.kernels.mla_decode: using the Triton kernel: {why_not}", RuntimeWarning, stacklevel=3)
+    return "triton"
+
+
+# ---------------------------------------------------------------------------------------------
 # The wrapper: check, allocate, launch
 # ---------------------------------------------------------------------------------------------
 
@@ -528,6 +605,7 @@ def mla_decode(
     softmax_scale: float,
     num_kv_splits: int | None = None,
     _config: dict | None = None,
+    _backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode attention over a paged latent cache (one new token per sequence).
 
@@ -549,7 +627,11 @@ def mla_decode(
             Give it to launch without a host sync (e.g. inside a CUDA graph); seq_lens' values
             are then trusted on a GPU (still checked on the CPU, where that costs nothing).
         _config: private tuning hook for benchmarks: any of ``BLOCK_H``, ``BLOCK_N``,
-            ``num_warps``, ``num_stages``, ``PAGE_TILE``, ``HEAD_MAJOR``, ``SPLIT_TAIL`` (see ``default_config``).
+            ``num_warps``, ``num_stages``, ``PAGE_TILE``, ``HEAD_MAJOR``, ``SPLIT_TAIL`` (see
+            ``default_config``) of the Triton kernel, which it selects.
+        _backend: private hook for benchmarks and tests: ``"triton"`` or ``"cuda"`` forces that
+            stage-1 kernel (``"cuda"`` raises a ValueError saying why when it cannot run the
+            arguments); None picks the CUDA one where it applies (see the module docstring).
 
     Returns:
         out: (b, h, c) in q's dtype, ``softmax(scores) @ value``.
@@ -573,16 +655,26 @@ def mla_decode(
             raise ValueError(f"mla_decode: unknown _config keys {sorted(unknown)}; known: {sorted(config)}")
         config.update(_config)
 
+    backend = _pick_backend(q, kv_cache, block_table, seq_lens, c, _backend, bool(_config))
+    block_h, block_n = (_CUDA_HEADS, _CUDA_TILE) if backend == "cuda" else (config["BLOCK_H"], config["BLOCK_N"])
+
     if num_kv_splits is None or q.device.type == "cpu":
         max_seq_len = _check_seq_lens(seq_lens, block_table, block_size)
     if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(
-            b, h, max_seq_len, _num_sms(q.device), block_h=config["BLOCK_H"], block_n=config["BLOCK_N"]
-        )
+        num_kv_splits = choose_num_kv_splits(b, h, max_seq_len, _num_sms(q.device), block_h=block_h, block_n=block_n)
 
     out = torch.empty((b, h, c), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h), dtype=torch.float32, device=q.device)
     if b == 0 or h == 0:
+        return out, lse
+
+    if backend == "cuda":  # csrc/mla_decode_sm80.cu: stage 1 always writes partials, then merge
+        part_out = torch.empty((b, h, num_kv_splits, c), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((b, h, num_kv_splits), dtype=torch.float32, device=q.device)
+        torch.ops.mla.mla_decode_sm80(
+            q, kv_cache, block_table, seq_lens, part_out, part_lse, float(softmax_scale), num_kv_splits
+        )
+        _merge(part_out, part_lse, out, lse)
         return out, lse
 
     if num_kv_splits == 1:  # stage 1 writes the answer; no workspace, no merge
@@ -595,7 +687,6 @@ def mla_decode(
         part_out_strides = part_out.stride()[:3]
         part_lse_strides = part_lse.stride()
 
-    block_h = config["BLOCK_H"]
     block_c, block_r = max(16, triton.next_power_of_2(c)), max(16, triton.next_power_of_2(r))
     head_major = bool(config["HEAD_MAJOR"])
     grid = (triton.cdiv(h, block_h), b, num_kv_splits) if head_major else (b, triton.cdiv(h, block_h), num_kv_splits)
@@ -621,20 +712,26 @@ def mla_decode(
         num_stages=config["num_stages"],
     )
     if num_kv_splits > 1:
-        block_s = triton.next_power_of_2(num_kv_splits)
-        merge_block_c = max(16, min(block_c, _MERGE_TILE // block_s))  # <= 4096 partials a program
-        _mla_decode_merge_kernel[(b, h, triton.cdiv(c, merge_block_c))](
-            part_out, part_lse, out, lse,
-            c, num_kv_splits,
-            *part_out_strides,
-            *part_lse_strides,
-            out.stride(0), out.stride(1),
-            lse.stride(0), lse.stride(1),
-            BLOCK_C=merge_block_c,
-            BLOCK_S=block_s,
-            num_warps=4,
-        )
+        _merge(part_out, part_lse, out, lse)
     return out, lse
+
+
+def _merge(part_out, part_lse, out, lse) -> None:
+    """Stage 2: out, lse <- the (b, h, splits, c) partials and (b, h, splits) log-sum-exps."""
+    b, h, num_kv_splits, c = part_out.shape
+    block_s = triton.next_power_of_2(num_kv_splits)
+    merge_block_c = max(16, min(triton.next_power_of_2(c), _MERGE_TILE // block_s))  # <= 4096 partials a program
+    _mla_decode_merge_kernel[(b, h, triton.cdiv(c, merge_block_c))](
+        part_out, part_lse, out, lse,
+        c, num_kv_splits,
+        *part_out.stride()[:3],
+        *part_lse.stride(),
+        out.stride(0), out.stride(1),
+        lse.stride(0), lse.stride(1),
+        BLOCK_C=merge_block_c,
+        BLOCK_S=block_s,
+        num_warps=4,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
