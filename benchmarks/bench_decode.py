@@ -207,7 +207,10 @@ def run_default(out_dir, overrides=None, out_name="h200-decode.json"):
     t0 = time.time()
     copy_GBps, mm_TFLOPs = copy_bandwidth_GBps(), matmul_TFLOPs()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"ceilings: copy {copy_GBps:.0f} GB/s (read + write), bf16 matmul {mm_TFLOPs:.0f} TFLOP/s, {num_sms} SMs")
+    tiny = torch.zeros(1, device=DEVICE)
+    graph_overhead_us = bench_us(graphed(lambda t: t.add_(1), [tiny]))  # in every time_us; not in the floor
+    print(f"ceilings: copy {copy_GBps:.0f} GB/s (read + write), bf16 matmul {mm_TFLOPs:.0f} TFLOP/s, {num_sms} SMs; "
+          f"a graph of one 1-element kernel times {graph_overhead_us:.1f} us")
     available = {}
     for name in OTHERS:
         try:
@@ -226,7 +229,7 @@ def run_default(out_dir, overrides=None, out_name="h200-decode.json"):
         q, caches, block_table, seq_lens = make_inputs(b, t, h, copies=copies)
         config = dict(default_config(h), **(overrides or {}))
         triton_splits = choose_num_kv_splits(b, h, t, num_sms, block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
-        kernel = _pick_backend(q, caches[0], C, None, bool(overrides))  # what mla_decode runs by default
+        kernel = _pick_backend(q, caches[0], block_table, seq_lens, C, None, bool(overrides))  # mla_decode's default
         if kernel == "cuda":  # csrc/mla_decode_sm80.cu: 16 heads a program, tiles of 32
             config = dict(kernel="cuda", BLOCK_H=_CUDA_HEADS, BLOCK_N=_CUDA_TILE, num_warps=4, num_stages=2)
             splits = choose_num_kv_splits(b, h, t, num_sms, block_h=_CUDA_HEADS, block_n=_CUDA_TILE)
@@ -285,6 +288,7 @@ def run_default(out_dir, overrides=None, out_name="h200-decode.json"):
     result = dict(
         copy_GBps=copy_GBps,
         matmul_TFLOPs=mm_TFLOPs,
+        graph_overhead_us=graph_overhead_us,
         device=torch.cuda.get_device_name(0),
         num_sms=num_sms,
         torch=torch.__version__,

@@ -1,23 +1,22 @@
-"""Where the CUDA decode's time goes, and whether a CUDA merge launched early saves any, on the GPU.
+"""Where the CUDA decode's time goes, on the GPU.
 
     PYTHONPATH=. python3 benchmarks/probe_decode_cuda.py --out benchmarks/results
 
 The CUDA stage 1 (``csrc/mla_decode_sm80.cu``, op ``torch.ops.mla.mla_decode_sm80``) is what
-``mla_decode`` runs at <= 16 heads; its merge is the Triton one. The same file has a CUDA merge
-(op ``torch.ops.mla.mla_decode_merge``) that can be launched with programmatic dependent launch
-(PDL): it starts while stage 1 is still running and waits in ``griddepcontrol.wait`` until stage
-1's writes are visible, so the launch gap between the two kernels is hidden.
+``mla_decode`` runs at <= 16 heads; its merge is the Triton one.
 
-1. Correctness: stage 1 + each merge (Triton; CUDA; CUDA with PDL) against
-   ``mla_decode_reference`` (float64) on caches whose unused pages are NaN and whose unused
-   block-table entries point past the cache; bf16 and fp16, 1, 3 and 16 heads, lengths 0-5000,
-   1-256 splits.
+1. Correctness: stage 1 + the merge against ``mla_decode_reference`` (float64) on caches whose
+   unused pages are NaN and whose unused block-table entries point past the cache; bf16 and
+   fp16, 1, 3 and 16 heads, lengths 0-5000, 1-256 splits.
 2. Breakdown at the 16-head shapes of the decode benchmark, each piece in its own CUDA graph and
    timed as ``bench_decode.py``'s ``time_us``: a 1-element add (what the timing method itself
-   costs), stage 1 alone, each merge alone on stage 1's partials, stage 1 + each merge, and the
+   costs), stage 1 alone, the merge alone on stage 1's partials, the two together, and the
    Triton ``mla_decode``.
 
-Writes ``h200-decode-cuda-breakdown.json``. (``h200-decode-cuda-probe.json`` and ``-v0.json``
+Writes ``h200-decode-cuda-breakdown.json``. Its committed copy also has a CUDA merge, alone and
+launched early by programmatic dependent launch (PDL: it waited in ``griddepcontrol.wait`` for
+stage 1's writes), columns ``merge_cuda_us``, ``pair_cuda_us``, ``pair_cuda-pdl_us``: both were
+slower than the Triton merge (NOTES row 35), and were removed. (``h200-decode-cuda-probe.json`` and ``-v0.json``
 came from this script's first version, which built the kernel on its own in four launch shapes:
 ``benchmarks/NOTES.md`` rows 33-34.)
 """
@@ -32,7 +31,7 @@ import time
 import torch
 
 C, R = 512, 64
-MERGES = ("triton", "cuda", "cuda-pdl")
+MERGES = ("triton",)
 
 
 def cuda_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, num_kv_splits, merge="triton"):
@@ -51,10 +50,8 @@ def cuda_decode(q, kv_cache, block_table, seq_lens, *, softmax_scale, num_kv_spl
 def run_merge(merge, part_out, part_lse, out, lse):
     from mla.kernels.decode import _merge
 
-    if merge == "triton":
-        _merge(part_out, part_lse, out, lse)
-    else:
-        torch.ops.mla.mla_decode_merge(part_out, part_lse, out, lse, merge == "cuda-pdl")
+    assert merge in MERGES, merge
+    _merge(part_out, part_lse, out, lse)
 
 
 def poisoned_case(seq_lens, heads, dtype, page=64, seed=0):
@@ -139,9 +136,8 @@ def breakdown(rows):
                    stage1_us=bench_us(graphed(stage1, [cache])),
                    triton_us=bench_us(graphed(triton_call, [cache])), triton_splits=auto)
         for merge in MERGES:
-            if merge != "cuda-pdl":  # PDL needs a kernel before it to overlap
-                row[f"merge_{merge}_us"] = bench_us(graphed(
-                    lambda c, m=merge: run_merge(m, part_out, part_lse, out, lse), [cache]))
+            row[f"merge_{merge}_us"] = bench_us(graphed(
+                lambda c, m=merge: run_merge(m, part_out, part_lse, out, lse), [cache]))
             fn = lambda c, m=merge: cuda_decode(  # noqa: E731
                 q, c, table, lens, softmax_scale=SCALE, num_kv_splits=splits, merge=m)
             got, _ = fn(cache)

@@ -1,6 +1,5 @@
 """A few small launches of the decode kernels, for `compute-sanitizer --tool memcheck`: the Triton
-stage 1, the CUDA one (csrc/mla_decode_sm80.cu) where it applies (<= 16 heads), and the merges:
-Triton's, and the CUDA one with and without programmatic dependent launch.
+stage 1, the CUDA one (csrc/mla_decode_sm80.cu) where it applies (<= 16 heads), and the merge.
 
 Pages the sequences don't own are NaN and unused block-table entries are garbage, so a read
 outside a sequence's pages would also show as NaN in the output.
@@ -8,7 +7,6 @@ outside a sequence's pages would also show as NaN in the output.
 
 import torch
 
-from benchmarks.probe_decode_cuda import cuda_decode
 from mla.kernels import mla_decode, mla_decode_reference
 
 
@@ -41,9 +39,6 @@ def main() -> None:
         if heads <= 16:
             runs["cuda"] = lambda: mla_decode(q, cache, table, lens, kv_lora_rank=c, softmax_scale=0.1,
                                               num_kv_splits=splits, _backend="cuda")
-            for merge in ("cuda", "cuda-pdl"):
-                runs[f"cuda + {merge} merge"] = lambda m=merge: cuda_decode(
-                    q, cache, table, lens, softmax_scale=0.1, num_kv_splits=splits or 3, merge=m)
         for name, run in runs.items():
             out, lse = run()
             torch.cuda.synchronize()

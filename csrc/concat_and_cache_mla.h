@@ -30,6 +30,18 @@
 
 namespace mla {
 
+// Numbers go into this extension's error messages as strings made by std::to_string, never
+// streamed by c10::str: on the GPU machine (torch 2.11, g++ 13) a failing TORCH_CHECK that
+// streamed an integer from this extension crashed the process (a segfault in the stream's number
+// formatting) instead of raising; one that streamed only strings and dtypes raised.
+inline std::string num(int64_t x) { return std::to_string(x); }
+inline std::string num(double x) { return std::to_string(x); }
+inline std::string dims(const at::Tensor& t) {  // "(2, 16, 576)"
+  std::string out = "(";
+  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
+  return out + (t.dim() == 1 ? ",)" : ")");
+}
+
 // What the shared argument check learned about the call.
 struct ConcatAndCacheArgs {
   int64_t num_tokens;   // T

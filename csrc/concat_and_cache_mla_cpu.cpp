@@ -74,8 +74,8 @@ void concat_and_cache_mla_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe,
   const at::Tensor slots_c = slot_mapping.contiguous();
   const int64_t* slots = slots_c.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < a.num_tokens; ++i) {
-    TORCH_CHECK(slots[i] >= -1 && slots[i] < a.num_slots, "slot_mapping[", i, "] = ", slots[i],
-                " is outside [-1, ", a.num_slots, ")");
+    TORCH_CHECK(slots[i] >= -1 && slots[i] < a.num_slots, "slot_mapping[", num(i), "] = ", num(slots[i]),
+                " is outside [-1, ", num(a.num_slots), ")");
   }
 
   if (!a.fp8) {
@@ -83,7 +83,7 @@ void concat_and_cache_mla_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe,
     return;
   }
   const float s = scale->item<float>();
-  TORCH_CHECK(std::isfinite(s) && s > 0.0f, "scale must be positive and finite, got ", s);
+  TORCH_CHECK(std::isfinite(s) && s > 0.0f, "scale must be positive and finite, got ", num(static_cast<double>(s)));
   switch (kv_c.scalar_type()) {
     case at::kBFloat16: write_rows_fp8<c10::BFloat16>(kv_c, k_pe, kv_cache, slots, s, a); break;
     case at::kHalf: write_rows_fp8<c10::Half>(kv_c, k_pe, kv_cache, slots, s, a); break;

@@ -1,13 +1,13 @@
 // mla_decode_sm80: stage 1 of split-KV MLA decode for up to 16 heads (the memory-bound case:
 // one GPU's share of DeepSeek-V3's 128 heads at tensor parallelism 8), with warp-level
-// tensor-core instructions (mma.sync m16n8k16, ldmatrix, cp.async: sm_80 and later), and a
-// small CUDA merge (stage 2).
+// tensor-core instructions (mma.sync m16n8k16, ldmatrix, cp.async: sm_80 and later).
 //
 // The same computation as the Triton kernel in mla/kernels/decode.py (see its docstring), for
 // DeepSeek's sizes only: a cache row is [kv_c (c = 512) | k_pe (r = 64)] in bf16 or fp16, the
 // key is the whole row, the value its first c values, and the (up to) 16 heads of a sequence
 // share each tile as one mma M. It writes fp32 partial outputs and log-sum-exps in the layout
-// of the merge kernels (this file's and the Triton one), which combine the splits.
+// of the Triton merge kernel, which combines the splits. (A CUDA merge, launched early by
+// programmatic dependent launch, was measured and lost: NOTES row 35.)
 // mla_decode (mla/kernels/decode.py) calls it for q of <= 16 heads in bf16 / fp16 with c = 512,
 // r = 64 and pages of a multiple of 32 rows, on a GPU of compute capability >= 8.0.
 //
@@ -39,12 +39,13 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "mla_decode_sm80.h"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cmath>
 #include <cstdint>
-#include <initializer_list>
 #include <type_traits>
 
 namespace mla {
@@ -138,9 +139,6 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float x, float y)
 __device__ __forceinline__ void store_pair(__half* dst, float x, float y) {
   *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(x, y);
 }
-// one float, rounded to T (torch builds with the implicit float -> half / bf16 conversions off)
-__device__ __forceinline__ void store_one(__nv_bfloat16* dst, float x) { *dst = __float2bfloat16_rn(x); }
-__device__ __forceinline__ void store_one(__half* dst, float x) { *dst = __float2half_rn(x); }
 
 template <typename T, typename S>
 __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_kernel(
@@ -161,12 +159,6 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
   T* p_s = reinterpret_cast<T*>(red_s + 4 * kHeads * S::kRedStride);  // (kHeads, kPStride)
   float* alpha_s = reinterpret_cast<float*>(p_s + kHeads * S::kPStride);  // (kHeads,)
   float* l_s = alpha_s + kHeads;                                      // (kHeads,)
-
-  // Programmatic dependent launch: the merge (launched with the PDL attribute) may start now;
-  // it waits in griddepcontrol.wait until this grid has finished and its writes are visible.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int h0 = blockIdx.x * kHeads;
@@ -375,117 +367,25 @@ using DecodeShape = Shape<32, 2, 4, 2>;
 static_assert(DecodeShape::kSmemBytes == 105088,
               "mla/kernels/decode.py's _CUDA_SMEM_BYTES must equal DecodeShape::kSmemBytes");
 
-// Stage 2: one CTA per (sequence, head, chunk of kChunk dims) merges the splits by log-sum-exp;
-// kGroups groups of threads take every kGroups-th split, kChunk / 4 threads a group each read a
-// float4.
-//   m = max_s lse_s; w_s = exp(lse_s - m); out = sum_s w_s out_s / sum_s w_s; lse = m + log(sum w)
-// With pdl, the launch carries cudaLaunchAttributeProgrammaticStreamSerialization, so it can
-// start before stage 1 ends; griddepcontrol.wait holds it until stage 1's writes are visible.
-template <typename T, int kChunk>
-__global__ void __launch_bounds__(128) mla_decode_merge_kernel(
-    const float* __restrict__ part_out, const float* __restrict__ part_lse, T* __restrict__ out,
-    float* __restrict__ lse_out, int num_splits, int64_t sob, int64_t soh, int64_t sos,
-    int64_t slb, int64_t slh, int64_t sls, int64_t sb, int64_t sh, int64_t lb, int64_t lh) {
-  constexpr int kLanes = kChunk / 4, kGroups = 128 / kLanes;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-  __shared__ float red[kGroups][kChunk + 4];
-  __shared__ float stat[2][4];
-  const int64_t b = blockIdx.x, h = blockIdx.y;
-  const int c0 = blockIdx.z * kChunk;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const float* lse_row = part_lse + b * slb + h * slh;
-  float m = -INFINITY;
-  for (int s = tid; s < num_splits; s += 128) m = fmaxf(m, lse_row[s * sls]);
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (lane == 0) stat[0][warp] = m;
-  __syncthreads();
-  m = fmaxf(fmaxf(stat[0][0], stat[0][1]), fmaxf(stat[0][2], stat[0][3]));
-  if (m == -INFINITY) m = 0.f;  // every split empty: weights 0, no NaN
-  float total = 0.f;
-  for (int s = tid; s < num_splits; s += 128) total += __expf(lse_row[s * sls] - m);
-  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-  if (lane == 0) stat[1][warp] = total;
-  const int g = tid / kLanes, col = (tid % kLanes) * 4;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  const float* row = part_out + b * sob + h * soh + c0 + col;
-  for (int s = g; s < num_splits; s += kGroups) {
-    const float w = __expf(lse_row[s * sls] - m);
-    const float4 v = *reinterpret_cast<const float4*>(row + s * sos);
-    acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
-  }
-  *reinterpret_cast<float4*>(&red[g][col]) = acc;
-  __syncthreads();
-  total = stat[1][0] + stat[1][1] + stat[1][2] + stat[1][3];
-  const float inv = total > 0.f ? 1.f / total : 0.f;
-  for (int i = tid; i < kChunk; i += 128) {
-    float sum = 0.f;
-#pragma unroll
-    for (int k = 0; k < kGroups; ++k) sum += red[k][i];
-    store_one(out + b * sb + h * sh + c0 + i, sum * inv);
-  }
-  if (blockIdx.z == 0 && tid == 0) lse_out[b * lb + h * lh] = total > 0.f ? m + logf(total) : -INFINITY;
-}
-
-
 // ---------------------------------------------------------------------------------------------
-// Host side: checks, then launches on the current stream
-
-void check_same_device(const at::Tensor& ref, std::initializer_list<const at::Tensor*> others,
-                       const char* op) {
-  for (const at::Tensor* t : others) {
-    TORCH_CHECK(t->device() == ref.device(), op, ": all tensors must be on ", ref.device(),
-                ", got one on ", t->device());
-  }
-}
+// Host side: the check (binding.cpp), then the launch on the current stream
 
 void mla_decode_sm80(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, at::Tensor& part_out, at::Tensor& part_lse,
                      double softmax_scale, int64_t num_splits) {
   using S = DecodeShape;
   // mla_decode checked the user's arguments; these guard the kernel's own assumptions.
-  TORCH_CHECK(q.is_cuda(), "mla_decode_sm80: q must be a CUDA tensor");
-  TORCH_CHECK(q.dim() == 3 && q.size(1) <= kHeads && q.size(2) == kD,
-              "mla_decode_sm80: q must be (b, h <= ", kHeads, ", ", kD, "), got ", q.sizes());
-  TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(2) == kD && kv_cache.size(1) > 0 &&
-                  kv_cache.size(1) % S::kTile == 0,
-              "mla_decode_sm80: kv_cache must be (pages, page_size, ", kD, ") with page_size a multiple of ",
-              S::kTile, ", got ", kv_cache.sizes());
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() &&
-                  (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf),
-              "mla_decode_sm80: q and kv_cache must both be bfloat16 or both float16");
+  check_mla_decode_sm80(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
+                        {kHeads, kC, kR, S::kTile});
   const int64_t b = q.size(0), h = q.size(1);
-  TORCH_CHECK(q.stride(2) == 1 && kv_cache.stride(2) == 1 && q.stride(0) % 8 == 0 &&
-                  q.stride(1) % 8 == 0 && kv_cache.stride(0) % 8 == 0 && kv_cache.stride(1) % 8 == 0 &&
-                  reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 &&
-                  reinterpret_cast<uintptr_t>(kv_cache.data_ptr()) % 16 == 0,
-              "mla_decode_sm80: q's and kv_cache's rows must be contiguous and 16-byte aligned");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
-                  block_table.size(0) == b && block_table.stride(1) == 1,
-              "mla_decode_sm80: block_table must be (b, max_pages) int32, last dim contiguous");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) == b &&
-                  seq_lens.stride(0) == 1,
-              "mla_decode_sm80: seq_lens must be (b,) int32, contiguous");
-  TORCH_CHECK(num_splits >= 1 && num_splits <= 65535, "mla_decode_sm80: num_splits must be in [1, 65535]");
-  TORCH_CHECK(b <= 65535, "mla_decode_sm80: at most 65535 sequences a launch, got ", b);
-  TORCH_CHECK(part_out.scalar_type() == at::kFloat && part_out.dim() == 4 && part_out.size(0) == b &&
-                  part_out.size(1) == h && part_out.size(2) == num_splits && part_out.size(3) == kC &&
-                  part_out.stride(3) == 1 && part_out.stride(0) % 2 == 0 && part_out.stride(1) % 2 == 0 &&
-                  part_out.stride(2) % 2 == 0 && reinterpret_cast<uintptr_t>(part_out.data_ptr()) % 8 == 0,
-              "mla_decode_sm80: part_out must be (b, h, num_splits, ", kC, ") float32, 8-byte aligned");
-  TORCH_CHECK(part_lse.scalar_type() == at::kFloat && part_lse.dim() == 3 && part_lse.size(0) == b &&
-                  part_lse.size(1) == h && part_lse.size(2) == num_splits,
-              "mla_decode_sm80: part_lse must be (b, h, num_splits) float32");
-  check_same_device(q, {&kv_cache, &block_table, &seq_lens, &part_out, &part_lse}, "mla_decode_sm80");
   if (b == 0 || h == 0) return;
 
   const c10::cuda::CUDAGuard guard(q.device());
   int smem_optin = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         q.get_device()));
-  TORCH_CHECK(static_cast<size_t>(smem_optin) >= S::kSmemBytes, "mla_decode_sm80: needs ",
-              S::kSmemBytes, " bytes of shared memory a block, this GPU allows ", smem_optin);
+  TORCH_CHECK(static_cast<size_t>(smem_optin) >= S::kSmemBytes,
+              "mla_decode_sm80: this GPU allows too little shared memory a block (103 KiB needed)");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid(1, static_cast<unsigned>(b), static_cast<unsigned>(num_splits));
   const float scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
@@ -509,62 +409,9 @@ void mla_decode_sm80(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   }
 }
 
-void mla_decode_merge(const at::Tensor& part_out, const at::Tensor& part_lse, at::Tensor& out,
-                      at::Tensor& lse, bool pdl) {
-  TORCH_CHECK(part_out.is_cuda(), "mla_decode_merge: part_out must be a CUDA tensor");
-  TORCH_CHECK(part_out.scalar_type() == at::kFloat && part_out.dim() == 4 && part_out.size(3) == kC &&
-                  part_out.stride(3) == 1 && part_out.stride(0) % 4 == 0 && part_out.stride(1) % 4 == 0 &&
-                  part_out.stride(2) % 4 == 0 && reinterpret_cast<uintptr_t>(part_out.data_ptr()) % 16 == 0,
-              "mla_decode_merge: part_out must be (b, h, splits, ", kC, ") float32, 16-byte aligned rows");
-  const int64_t b = part_out.size(0), h = part_out.size(1), splits = part_out.size(2);
-  TORCH_CHECK(part_lse.scalar_type() == at::kFloat && part_lse.dim() == 3 && part_lse.size(0) == b &&
-                  part_lse.size(1) == h && part_lse.size(2) == splits,
-              "mla_decode_merge: part_lse must be (b, h, splits) float32");
-  TORCH_CHECK((out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf) && out.dim() == 3 &&
-                  out.size(0) == b && out.size(1) == h && out.size(2) == kC && out.stride(2) == 1,
-              "mla_decode_merge: out must be (b, h, ", kC, ") bfloat16 or float16");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == b && lse.size(1) == h,
-              "mla_decode_merge: lse must be (b, h) float32");
-  TORCH_CHECK(splits >= 1 && b <= 2147483647 && h <= 65535, "mla_decode_merge: sizes out of range");
-  check_same_device(part_out, {&part_lse, &out, &lse}, "mla_decode_merge");
-  if (b == 0 || h == 0) return;
-
-  const c10::cuda::CUDAGuard guard(part_out.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, part_out.get_device()));
-  auto go = [&](auto* kernel, auto type_tag, int chunk) {
-    using T = decltype(type_tag);
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(b), static_cast<unsigned>(h), static_cast<unsigned>(kC / chunk));
-    cfg.blockDim = dim3(128);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = pdl && major >= 9 ? 1 : 0;  // PDL is an sm_90 feature
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, part_out.data_ptr<float>(), part_lse.data_ptr<float>(),
-                                      reinterpret_cast<T*>(out.data_ptr()), lse.data_ptr<float>(),
-                                      static_cast<int>(splits), part_out.stride(0), part_out.stride(1),
-                                      part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-                                      part_lse.stride(2), out.stride(0), out.stride(1), lse.stride(0),
-                                      lse.stride(1)));
-  };
-  const bool narrow = splits >= 32;  // many splits: chunks of 32 dims, so more CTAs share the reads
-  if (out.scalar_type() == at::kBFloat16) {
-    if (narrow) go(mla_decode_merge_kernel<__nv_bfloat16, 32>, __nv_bfloat16{}, 32);
-    else go(mla_decode_merge_kernel<__nv_bfloat16, 128>, __nv_bfloat16{}, 128);
-  } else {
-    if (narrow) go(mla_decode_merge_kernel<__half, 32>, __half{}, 32);
-    else go(mla_decode_merge_kernel<__half, 128>, __half{}, 128);
-  }
-}
-
 }  // namespace
 }  // namespace mla
 
 TORCH_LIBRARY_IMPL(mla, CUDA, m) {
   m.impl("mla_decode_sm80", &mla::mla_decode_sm80);
-  m.impl("mla_decode_merge", &mla::mla_decode_merge);
 }

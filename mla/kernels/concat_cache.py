@@ -22,8 +22,8 @@ The two compiled ones form one extension (op ``torch.ops.mla.concat_and_cache_ml
 built by JIT on first use, cached on disk by torch (``TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/torch_extensions``) and loaded once per process. If no compiler is available or the
 build fails, ``concat_and_cache`` falls back to the reference with one warning. A CUDA build
-also holds the decode kernels of ``csrc/mla_decode_sm80.cu`` (ops ``torch.ops.mla.mla_decode_sm80``
-and ``torch.ops.mla.mla_decode_merge``), which ``mla.kernels.mla_decode`` uses for few heads.
+also holds the decode stage 1 of ``csrc/mla_decode_sm80.cu`` (op ``torch.ops.mla.mla_decode_sm80``),
+which ``mla.kernels.mla_decode`` uses for few heads.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def load_extension() -> dict:
     """Build (first time on this machine) and load the extension; at most once per process.
 
     Returns a dict: ``loaded`` (bool), ``cuda`` (whether the CUDA concat kernel is in it),
-    ``decode`` (whether the CUDA decode kernels are: built for GPUs of compute capability >= 8.0),
+    ``decode`` (whether the CUDA decode stage 1 is: built for GPUs of compute capability >= 8.0),
     ``error`` (why not, when not loaded). Never raises: a failed build is reported once by
     ``concat_and_cache`` and the reference is used instead.
     """
@@ -93,7 +93,7 @@ def load_extension() -> dict:
         if not is_ninja_available():
             raise RuntimeError("ninja is not installed")
         with_cuda = _cuda_build_possible()
-        # the decode kernels use sm_80 instructions (mma.sync on bf16, cp.async)
+        # the decode stage 1 uses sm_80 instructions (mma.sync on bf16, cp.async)
         with_decode = with_cuda and torch.cuda.get_device_capability() >= (8, 0)
         sources = [_CSRC / "binding.cpp", _CSRC / "concat_and_cache_mla_cpu.cpp"]
         if with_cuda:

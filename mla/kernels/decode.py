@@ -564,8 +564,8 @@ def _cuda_stage1_unfit(q, kv_cache, block_table, seq_lens, kv_lora_rank) -> str 
 
     state = load_extension()
     if not state["decode"]:
-        why = state["error"] or "built without the CUDA decode kernels (no nvcc, or a GPU below sm_80 at build time)"
-        return f"the compiled extension has no CUDA decode kernels ({why})"
+        why = state["error"] or "built without it (no nvcc, or a GPU below sm_80 at build time)"
+        return f"the compiled extension has no CUDA decode kernel ({why})"
     return None
 
 
