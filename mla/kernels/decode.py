@@ -53,7 +53,7 @@ heads (one GPU's share of 128 heads at tensor parallelism 8), bf16 or fp16, page
 of 32 rows, on a GPU, ``mla_decode`` runs the CUDA one in ``csrc/mla_decode_sm80.cu`` instead:
 the same tiles and partials, with warp-level tensor-core instructions and fragments loaded a
 k-step at a time, so that nothing spills and (on an H100/H200) two programs share an SM
-(``benchmarks/NOTES.md`` rows 33-35 have its times). It lives in the package's compiled
+(``benchmarks/NOTES.md`` rows 33-36 have its times). It lives in the package's compiled
 extension (``mla.kernels.concat_cache.load_extension``); where that cannot be built, or the GPU
 lacks the shared memory or sm_80 instructions it needs, the Triton kernel runs.
 """
@@ -81,6 +81,7 @@ _LN2 = 0.6931471805599453  # ln(2):    log(x) = log2(x) * ln(2)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MERGE_TILE = 4096  # partial-output values one merge program reads (splits x chunk of c)
 _CPU_NUM_SMS = 132  # an H100/H200's SM count, so CPU runs choose the splits a GPU would
+_MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z: sequences and splits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -532,7 +533,6 @@ def _check_seq_lens(seq_lens, block_table, block_size) -> int:
 
 _CUDA_HEADS, _CUDA_C, _CUDA_R, _CUDA_TILE = 16, 512, 64, 32  # what csrc/mla_decode_sm80.cu is built for
 _CUDA_SMEM_BYTES = 105_088  # its shared memory a CTA (DecodeShape::kSmemBytes; a static_assert there)
-_MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z: sequences and splits
 _BACKENDS = ("triton", "cuda")
 
 
