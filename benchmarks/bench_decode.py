@@ -10,7 +10,10 @@ pages, einsum, softmax, einsum) and FlashMLA / FlashInfer when they import, each
 triton.testing.do_bench (which clears L2 before every call; caches under 3x L2 are also rotated
 between copies). mla_decode is timed twice: ``time_us`` replays it from a CUDA graph (the
 kernels alone, as a serving loop that captures its decode step runs them) and ``eager_us``
-calls it from Python (checks, allocation and two launches each time; ~10 us more at b <= 4). The floor of a shape is ``max(bytes / copy_bw, FLOPs / matmul_rate)`` with
+calls it from Python (checks, allocation and two launches each time; ~10 us more at b <= 4).
+``steady_us`` is a call's share of a graph of >= 8 back-to-back calls (the copies in turn): a
+single-call graph also pays the graph's own launch (``graph_overhead_us``, ~4.8 us on the H200),
+which a captured decode step of many layers pays once (NOTES row 39). The floor of a shape is ``max(bytes / copy_bw, FLOPs / matmul_rate)`` with
 bytes = cache rows read + q + out and FLOPs = 2·b·h·t·(576 + 512). Prints a table and writes
 ``h200-decode.json`` in DESIGN.md's schema.
 
@@ -124,18 +127,23 @@ def rotating(fn, caches):
     return call
 
 
-def graphed(fn, caches):
-    """fn(cache) for each copy captured in a CUDA graph; returns a call that replays them in turn.
-
-    Replays time the kernels alone: no Python, no launch gaps between stage 1 and the merge, as
-    in a serving loop that captures its decode step (``PagedMLA.decode_step``).
-    """
+def _warm_up(fn, caches):
+    """fn(cache) once a copy on a side stream, so compiling and first allocations stay out of a capture."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up (compile) outside the capture
         for cache in caches:
             fn(cache)
     torch.cuda.current_stream().wait_stream(side)
+
+
+def graphed(fn, caches):
+    """fn(cache) for each copy captured in a CUDA graph; returns a call that replays them in turn.
+
+    Replays time the kernels alone: no Python, no launch gaps between stage 1 and the merge, as
+    in a serving loop that captures its decode step (``PagedMLA.decode_step``).
+    """
+    _warm_up(fn, caches)
     graphs = []
     for cache in caches:
         graph = torch.cuda.CUDAGraph()
@@ -143,6 +151,30 @@ def graphed(fn, caches):
             fn(cache)
         graphs.append(graph)
     return rotating(lambda graph: graph.replay(), graphs)
+
+
+def graphed_sequence(fn, caches, min_calls=8):
+    """fn(cache) called back to back, the copies in turn, >= min_calls times in ONE CUDA graph.
+
+    Returns (replay, calls): time replay and divide by calls for the time a call takes inside a
+    longer sequence of kernels, as in a captured decode step of many layers. A graph of a single
+    call (``graphed``) also pays the graph's own launch, ~4.8 us on the H200 (``graph_overhead_us``)
+    that a step of 61 layers pays once. The copies (>= 3x L2 together) keep each call's reads
+    out of L2 as in ``graphed``.
+    """
+    calls = len(caches) * math.ceil(min_calls / len(caches))
+    _warm_up(fn, caches)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(caches[i % len(caches)])
+    return graph.replay, calls
+
+
+def steady_us(fn, caches) -> float:
+    """Time a call takes within a graph of back-to-back calls (see graphed_sequence)."""
+    replay, calls = graphed_sequence(fn, caches)
+    return bench_us(replay) / calls
 
 
 def torch_decode(q, kv_cache, block_table, seq_lens):
@@ -221,7 +253,7 @@ def run_default(out_dir, overrides=None, out_name="h200-decode.json"):
 
     rows = []
     print(
-        f"{'b':>4} {'t':>7} {'h':>4} {'floor us':>9} {'bound':>7} {'mla us':>9} {'share':>6} {'eager us':>9} "
+        f"{'b':>4} {'t':>7} {'h':>4} {'floor us':>9} {'bound':>7} {'mla us':>9} {'share':>6} {'steady':>7} {'eager us':>9} "
         f"{'torch us':>9} {'splits':>6} {'kernel':>6} {'triton us':>9}  err"
     )
     for b, t, h in SHAPES:
@@ -249,10 +281,14 @@ def run_default(out_dir, overrides=None, out_name="h200-decode.json"):
             row["eager_us"] = bench_us(rotating(ours, caches))
             row["time_us"] = bench_us(graphed(ours, caches))
             row["share_of_floor"] = fl / row["time_us"]
+            row["steady_us"] = steady_us(ours, caches)
+            row["steady_share_of_floor"] = fl / row["steady_us"]
             if kernel == "cuda":  # the Triton kernel beside it, as it would run here
                 row["triton_time_us"] = bench_us(graphed(
                     lambda cache: ours(cache, backend="triton", splits=triton_splits), caches))
                 row["triton_num_kv_splits"] = triton_splits
+                row["triton_steady_us"] = steady_us(
+                    lambda cache: ours(cache, backend="triton", splits=triton_splits), caches)
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         try:
@@ -275,8 +311,8 @@ def run_default(out_dir, overrides=None, out_name="h200-decode.json"):
         rows.append(row)
         cells = [
             f"{b:>4} {t:>7} {h:>4} {fl:>9.1f} {bound:>7}",
-            f"{row['time_us']:>9.1f} {row['share_of_floor']:>6.2f} {row['eager_us']:>9.1f}" if row["time_us"]
-            else f"{'error':>9} {'':>6} {'':>9}",
+            f"{row['time_us']:>9.1f} {row['share_of_floor']:>6.2f} {row['steady_us']:>7.1f} {row['eager_us']:>9.1f}"
+            if row["time_us"] else f"{'error':>9} {'':>6} {'':>7} {'':>9}",
             f"{row['torch_us']:>9.1f}" if row.get("torch_us") else f"{'-':>9}",
             f"{splits:>6} {kernel:>6} " + (f"{row['triton_time_us']:>9.1f} " if "triton_time_us" in row else f"{'':>9} "),
             f"{row['max_rel_err_vs_torch']:.1e}" if "max_rel_err_vs_torch" in row else row.get("error", "-"),
