@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in parts, each time-boxed, logs and JSON under $OUT.
 #   bash benchmarks/gpu_suite.sh tests concat-bench sanitize decode-bench sweep layer prefill
-#   bash benchmarks/gpu_suite.sh variants concat-probe cuda-probe sanitize-decode   (experiments)
+#   bash benchmarks/gpu_suite.sh variants concat-probe cuda-probe cuda-timeline sanitize-decode   (experiments)
 # Run from the repository root with PYTHONPATH=. (the device machine has no package registry).
 set -u
 OUT=${OUT:-/tmp/mla-gpu}
@@ -26,11 +26,13 @@ for part in "$@"; do
     decode-bench) run decode-bench 300 python3 benchmarks/bench_decode.py --out "$OUT" ;;
     variants) run variants 300 python3 benchmarks/bench_decode.py --out "$OUT" --variants --budget-s 240 ;;
     cuda-probe) run cuda-probe 300 python3 benchmarks/probe_decode_cuda.py --out "$OUT" ;;
+    cuda-timeline) run cuda-timeline 240 python3 benchmarks/timeline_decode_cuda.py --out "$OUT" ;;
     concat-probe) run concat-probe 200 python3 benchmarks/probe_concat.py --out "$OUT" ;;
     sanitize-decode) run sanitize-decode 200 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_decode.py ;;
     sweep) run sweep 330 python3 benchmarks/bench_decode.py --out "$OUT" --sweep ;;
     layer) run layer 240 python3 benchmarks/bench_layer.py --out "$OUT" ;;
     prefill) run prefill 240 python3 benchmarks/bench_prefill.py --out "$OUT" ;;
+    tp) run tp 400 python3 benchmarks/bench_tp.py --out "$OUT" --tp 2 ;;  # 2 GPUs (nvidia-h200-x2)
     *) echo "unknown part $part" ;;
   esac
 done

@@ -17,7 +17,7 @@
 // (236 registers on sm_90, 254 on sm_80, no spills), the query's fragments stay in registers,
 // and on an H100/H200 (228 KiB of shared memory an SM) two CTAs share an SM, each with a tile in
 // flight while it computes the other (an A100 fits one; GPUs with less than the 103 KiB a block
-// needs, sm_86/89/120, run the Triton kernel). Measured on an H200: benchmarks/NOTES.md rows 33-36.
+// needs, sm_86/89/120, run the Triton kernel). Measured on an H200: benchmarks/NOTES.md rows 33-40.
 //
 // One CTA per (head block of 16, sequence, split); kWarps = 4 warps; tiles of kTile = 32
 // tokens, kStages = 2 deep in shared memory (rows padded to 584 values so ldmatrix is free of

@@ -4,7 +4,7 @@
             each tier; error against the naive tier, cache bytes per token, time per decode step;
             --tp N splits the heads over N processes (mla.parallel)
     memory  KV cache per token and per sequence for MHA, GQA-8, MQA and MLA, and the paper's claims
-    bench   the GPU benchmarks in benchmarks/ (decode, concat, layer, prefill)
+    bench   the GPU benchmarks in benchmarks/ (decode, concat, layer, prefill, tp)
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def memory_report(args: argparse.Namespace) -> None:
 
 
 # ---- bench ---------------------------------------------------------------------------------
-BENCHES = ("decode", "concat", "layer", "prefill")
+BENCHES = ("decode", "concat", "layer", "prefill", "tp")
 
 
 def bench(args: argparse.Namespace, rest: list[str]) -> None:

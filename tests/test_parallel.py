@@ -312,3 +312,41 @@ def test_gpu_nccl_bf16_sharded_tiers_match_unsharded():
     results = parallel.launch(_check_tiers, 2, "nccl", torch.bfloat16, 2e-2, list(CONFIGS),
                               backend="nccl")
     _judge(results, 2)
+
+
+# ---- the TP benchmark (benchmarks/bench_tp.py), its gloo run ---------------------------------
+
+
+def test_bench_tp_runs_over_gloo(tmp_path, monkeypatch):
+    """The script a two-GPU machine runs, end to end on the CPU: TP 1 and TP 2 rows, the TP
+    step's output against the whole layer's, every rank's time."""
+    from mla.__main__ import main
+
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    main(["bench", "tp", "--out", str(tmp_path), "--tp", "2", "--device", "cpu", "--preset", "tiny",
+          "--batches", "1,3", "--context", "9", "--iters", "2"])
+    result = json.loads((tmp_path / "cpu-tp.json").read_text())
+    assert result["backend"] == "gloo" and result["tp"] == 2
+    rows = result["rows"]
+    assert [(r["tp"], r["b"], r["heads_per_rank"]) for r in rows] == [(1, 1, 4), (1, 3, 4), (2, 1, 2), (2, 3, 2)]
+    for r in rows:
+        assert r["rel_err"] < 1e-5, r
+        assert len(r["step_eager_us_per_rank"]) == r["tp"] and r["step_eager_us"] == max(r["step_eager_us_per_rank"])
+        assert r["step_eager_us"] > 0 and "step_graph_us" not in r  # no graphs on the CPU
+    assert all(r["step_eager_speedup_vs_tp1"] > 0 for r in rows if r["tp"] == 2)
+
+
+NOT_ENOUGH_GPUS = pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="2 GPUs here: --tp 2 runs")
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--tp", "1"], "--tp must be >= 2"),
+    (["--tp", "0"], "--tp must be >= 2"),
+    pytest.param(["--tp", "2", "--device", "cuda"], "--tp 2 needs 2 GPUs", marks=NOT_ENOUGH_GPUS),
+])
+def test_bench_tp_refuses_what_it_cannot_run(tmp_path, args, match):
+    from mla.__main__ import main
+
+    with pytest.raises(SystemExit, match=match):
+        main(["bench", "tp", "--out", str(tmp_path), *args])
+    assert not list(tmp_path.iterdir())  # nothing written

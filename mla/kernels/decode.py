@@ -53,7 +53,7 @@ heads (one GPU's share of 128 heads at tensor parallelism 8), bf16 or fp16, page
 of 32 rows, on a GPU, ``mla_decode`` runs the CUDA one in ``csrc/mla_decode_sm80.cu`` instead:
 the same tiles and partials, with warp-level tensor-core instructions and fragments loaded a
 k-step at a time, so that nothing spills and (on an H100/H200) two programs share an SM
-(``benchmarks/NOTES.md`` rows 33-36 have its times). It lives in the package's compiled
+(``benchmarks/NOTES.md`` rows 33-40 have its times and where they go). It lives in the package's compiled
 extension (``mla.kernels.concat_cache.load_extension``); where that cannot be built, or the GPU
 lacks the shared memory or sm_80 instructions it needs, the Triton kernel runs.
 """

@@ -1,0 +1,152 @@
+"""Where each CTA of the CUDA decode stage 1 spends its time: per-CTA timestamps, on the GPU.
+
+    PYTHONPATH=. python3 benchmarks/timeline_decode_cuda.py --out benchmarks/results   # ~1.5 min, JIT build included
+
+Builds a copy of ``csrc/mla_decode_sm80.cu`` with timestamps added (the source is edited as
+text here, so the package's kernel stays as it is; an edit that no longer applies fails loudly)
+and runs it once per repetition after an L2 flush. Thread 0 of every CTA records
+``%globaltimer`` (ns, one clock for the whole GPU) and ``clock64`` (its SM's cycles) at five
+points: start; the query in shared memory (the prologue); the first tile landed; the tile loop
+done; the partials written. It also sums the cycles it spent in the loop's wait for a tile and
+the barrier after it (``loop_wait_us``): what is left of ``loop_us`` is the math. Medians over
+CTAs, then over 5 repetitions; cycles are turned into us at the clock the two timers give.
+
+Writes ``h200-decode-cuda-timeline.json`` (NOTES row 40).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import statistics
+import tempfile
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# (b, t, splits): 16 heads; b = 1 at the rule's 128 splits, and 256 (two CTAs an SM) and 64
+SHAPES = ((1, 32768, 128), (1, 32768, 256), (1, 32768, 64), (64, 4096, 4), (4, 131072, 66))
+SLOTS = 12  # a CTA's row: 5 x (globaltimer, clock64), SM id, wait cycles
+
+
+def instrumented_source() -> str:
+    src = (ROOT / "csrc" / "mla_decode_sm80.cu").read_text()
+
+    def edit(old, new):
+        nonlocal src
+        assert old in src, f"the kernel changed; this edit no longer applies:\n{old}"
+        src = src.replace(old, new, 1)
+
+    edit('#include "mla_decode_sm80.h"\n', "#include <torch/extension.h>\n")
+    edit("int64_t slb, int64_t slh, int64_t sls) {", """int64_t slb, int64_t slh, int64_t sls, long long* timing) {
+  const int64_t cta = int64_t(blockIdx.z) * gridDim.y + blockIdx.y;
+  auto stamp = [&](int k) {
+    if (threadIdx.x == 0) {
+      unsigned long long g;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+      timing[cta * 12 + 2 * k] = (long long)g;
+      timing[cta * 12 + 2 * k + 1] = clock64();
+    }
+  };
+  stamp(0);
+  int smid;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  if (threadIdx.x == 0) timing[cta * 12 + 10] = smid;""")
+    edit("""  cp_async_wait<kStages - 1>();  // the q group (the oldest) has landed
+  __syncthreads();""", """  cp_async_wait<kStages - 1>();  // the q group (the oldest) has landed
+  __syncthreads();
+  stamp(1);""")
+    edit("""  for (int t = 0; t < n_tiles; ++t) {
+    cp_async_wait<kStages - 2>();  // tile t has landed (this thread's copies) ...
+    __syncthreads();               // ... everyone's; and every read of tile t - 1 is done""",
+         """  long long waited = 0;
+  for (int t = 0; t < n_tiles; ++t) {
+    const long long w0 = clock64();
+    cp_async_wait<kStages - 2>();  // tile t has landed (this thread's copies) ...
+    __syncthreads();               // ... everyone's; and every read of tile t - 1 is done
+    if (t > 0) waited += clock64() - w0;
+    if (t == 0) stamp(2);""")
+    edit("  cp_async_wait<0>();\n", """  cp_async_wait<0>();
+  stamp(3);
+  if (threadIdx.x == 0) timing[cta * 12 + 11] = waited;
+""")
+    end = src.rindex("}\n", 0, src.index("// The shape built"))  # the kernel's closing brace
+    src = src[:end] + "  __syncthreads();\n  stamp(4);\n" + src[end:]
+    edit("""  check_mla_decode_sm80(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
+                        {kHeads, kC, kR, S::kTile});""", "")
+    edit("double softmax_scale, int64_t num_splits) {", "double softmax_scale, int64_t num_splits, at::Tensor& timing) {")
+    edit("part_lse.stride(0), part_lse.stride(1), part_lse.stride(2));",
+         "part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), (long long*)timing.data_ptr<int64_t>());")
+    src = src[: src.index("TORCH_LIBRARY_IMPL")]
+    src = src.replace("namespace {\n", "", 1).replace("}  // namespace\n}  // namespace mla", "}  // namespace mla")
+    return src + 'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &mla::mla_decode_sm80); }\n'
+
+
+def build():
+    from torch.utils.cpp_extension import load
+
+    major, minor = torch.cuda.get_device_capability()
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="mla_timeline_"))
+    (folder / "timeline.cu").write_text(instrumented_source())
+    return load(name="mla_decode_timeline", sources=[str(folder / "timeline.cu")], build_directory=str(folder),
+                extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"])
+
+
+def one_shape(mod, b, t, splits, repeats=5):
+    from benchmarks.bench_decode import SCALE, make_inputs
+
+    q, (cache,), table, lens = make_inputs(b, t, 16)
+    part_out = torch.empty((b, 16, splits, 512), dtype=torch.float32, device="cuda")
+    part_lse = torch.empty((b, 16, splits), dtype=torch.float32, device="cuda")
+    timing = torch.zeros((b * splits, SLOTS), dtype=torch.int64, device="cuda")
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    runs = []
+    for rep in range(repeats + 2):  # two warm-up runs
+        flush.zero_()
+        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, timing)
+        torch.cuda.synchronize()
+        if rep < 2:
+            continue
+        x = timing.cpu()
+        ns, cycles = x[:, 0:10:2].double(), x[:, 1:10:2].double()
+        start, end = (ns[:, 0] - ns[:, 0].min()) / 1e3, (ns[:, 4] - ns[:, 0].min()) / 1e3
+        ghz = ((cycles[:, 4] - cycles[:, 0]) / (ns[:, 4] - ns[:, 0])).median().item()
+
+        def us(a, z):  # from point a to point z, per CTA
+            return (cycles[:, z] - cycles[:, a]) / ghz / 1e3
+
+        def med(v):
+            return v.median().item()
+
+        runs.append(dict(
+            span_us=end.max().item(), start_max_us=start.max().item(), end_first_us=end.min().item(),
+            end_median_us=med(end), prologue_us=med(us(0, 1)), first_tile_us=med(us(1, 2)), loop_us=med(us(2, 3)),
+            loop_wait_us=med(x[:, 11].double() / ghz / 1e3), epilogue_us=med(us(3, 4)), cta_us=med(us(0, 4)),
+            cta_max_us=us(0, 4).max().item(), ghz=ghz, sms=len(set(x[:, 10].tolist()))))
+    row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    tiles = math.ceil(math.ceil(t / 32) / splits)
+    return dict(b=b, t=t, h=16, splits=splits, tiles_per_cta=tiles,
+                math_us_per_tile=(row["loop_us"] - row["loop_wait_us"]) / max(tiles - 1, 1), **row)
+
+
+def main(argv=None):
+    from benchmarks.bench_decode import write_json
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    t0 = time.time()
+    mod = build()
+    print(f"built in {time.time() - t0:.0f} s", flush=True)
+    rows = []
+    for b, t, splits in SHAPES:
+        rows.append(one_shape(mod, b, t, splits))
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
+    write_json(args.out, "h200-decode-cuda-timeline.json", dict(device=torch.cuda.get_device_name(0), rows=rows))
+
+
+if __name__ == "__main__":
+    main()
