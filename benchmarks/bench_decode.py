@@ -311,8 +311,8 @@ def run_default(out_dir, overrides=None, out_name="h200-decode.json"):
         rows.append(row)
         cells = [
             f"{b:>4} {t:>7} {h:>4} {fl:>9.1f} {bound:>7}",
-            f"{row['time_us']:>9.1f} {row['share_of_floor']:>6.2f} {row['steady_us']:>7.1f} {row['eager_us']:>9.1f}"
-            if row["time_us"] else f"{'error':>9} {'':>6} {'':>7} {'':>9}",
+            f"{row['time_us']:>9.1f} {row['share_of_floor']:>6.2f} {row.get('steady_us', float('nan')):>7.1f} "
+            f"{row['eager_us']:>9.1f}" if row["time_us"] else f"{'error':>9} {'':>6} {'':>7} {'':>9}",
             f"{row['torch_us']:>9.1f}" if row.get("torch_us") else f"{'-':>9}",
             f"{splits:>6} {kernel:>6} " + (f"{row['triton_time_us']:>9.1f} " if "triton_time_us" in row else f"{'':>9} "),
             f"{row['max_rel_err_vs_torch']:.1e}" if "max_rel_err_vs_torch" in row else row.get("error", "-"),

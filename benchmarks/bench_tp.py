@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import time
 
 import torch
@@ -99,7 +100,8 @@ def _rank_bench(rank: int, world_size: int, group, preset: str, device_type: str
             row["step_eager_us"] = _time_us(
                 lambda: layer.decode_step(x, cache, num_kv_splits=splits, **inputs), iters, device)
             if device.type == "cuda":
-                try:
+                graph = None
+                try:  # capturing runs nothing, the all-reduce included: no rank waits here
                     stream = torch.cuda.Stream()
                     stream.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(stream):  # warm up outside the capture (NCCL too)
@@ -108,15 +110,23 @@ def _rank_bench(rank: int, world_size: int, group, preset: str, device_type: str
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph):
                         static_y = layer.decode_step(x, cache, num_kv_splits=splits, **inputs)
+                except Exception as err:  # noqa: BLE001  (a capture that fails is a result too)
+                    graph, row["graph_error"] = None, f"{type(err).__name__}: {err}"[:300]
+                # Replay only if every rank captured: a graph's all-reduce with no partner on a
+                # rank that moved on would pair with that rank's next collective, and hang.
+                captured = torch.tensor([int(graph is not None)], device=device)
+                if group is not None:
+                    dist.all_reduce(captured, op=dist.ReduceOp.MIN, group=group)
+                if captured.item():
                     graph.replay()
                     torch.cuda.synchronize()
                     row["graph_vs_eager_rel_err"] = float((static_y.float() - y.float()).norm() / y.float().norm())
                     if group is not None:
                         dist.barrier(group=group)
                     row["step_graph_us"] = _time_us(graph.replay, iters, device)
-                    del graph
-                except Exception as err:  # noqa: BLE001  (a capture that fails is a result too)
-                    row["graph_error"] = f"{type(err).__name__}: {err}"[:300]
+                elif "graph_error" not in row:
+                    row["graph_error"] = "another rank's capture failed"
+                del graph
         rows.append(row)
         del cache
         if device.type == "cuda":
@@ -130,8 +140,8 @@ def _slowest(per_rank: list[list[dict]]) -> list[dict]:
     for i, row in enumerate(per_rank[0]):
         row = dict(row)
         for key in ("step_eager_us", "step_graph_us"):
-            if key in row:
-                times = [ranks[i][key] for ranks in per_rank]
+            times = [ranks[i].get(key) for ranks in per_rank]
+            if all(v is not None for v in times):  # the graph is timed on every rank or none
                 row[key], row[f"{key}_per_rank"] = max(times), times
         rows.append(row)
     return rows
@@ -151,6 +161,11 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.tp < 2:
         raise SystemExit(f"--tp must be >= 2 (TP 1 runs beside it), got {args.tp}")
+    import mla
+
+    heads = mla.MLAConfig.from_preset(args.preset).num_heads
+    if heads % args.tp:
+        raise SystemExit(f"--tp {args.tp} does not divide {args.preset}'s {heads} heads")
     if args.device == "cuda" and torch.cuda.device_count() < args.tp:
         raise SystemExit(f"--tp {args.tp} needs {args.tp} GPUs, {torch.cuda.device_count()} visible")
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -177,7 +192,7 @@ def main(argv=None) -> None:
             if key in pair.get(1, {}) and key in pair.get(args.tp, {}):
                 pair[args.tp][f"{key.removesuffix('_us')}_speedup_vs_tp1"] = pair[1][key] / pair[args.tp][key]
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    prefix = "h200" if "H200" in device_name else device_name.split()[-1].lower()
+    prefix = "h200" if "H200" in device_name else re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
     result = dict(device=device_name, torch=torch.__version__, python=platform.python_version(),
                   backend=backend, tp=args.tp, preset=args.preset, dtype=dtype, block_size=64,
                   context=args.context, iters=args.iters, rows=rows, wall_s=time.time() - t0)

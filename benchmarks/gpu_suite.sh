@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in parts, each time-boxed, logs and JSON under $OUT.
 #   bash benchmarks/gpu_suite.sh tests concat-bench sanitize decode-bench sweep layer prefill
+#   bash benchmarks/gpu_suite.sh tp   (two GPUs: nvidia-h200-x2)
 #   bash benchmarks/gpu_suite.sh variants concat-probe cuda-probe cuda-timeline sanitize-decode   (experiments)
 # Run from the repository root with PYTHONPATH=. (the device machine has no package registry).
 set -u

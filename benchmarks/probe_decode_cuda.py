@@ -14,8 +14,9 @@ GPU tests' job: ``tests/test_kernels_decode.py``.)
 ``--env NAME=v1,v2,...`` is the A/B harness for a kernel change under trial: the change's host
 code reads NAME from the environment at each call while it is tried (never in a commit that
 keeps it), and this times stage 1 and the pair at each value, as single calls and in steady
-timing (``bench_decode.steady_us``), writing ``h200-decode-cuda-TAG.json``. Runs so far: the
-L2 prefetch (``-l2``, NOTES row 37) and bulk copies (``-bulk``, row 38), both taken out.
+timing (``bench_decode.steady_us``), writing ``h200-decode-cuda-TAG.json``. Runs so far: bulk
+copies (``-bulk``, NOTES row 38) and, on this harness's first version (``--l2``: rows with
+``ahead`` and ``same_as_ahead0``), the L2 prefetch (``-l2``, row 37); both taken out.
 
 Writes ``h200-decode-cuda-breakdown.json``. Its committed copy also has 72 correctness rows (this
 script's checks then) and a CUDA merge, alone and launched early by programmatic dependent

@@ -8,8 +8,16 @@ and runs it once per repetition after an L2 flush. Thread 0 of every CTA records
 ``%globaltimer`` (ns, one clock for the whole GPU) and ``clock64`` (its SM's cycles) at five
 points: start; the query in shared memory (the prologue); the first tile landed; the tile loop
 done; the partials written. It also sums the cycles it spent in the loop's wait for a tile and
-the barrier after it (``loop_wait_us``): what is left of ``loop_us`` is the math. Medians over
-CTAs, then over 5 repetitions; cycles are turned into us at the clock the two timers give.
+the barrier after it (``loop_wait_us``: an upper bound on waiting for memory, as it includes
+waiting at the barrier for slower warps); ``math_us_per_tile`` is what is left of ``loop_us``
+over the CTA's tiles (the loop starts once tile 0 has landed, so it holds every tile's body and
+all waits but the first): the copies issued plus the math. ``%globaltimer`` ticks in steps of
+0.256 us here, so start skew below that does not show. The loop body's four parts between its
+barriers are summed over the tiles too (thread 0's view, each ending at a barrier, so each is
+the whole CTA's): ``issue_us`` (the next tile's copies issued), ``scores_us`` (q . k and the
+partial scores through shared memory), ``softmax_us`` and ``pv_us`` (p . V). The clock reads
+add a few cycles each. Medians over CTAs, then over 5 repetitions; cycles are turned into us at
+the clock the two timers give. (The committed JSON predates the four parts: NOTES row 40.)
 
 Writes ``h200-decode-cuda-timeline.json`` (NOTES row 40).
 """
@@ -29,7 +37,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # (b, t, splits): 16 heads; b = 1 at the rule's 128 splits, and 256 (two CTAs an SM) and 64
 SHAPES = ((1, 32768, 128), (1, 32768, 256), (1, 32768, 64), (64, 4096, 4), (4, 131072, 66))
-SLOTS = 12  # a CTA's row: 5 x (globaltimer, clock64), SM id, wait cycles
+SECTIONS = ("issue", "scores", "softmax", "pv")  # the loop body between its barriers
+SLOTS = 16  # a CTA's row: 5 x (globaltimer, clock64), SM id, wait cycles, 4 section cycle sums
 
 
 def instrumented_source() -> str:
@@ -47,14 +56,14 @@ def instrumented_source() -> str:
     if (threadIdx.x == 0) {
       unsigned long long g;
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
-      timing[cta * 12 + 2 * k] = (long long)g;
-      timing[cta * 12 + 2 * k + 1] = clock64();
+      timing[cta * 16 + 2 * k] = (long long)g;
+      timing[cta * 16 + 2 * k + 1] = clock64();
     }
   };
   stamp(0);
   int smid;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-  if (threadIdx.x == 0) timing[cta * 12 + 10] = smid;""")
+  if (threadIdx.x == 0) timing[cta * 16 + 10] = smid;""")
     edit("""  cp_async_wait<kStages - 1>();  // the q group (the oldest) has landed
   __syncthreads();""", """  cp_async_wait<kStages - 1>();  // the q group (the oldest) has landed
   __syncthreads();
@@ -62,16 +71,53 @@ def instrumented_source() -> str:
     edit("""  for (int t = 0; t < n_tiles; ++t) {
     cp_async_wait<kStages - 2>();  // tile t has landed (this thread's copies) ...
     __syncthreads();               // ... everyone's; and every read of tile t - 1 is done""",
-         """  long long waited = 0;
+         """  long long waited = 0, section[4] = {0, 0, 0, 0};
   for (int t = 0; t < n_tiles; ++t) {
     const long long w0 = clock64();
     cp_async_wait<kStages - 2>();  // tile t has landed (this thread's copies) ...
     __syncthreads();               // ... everyone's; and every read of tile t - 1 is done
-    if (t > 0) waited += clock64() - w0;
+    const long long c_landed = clock64();
+    if (t > 0) waited += c_landed - w0;
     if (t == 0) stamp(2);""")
+    # the loop body's four parts, between its barriers, summed over the tiles (cycles)
+    edit("""      cp_async_commit();
+    }
+    const T* tile =""", """      cp_async_commit();
+    }
+    const long long c_issued = clock64();
+    const T* tile =""")
+    edit("""    __syncthreads();
+
+    // -- full scores""", """    __syncthreads();
+    const long long c_scored = clock64();
+
+    // -- full scores""")
+    edit("""    __syncthreads();
+
+    // -- acc = acc""", """    __syncthreads();
+    const long long c_softmaxed = clock64();
+
+    // -- acc = acc""")
+    edit("""      }
+    }
+  }
+  cp_async_wait<0>();
+""", """      }
+    }
+    const long long c_done = clock64();
+    section[0] += c_issued - c_landed;
+    section[1] += c_scored - c_issued;
+    section[2] += c_softmaxed - c_scored;
+    section[3] += c_done - c_softmaxed;
+  }
+  cp_async_wait<0>();
+""")
     edit("  cp_async_wait<0>();\n", """  cp_async_wait<0>();
   stamp(3);
-  if (threadIdx.x == 0) timing[cta * 12 + 11] = waited;
+  if (threadIdx.x == 0) {
+    timing[cta * 16 + 11] = waited;
+    for (int k = 0; k < 4; ++k) timing[cta * 16 + 12 + k] = section[k];
+  }
 """)
     end = src.rindex("}\n", 0, src.index("// The shape built"))  # the kernel's closing brace
     src = src[:end] + "  __syncthreads();\n  stamp(4);\n" + src[end:]
@@ -125,11 +171,12 @@ def one_shape(mod, b, t, splits, repeats=5):
             span_us=end.max().item(), start_max_us=start.max().item(), end_first_us=end.min().item(),
             end_median_us=med(end), prologue_us=med(us(0, 1)), first_tile_us=med(us(1, 2)), loop_us=med(us(2, 3)),
             loop_wait_us=med(x[:, 11].double() / ghz / 1e3), epilogue_us=med(us(3, 4)), cta_us=med(us(0, 4)),
+            **{f"{name}_us": med(x[:, 12 + k].double() / ghz / 1e3) for k, name in enumerate(SECTIONS)},
             cta_max_us=us(0, 4).max().item(), ghz=ghz, sms=len(set(x[:, 10].tolist()))))
     row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     tiles = math.ceil(math.ceil(t / 32) / splits)
     return dict(b=b, t=t, h=16, splits=splits, tiles_per_cta=tiles,
-                math_us_per_tile=(row["loop_us"] - row["loop_wait_us"]) / max(tiles - 1, 1), **row)
+                math_us_per_tile=(row["loop_us"] - row["loop_wait_us"]) / tiles, **row)
 
 
 def main(argv=None):

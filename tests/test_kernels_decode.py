@@ -530,3 +530,16 @@ def test_gpu_cuda_ops_reject_what_they_cannot_run():
     for name, message in expected.items():
         assert lines.get(name, "").startswith("RAISED") and message in lines[name], (name, lines.get(name))
     assert lines.get("untouched") == "True"
+
+
+def test_timeline_benchmark_still_fits_the_kernel():
+    """benchmarks/timeline_decode_cuda.py edits csrc/mla_decode_sm80.cu as text to add its
+    timestamps (built and run on a GPU only); an edit of the kernel that breaks one of its text
+    patches fails here, on the CPU, rather than on the next GPU run."""
+    from benchmarks.timeline_decode_cuda import SECTIONS, instrumented_source
+
+    src = instrumented_source()
+    assert src.count("stamp(") == 5  # its five points
+    assert "TORCH_LIBRARY_IMPL" not in src and "check_mla_decode_sm80" not in src
+    assert "PYBIND11_MODULE" in src and "at::Tensor& timing" in src
+    assert src.count("section[") == len(SECTIONS) + 2  # declared, four sums, written out

@@ -317,12 +317,11 @@ def test_gpu_nccl_bf16_sharded_tiers_match_unsharded():
 # ---- the TP benchmark (benchmarks/bench_tp.py), its gloo run ---------------------------------
 
 
-def test_bench_tp_runs_over_gloo(tmp_path, monkeypatch):
+def test_bench_tp_runs_over_gloo(tmp_path):
     """The script a two-GPU machine runs, end to end on the CPU: TP 1 and TP 2 rows, the TP
     step's output against the whole layer's, every rank's time."""
     from mla.__main__ import main
 
-    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
     main(["bench", "tp", "--out", str(tmp_path), "--tp", "2", "--device", "cpu", "--preset", "tiny",
           "--batches", "1,3", "--context", "9", "--iters", "2"])
     result = json.loads((tmp_path / "cpu-tp.json").read_text())
@@ -342,6 +341,7 @@ NOT_ENOUGH_GPUS = pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="2 G
 @pytest.mark.parametrize("args, match", [
     (["--tp", "1"], "--tp must be >= 2"),
     (["--tp", "0"], "--tp must be >= 2"),
+    (["--tp", "3", "--preset", "tiny", "--device", "cpu"], "--tp 3 does not divide tiny's 4 heads"),
     pytest.param(["--tp", "2", "--device", "cuda"], "--tp 2 needs 2 GPUs", marks=NOT_ENOUGH_GPUS),
 ])
 def test_bench_tp_refuses_what_it_cannot_run(tmp_path, args, match):

@@ -380,6 +380,7 @@ if not others:
 # python -m mla bench concat  --out /tmp/mla-gpu                # concat.json
 # python -m mla bench layer   --out /tmp/mla-gpu                # layer.json
 # python -m mla bench prefill --out /tmp/mla-gpu                # prefill.json
+# python -m mla bench tp      --out benchmarks/results --tp 2   # h200-tp.json, needs 2 GPUs
 # for f in concat layer prefill; do cp /tmp/mla-gpu/$f.json benchmarks/results/h200-$f.json; done
 # ```
 #
