@@ -233,8 +233,24 @@ OTHERS = {"flashmla": flashmla_fn, "flashinfer": flashinfer_fn}
 # ---------------------------------------------------------------------------------------------
 
 
+def kernel_and_splits(q, kv_cache, block_table, seq_lens, kv_lora_rank, t, num_sms, overrides=None):
+    """The stage-1 kernel mla_decode picks for these arguments, its config, the split count a call
+    that fixes it (a captured one) should pass for sequences of up to t tokens, and the split
+    count the Triton kernel would take: (kernel, config, splits, triton_splits)."""
+    from mla.kernels.decode import _CUDA_HEADS, _CUDA_TILE, _pick_backend, choose_num_kv_splits, default_config
+
+    b, h, _ = q.shape
+    config = dict(default_config(h), **(overrides or {}))
+    triton_splits = choose_num_kv_splits(b, h, t, num_sms, block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
+    kernel = _pick_backend(q, kv_cache, block_table, seq_lens, kv_lora_rank, None, bool(overrides))
+    if kernel == "cuda":  # csrc/mla_decode_sm80.cu: 16 heads a program, tiles of 32
+        config = dict(kernel="cuda", BLOCK_H=_CUDA_HEADS, BLOCK_N=_CUDA_TILE, num_warps=4, num_stages=2)
+        return kernel, config, choose_num_kv_splits(b, h, t, num_sms, block_h=_CUDA_HEADS, block_n=_CUDA_TILE), triton_splits
+    return kernel, dict(config, kernel="triton"), triton_splits, triton_splits
+
+
 def run_default(out_dir, overrides=None, out_name="h200-decode.json"):
-    from mla.kernels.decode import _CUDA_HEADS, _CUDA_TILE, _pick_backend, choose_num_kv_splits, default_config, mla_decode
+    from mla.kernels.decode import mla_decode
 
     t0 = time.time()
     copy_GBps, mm_TFLOPs = copy_bandwidth_GBps(), matmul_TFLOPs()
@@ -259,14 +275,8 @@ def run_default(out_dir, overrides=None, out_name="h200-decode.json"):
     for b, t, h in SHAPES:
         copies = rotation_copies(b, t)
         q, caches, block_table, seq_lens = make_inputs(b, t, h, copies=copies)
-        config = dict(default_config(h), **(overrides or {}))
-        triton_splits = choose_num_kv_splits(b, h, t, num_sms, block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
-        kernel = _pick_backend(q, caches[0], block_table, seq_lens, C, None, bool(overrides))  # mla_decode's default
-        if kernel == "cuda":  # csrc/mla_decode_sm80.cu: 16 heads a program, tiles of 32
-            config = dict(kernel="cuda", BLOCK_H=_CUDA_HEADS, BLOCK_N=_CUDA_TILE, num_warps=4, num_stages=2)
-            splits = choose_num_kv_splits(b, h, t, num_sms, block_h=_CUDA_HEADS, block_n=_CUDA_TILE)
-        else:
-            config, splits = dict(config, kernel="triton"), triton_splits
+        kernel, config, splits, triton_splits = kernel_and_splits(
+            q, caches[0], block_table, seq_lens, C, t, num_sms, overrides)
 
         def ours(cache, backend=kernel, splits=splits):
             return mla_decode(

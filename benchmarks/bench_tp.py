@@ -49,17 +49,19 @@ def _time_us(fn, iters: int, device: torch.device, warmup: int = 2) -> float:
 
 
 def _splits(layer, cache, device) -> int:
-    """The split count the step runs with, chosen once from the rank's heads and the lengths."""
-    from mla.kernels.decode import _CUDA_HEADS, _CUDA_TILE, _num_sms, choose_num_kv_splits, default_config
+    """The split count the step runs with, chosen once for the rank's heads and the lengths as
+    mla_decode would for the kernel it picks (bench_decode.kernel_and_splits)."""
+    from benchmarks.bench_decode import kernel_and_splits
+    from mla.kernels.decode import _num_sms
 
     if device.type != "cuda":
         return 2
-    heads, b = layer.config.num_heads, cache.batch_size
+    cfg, b = layer.config, cache.batch_size
+    q = torch.empty(b, cfg.num_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=cache.kv_cache.dtype,
+                    device=device)  # the shape and dtype of the step's absorbed query
     t = int(cache.seq_lens.max()) + 1
-    if heads <= _CUDA_HEADS:  # the CUDA stage 1 where it applies, as mla_decode picks
-        return choose_num_kv_splits(b, heads, t, _num_sms(device), block_h=_CUDA_HEADS, block_n=_CUDA_TILE)
-    conf = default_config(heads)
-    return choose_num_kv_splits(b, heads, t, _num_sms(device), block_h=conf["BLOCK_H"], block_n=conf["BLOCK_N"])
+    return kernel_and_splits(q, cache.kv_cache, cache.block_table, cache.seq_lens, cfg.kv_lora_rank, t,
+                             _num_sms(device))[2]
 
 
 def _rank_bench(rank: int, world_size: int, group, preset: str, device_type: str, dtype_name: str,
