@@ -237,15 +237,18 @@ def kernel_and_splits(q, kv_cache, block_table, seq_lens, kv_lora_rank, t, num_s
     """The stage-1 kernel mla_decode picks for these arguments, its config, the split count a call
     that fixes it (a captured one) should pass for sequences of up to t tokens, and the split
     count the Triton kernel would take: (kernel, config, splits, triton_splits)."""
-    from mla.kernels.decode import _CUDA_HEADS, _CUDA_TILE, _pick_backend, choose_num_kv_splits, default_config
+    from mla.kernels.decode import (
+        _CUDA_HEADS, _CUDA_TILE, _SM90_HEADS, _SM90_TILE, _pick_backend, choose_num_kv_splits, default_config,
+    )
 
     b, h, _ = q.shape
     config = dict(default_config(h), **(overrides or {}))
     triton_splits = choose_num_kv_splits(b, h, t, num_sms, block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
     kernel = _pick_backend(q, kv_cache, block_table, seq_lens, kv_lora_rank, None, bool(overrides))
-    if kernel == "cuda":  # csrc/mla_decode_sm80.cu: 16 heads a program, tiles of 32
-        config = dict(kernel="cuda", BLOCK_H=_CUDA_HEADS, BLOCK_N=_CUDA_TILE, num_warps=4, num_stages=2)
-        return kernel, config, choose_num_kv_splits(b, h, t, num_sms, block_h=_CUDA_HEADS, block_n=_CUDA_TILE), triton_splits
+    if kernel != "triton":  # csrc/mla_decode_sm80.cu (16 heads a program, tiles of 32), _sm90.cu (64, 64)
+        block_h, block_n, warps = (_CUDA_HEADS, _CUDA_TILE, 4) if kernel == "cuda" else (_SM90_HEADS, _SM90_TILE, 8)
+        config = dict(kernel=kernel, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=2)
+        return kernel, config, choose_num_kv_splits(b, h, t, num_sms, block_h=block_h, block_n=block_n), triton_splits
     return kernel, dict(config, kernel="triton"), triton_splits, triton_splits
 
 
@@ -293,7 +296,7 @@ def run_default(out_dir, overrides=None, out_name="h200-decode.json"):
             row["share_of_floor"] = fl / row["time_us"]
             row["steady_us"] = steady_us(ours, caches)
             row["steady_share_of_floor"] = fl / row["steady_us"]
-            if kernel == "cuda":  # the Triton kernel beside it, as it would run here
+            if kernel != "triton":  # the Triton kernel beside it, as it would run here
                 row["triton_time_us"] = bench_us(graphed(
                     lambda cache: ours(cache, backend="triton", splits=triton_splits), caches))
                 row["triton_num_kv_splits"] = triton_splits

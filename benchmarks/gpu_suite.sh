@@ -2,7 +2,7 @@
 # Everything the GPU machine runs, in parts, each time-boxed, logs and JSON under $OUT.
 #   bash benchmarks/gpu_suite.sh tests concat-bench sanitize decode-bench sweep layer prefill
 #   bash benchmarks/gpu_suite.sh tp   (two GPUs: nvidia-h200-x2)
-#   bash benchmarks/gpu_suite.sh variants concat-probe cuda-probe cuda-timeline sanitize-decode   (experiments)
+#   bash benchmarks/gpu_suite.sh variants concat-probe cuda-probe cuda-timeline sm90-probe sanitize-decode   (experiments)
 # Run from the repository root with PYTHONPATH=. (the device machine has no package registry).
 set -u
 OUT=${OUT:-/tmp/mla-gpu}
@@ -27,6 +27,7 @@ for part in "$@"; do
     decode-bench) run decode-bench 300 python3 benchmarks/bench_decode.py --out "$OUT" ;;
     variants) run variants 300 python3 benchmarks/bench_decode.py --out "$OUT" --variants --budget-s 240 ;;
     cuda-probe) run cuda-probe 300 python3 benchmarks/probe_decode_cuda.py --out "$OUT" ;;
+    sm90-probe) run sm90-probe 300 python3 benchmarks/probe_decode_sm90.py --out "$OUT" ;;
     cuda-timeline) run cuda-timeline 240 python3 benchmarks/timeline_decode_cuda.py --out "$OUT" ;;
     concat-probe) run concat-probe 200 python3 benchmarks/probe_concat.py --out "$OUT" ;;
     sanitize-decode) run sanitize-decode 200 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_decode.py ;;

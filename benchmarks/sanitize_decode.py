@@ -1,5 +1,6 @@
 """A few small launches of the decode kernels, for `compute-sanitizer --tool memcheck`: the Triton
-stage 1, the CUDA one (csrc/mla_decode_sm80.cu) where it applies (<= 16 heads), and the merge.
+stage 1, the CUDA ones (csrc/mla_decode_sm80.cu where it applies, <= 16 heads; csrc/mla_decode_sm90.cu
+on compute capability 9.0), and the merge.
 
 Pages the sequences don't own are NaN and unused block-table entries are garbage, so a read
 outside a sequence's pages would also show as NaN in the output.
@@ -39,6 +40,9 @@ def main() -> None:
         if heads <= 16:
             runs["cuda"] = lambda: mla_decode(q, cache, table, lens, kv_lora_rank=c, softmax_scale=0.1,
                                               num_kv_splits=splits, _backend="cuda")
+        if torch.cuda.get_device_capability() == (9, 0):  # the wgmma kernel, any heads
+            runs["sm90"] = lambda: mla_decode(q, cache, table, lens, kv_lora_rank=c, softmax_scale=0.1,
+                                              num_kv_splits=splits, _backend="sm90")
         for name, run in runs.items():
             out, lse = run()
             torch.cuda.synchronize()

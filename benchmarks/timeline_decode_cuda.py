@@ -13,11 +13,13 @@ waiting at the barrier for slower warps); ``math_us_per_tile`` is what is left o
 over the CTA's tiles (the loop starts once tile 0 has landed, so it holds every tile's body and
 all waits but the first): the copies issued plus the math. ``%globaltimer`` ticks in steps of
 0.256 us here, so start skew below that does not show. The loop body's four parts between its
-barriers are summed over the tiles too (thread 0's view, each ending at a barrier, so each is
-the whole CTA's): ``issue_us`` (the next tile's copies issued), ``scores_us`` (q . k and the
-partial scores through shared memory), ``softmax_us`` and ``pv_us`` (p . V). The clock reads
+barriers are summed over the tiles too, as thread 0 sees them: ``issue_us`` (thread 0 issuing
+its copies of the next tile: no barrier ends it, so a stall there is the SM's queue of
+outstanding requests being full), ``scores_us`` (q . k and the partial scores through shared
+memory) and ``softmax_us`` (each ending at a barrier: the whole CTA's), ``pv_us`` (p . V). The clock reads
 add a few cycles each. Medians over CTAs, then over 5 repetitions; cycles are turned into us at
-the clock the two timers give. (The committed JSON predates the four parts: NOTES row 40.)
+the clock the two timers give. (``h200-decode-cuda-timeline-first.json`` is the first run, before
+the four parts: NOTES row 40.)
 
 Writes ``h200-decode-cuda-timeline.json`` (NOTES row 40).
 """
@@ -49,7 +51,7 @@ def instrumented_source() -> str:
         assert old in src, f"the kernel changed; this edit no longer applies:\n{old}"
         src = src.replace(old, new, 1)
 
-    edit('#include "mla_decode_sm80.h"\n', "#include <torch/extension.h>\n")
+    edit('#include "mla_decode.h"\n', "#include <torch/extension.h>\n")
     edit("int64_t slb, int64_t slh, int64_t sls) {", """int64_t slb, int64_t slh, int64_t sls, long long* timing) {
   const int64_t cta = int64_t(blockIdx.z) * gridDim.y + blockIdx.y;
   auto stamp = [&](int k) {
@@ -121,8 +123,8 @@ def instrumented_source() -> str:
 """)
     end = src.rindex("}\n", 0, src.index("// The shape built"))  # the kernel's closing brace
     src = src[:end] + "  __syncthreads();\n  stamp(4);\n" + src[end:]
-    edit("""  check_mla_decode_sm80(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
-                        {kHeads, kC, kR, S::kTile});""", "")
+    edit("""  check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
+                   {"mla_decode_sm80", kHeads, kC, kR, S::kTile});""", "")
     edit("double softmax_scale, int64_t num_splits) {", "double softmax_scale, int64_t num_splits, at::Tensor& timing) {")
     edit("part_lse.stride(0), part_lse.stride(1), part_lse.stride(2));",
          "part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), (long long*)timing.data_ptr<int64_t>());")

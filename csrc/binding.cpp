@@ -4,7 +4,7 @@
 // in its own source, so a CPU-only build compiles no CUDA (and has no kernel for the decode op,
 // which is CUDA only: mla_decode_sm80.cu).
 #include "concat_and_cache_mla.h"
-#include "mla_decode_sm80.h"
+#include "mla_decode.h"
 
 #include <torch/library.h>
 
@@ -70,48 +70,48 @@ ConcatAndCacheArgs check_concat_and_cache_mla(const at::Tensor& kv_c, const at::
   return {T, c, r, kv_cache.size(0) * kv_cache.size(1), fp8};
 }
 
-void check_mla_decode_sm80(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                           const at::Tensor& seq_lens, const at::Tensor& part_out,
-                           const at::Tensor& part_lse, int64_t num_splits, const DecodeSm80Sizes& sizes) {
+void check_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                      const at::Tensor& seq_lens, const at::Tensor& part_out, const at::Tensor& part_lse,
+                      int64_t num_splits, const DecodeKernelSizes& sizes) {
   const int64_t d = sizes.c + sizes.r;
-  TORCH_CHECK(q.is_cuda(), "mla_decode_sm80: q must be a CUDA tensor, got one on ", q.device());
+  TORCH_CHECK(q.is_cuda(), sizes.name, ": q must be a CUDA tensor, got one on ", q.device());
   TORCH_CHECK(q.dim() == 3 && q.size(1) <= sizes.max_heads && q.size(2) == d,
-              "mla_decode_sm80: q must be (b, h <= ", num(sizes.max_heads), ", ", num(d), "), got ", dims(q));
+              sizes.name, ": q must be (b, h <= ", num(sizes.max_heads), ", ", num(d), "), got ", dims(q));
   TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(2) == d && kv_cache.size(1) > 0 &&
                   kv_cache.size(1) % sizes.tile == 0,
-              "mla_decode_sm80: kv_cache must be (pages, page_size, ", num(d),
+              sizes.name, ": kv_cache must be (pages, page_size, ", num(d),
               ") with page_size a multiple of ", num(sizes.tile), ", got ", dims(kv_cache));
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() &&
                   (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf),
-              "mla_decode_sm80: q and kv_cache must both be bfloat16 or both float16, got ",
+              sizes.name, ": q and kv_cache must both be bfloat16 or both float16, got ",
               q.scalar_type(), " and ", kv_cache.scalar_type());
   const int64_t b = q.size(0), h = q.size(1);
   TORCH_CHECK(q.stride(2) == 1 && kv_cache.stride(2) == 1 && q.stride(0) % 8 == 0 &&
                   q.stride(1) % 8 == 0 && kv_cache.stride(0) % 8 == 0 && kv_cache.stride(1) % 8 == 0 &&
                   reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(kv_cache.data_ptr()) % 16 == 0,
-              "mla_decode_sm80: q's and kv_cache's rows must be contiguous and 16-byte aligned");
+              sizes.name, ": q's and kv_cache's rows must be contiguous and 16-byte aligned");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
                   block_table.size(0) == b && block_table.stride(1) == 1,
-              "mla_decode_sm80: block_table must be (b = ", num(b), ", max_pages) int32 with contiguous rows, got ",
+              sizes.name, ": block_table must be (b = ", num(b), ", max_pages) int32 with contiguous rows, got ",
               dims(block_table), " ", block_table.scalar_type());
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) == b &&
                   seq_lens.stride(0) == 1,
-              "mla_decode_sm80: seq_lens must be (b = ", num(b), ",) int32, contiguous, got ", dims(seq_lens));
-  TORCH_CHECK(num_splits >= 1 && num_splits <= 65535, "mla_decode_sm80: num_splits must be in [1, 65535], got ",
+              sizes.name, ": seq_lens must be (b = ", num(b), ",) int32, contiguous, got ", dims(seq_lens));
+  TORCH_CHECK(num_splits >= 1 && num_splits <= 65535, sizes.name, ": num_splits must be in [1, 65535], got ",
               num(num_splits));
-  TORCH_CHECK(b <= 65535, "mla_decode_sm80: at most 65535 sequences a launch, got ", num(b));
+  TORCH_CHECK(b <= 65535, sizes.name, ": at most 65535 sequences a launch, got ", num(b));
   TORCH_CHECK(part_out.scalar_type() == at::kFloat && part_out.dim() == 4 && part_out.size(0) == b &&
                   part_out.size(1) == h && part_out.size(2) == num_splits && part_out.size(3) == sizes.c &&
                   part_out.stride(3) == 1 && part_out.stride(0) % 2 == 0 && part_out.stride(1) % 2 == 0 &&
                   part_out.stride(2) % 2 == 0 && reinterpret_cast<uintptr_t>(part_out.data_ptr()) % 8 == 0,
-              "mla_decode_sm80: part_out must be (b, h, num_splits, ", num(sizes.c), ") = (", num(b), ", ",
+              sizes.name, ": part_out must be (b, h, num_splits, ", num(sizes.c), ") = (", num(b), ", ",
               num(h), ", ", num(num_splits), ", ", num(sizes.c), ") float32, 8-byte aligned, got ", dims(part_out));
   TORCH_CHECK(part_lse.scalar_type() == at::kFloat && part_lse.dim() == 3 && part_lse.size(0) == b &&
                   part_lse.size(1) == h && part_lse.size(2) == num_splits,
-              "mla_decode_sm80: part_lse must be (b, h, num_splits) float32, got ", dims(part_lse));
+              sizes.name, ": part_lse must be (b, h, num_splits) float32, got ", dims(part_lse));
   for (const at::Tensor* t : {&kv_cache, &block_table, &seq_lens, &part_out, &part_lse}) {
-    TORCH_CHECK(t->device() == q.device(), "mla_decode_sm80: all tensors must be on q's device ",
+    TORCH_CHECK(t->device() == q.device(), sizes.name, ": all tensors must be on q's device ",
                 q.device(), ", got one on ", t->device());
   }
 }
@@ -127,5 +127,9 @@ TORCH_LIBRARY(mla, m) {
   // fp32 partial output and log-sum-exp, which the Triton merge combines into out and lse.
   m.def(
       "mla_decode_sm80(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor(a!) part_out, Tensor(b!) part_lse, float softmax_scale, int num_splits) -> ()");
+  // The same for any number of heads, 64 a CTA, with Hopper's wgmma (mla_decode_sm90.cu).
+  m.def(
+      "mla_decode_sm90(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor(a!) part_out, Tensor(b!) part_lse, float softmax_scale, int num_splits) -> ()");
 }

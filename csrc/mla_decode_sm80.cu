@@ -39,7 +39,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include "mla_decode_sm80.h"
+#include "mla_decode.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -166,11 +166,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
   const int split = blockIdx.z;
 
   // ---- this split's tokens: whole tiles, as the Triton kernel cuts them (same merge)
-  const int seq_len = seq_lens[b];
-  const int tiles_per_split = ((seq_len + kTile - 1) / kTile + num_splits - 1) / num_splits;
-  const int start = split * tiles_per_split * kTile;
-  const int end = max(min(start + tiles_per_split * kTile, seq_len), start);
-  const int n_tiles = (end - start + kTile - 1) / kTile;
+  const SplitTokens span = split_tokens(seq_lens[b], split, num_splits, kTile);
+  const int start = span.start, end = span.end, n_tiles = span.n_tiles;
 
   // ---- q to shared memory (head rows past num_heads zero-filled)
   for (int i = tid; i < kHeads * kVecsPerRow; i += kThreads) {
@@ -375,8 +372,8 @@ void mla_decode_sm80(const at::Tensor& q, const at::Tensor& kv_cache, const at::
                      double softmax_scale, int64_t num_splits) {
   using S = DecodeShape;
   // mla_decode checked the user's arguments; these guard the kernel's own assumptions.
-  check_mla_decode_sm80(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
-                        {kHeads, kC, kR, S::kTile});
+  check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
+                   {"mla_decode_sm80", kHeads, kC, kR, S::kTile});
   const int64_t b = q.size(0), h = q.size(1);
   if (b == 0 || h == 0) return;
 

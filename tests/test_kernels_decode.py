@@ -286,9 +286,10 @@ BAD_INPUTS = {
     "splits-past-grid": (lambda a: a.update(num_kv_splits=65536), ValueError, r"num_kv_splits must be in \[1, 65535\]"),
     "splits-float": (lambda a: a.update(num_kv_splits=2.5), TypeError, "num_kv_splits must be an int"),
     "config-key": (lambda a: a.update(_config={"BLOCK_M": 16}), ValueError, "unknown _config keys"),
-    "backend-name": (lambda a: a.update(_backend="cutlass"), ValueError, "_backend must be None, 'triton' or 'cuda'"),
+    "backend-name": (lambda a: a.update(_backend="cutlass"), ValueError, "_backend must be None, 'triton', 'cuda' or 'sm90'"),
     # c = 32, r = 8 here (and on a CPU machine, q on the CPU): the CUDA stage 1 says why it cannot
     "backend-cuda-unfit": (lambda a: a.update(_backend="cuda"), ValueError, "_backend='cuda' cannot run"),
+    "backend-sm90-unfit": (lambda a: a.update(_backend="sm90"), ValueError, "_backend='sm90' cannot run"),
 }
 
 
@@ -302,7 +303,7 @@ def test_bad_input(name):
         mla_decode(**args)
     for k, v in before.items():
         torch.testing.assert_close(args[k], v, rtol=0, atol=0, equal_nan=True)
-    if name not in ("config-key", "backend-name", "backend-cuda-unfit"):  # the reference has neither hook
+    if not name.startswith(("config-", "backend-")):  # the reference has neither hook
         args.pop("_config", None)
         with pytest.raises(error, match=message):
             mla_decode_reference(**args)
@@ -410,9 +411,10 @@ def test_gpu_cache_past_int32_offsets(heads):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_capture():
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_cuda_graph_capture(heads):
     # with num_kv_splits given the wrapper never syncs, so it can be captured in a CUDA graph
-    case = _gpu_case([100, 3000, 0, 64], heads=16, seed=3)
+    case = _gpu_case([100, 3000, 0, 64], heads=heads, seed=3)
     expected = mla_decode(**case, num_kv_splits=4)  # also compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -436,12 +438,25 @@ def test_gpu_cuda_graph_capture():
 CUDA_LENGTHS = [0, 1, 31, 32, 33, 64, 65, 1000, 5000, 127]
 
 
+def _skip_unless_sm90():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma stage 1 (csrc/mla_decode_sm90.cu) runs on compute capability 9.0 only")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("backend", ["cuda", "sm90", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("heads", [1, 3, 16])
+@pytest.mark.parametrize("heads", [1, 3, 16, 20, 64, 100, 128])
 @pytest.mark.parametrize("block_size", [32, 64, 128])
 def test_gpu_backends_match_reference(backend, dtype, heads, block_size):
+    if backend == "cuda" and heads > 16:
+        pytest.skip("the sm_80 CUDA stage 1 takes <= 16 heads")
+    if backend == "sm90":
+        _skip_unless_sm90()
+        if block_size % 64:
+            pytest.skip("the wgmma stage 1 takes pages of a multiple of 64")
+    if backend == "triton" and heads in (20, 100):
+        pytest.skip("Triton's padded head blocks: test_padded_head_blocks and the 128-head cases")
     case = _gpu_case(CUDA_LENGTHS, heads, seed=heads + block_size, dtype=dtype, block_size=block_size)
     ref_out, ref_lse = mla_decode_reference(**case, compute_dtype=torch.float32)
     for splits in (None, 1, 5, 40):  # 40 splits: most splits of the short rows are empty
@@ -462,9 +477,18 @@ def test_gpu_cuda_backend_is_the_default_where_it_applies():
     assert pick(config=True) == "triton"  # a _config tunes the Triton kernel
     assert pick(backend="triton") == "triton"
     wide = _gpu_case([70, 300], 20)
-    assert pick(q=wide["q"]) == "triton"
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert pick(q=wide["q"]) == ("sm90" if hopper else "triton")  # more than 16 heads: the wgmma kernel
     with pytest.raises(ValueError, match="20 heads, more than 16"):
         pick(q=wide["q"], backend="cuda")
+    if hopper:
+        assert pick(backend="sm90") == "sm90"  # it runs 16 heads too (padded), when asked
+        assert pick(q=wide["q"], kv_cache=_gpu_case([70, 300], 20, block_size=32)["kv_cache"]) == "triton"
+        with pytest.raises(ValueError, match="block size 32 is not a multiple of 64"):
+            pick(kv_cache=_gpu_case([70, 300], 16, block_size=32)["kv_cache"], backend="sm90")
+    else:
+        with pytest.raises(ValueError, match="not 9.0"):
+            pick(q=wide["q"], backend="sm90")
     small_pages = _gpu_case([70, 300], 16, block_size=16)
     assert pick(kv_cache=small_pages["kv_cache"]) == "triton"
     with pytest.raises(ValueError, match="block size 16 is not a multiple of 32"):
@@ -486,7 +510,8 @@ import torch
 from mla.kernels.concat_cache import load_extension
 from tests.test_kernels_decode import _gpu_case
 
-assert load_extension()["decode"], load_extension()
+state = load_extension()
+assert state["decode"], state
 case = _gpu_case([70, 300], 16)
 q, cache, table, lens = case["q"], case["kv_cache"], case["block_table"], case["seq_lens"]
 part_out = torch.full((2, 16, 3, 512), 7.0, device="cuda")
@@ -499,15 +524,22 @@ cases = {
     "table": dict(block_table=table.long()),
     "splits": dict(num_splits=4),
 }
-for name, override in cases.items():
-    args = dict(q=q, kv_cache=cache, block_table=table, seq_lens=lens, part_out=part_out, part_lse=part_lse,
-                softmax_scale=0.1, num_splits=3)
-    args.update(override)
-    try:
-        torch.ops.mla.mla_decode_sm80(*args.values())
-        print(name, "RAN", flush=True)
-    except RuntimeError as e:
-        print(name, "RAISED", str(e).splitlines()[0], flush=True)
+ops = {"sm80": torch.ops.mla.mla_decode_sm80}
+if state["decode_sm90"]:
+    ops["sm90"] = torch.ops.mla.mla_decode_sm90
+    cases["sm90-page"] = dict(kv_cache=cache.view(-1, 32, 576))
+for op_name, op in ops.items():
+    for name, override in cases.items():
+        if name == "heads" and op_name == "sm90":
+            continue  # it takes any number of heads
+        args = dict(q=q, kv_cache=cache, block_table=table, seq_lens=lens, part_out=part_out, part_lse=part_lse,
+                    softmax_scale=0.1, num_splits=3)
+        args.update(override)
+        try:
+            op(*args.values())
+            print(op_name, name, "RAN", flush=True)
+        except RuntimeError as e:
+            print(op_name, name, "RAISED", str(e).splitlines()[0], flush=True)
 print("untouched", bool((part_out == 7.0).all() and (part_lse == 7.0).all()), flush=True)
 """
 
@@ -524,9 +556,19 @@ def test_gpu_cuda_ops_reject_what_they_cannot_run():
     child = subprocess.run([sys.executable, "-c", _OPS_REJECT_CHILD], cwd=root, capture_output=True, text=True,
                            timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
     assert child.returncode == 0, f"the child exited with {child.returncode}:\n{child.stdout}\n{child.stderr[-2000:]}"
-    lines = dict(line.split(" ", 1) for line in child.stdout.splitlines())
-    expected = {"heads": "h <= 16", "dtype": "bfloat16 or both float16", "page": "multiple of 32",
-                "no-page": "multiple of 32", "table": "block_table must be", "splits": "part_out must be"}
+    lines = {}  # "sm80 heads" -> "RAISED ...", "untouched" -> "True"
+    for line in child.stdout.splitlines():
+        words = line.split(" ", 2)
+        key, rest = (words[0], words[1]) if words[0] == "untouched" else (" ".join(words[:2]), words[2])
+        lines[key] = rest
+    expected = {"sm80 heads": "mla_decode_sm80: q must be (b, h <= 16", "sm80 dtype": "bfloat16 or both float16",
+                "sm80 page": "multiple of 32", "sm80 no-page": "multiple of 32", "sm80 table": "block_table must be",
+                "sm80 splits": "part_out must be"}
+    if torch.cuda.get_device_capability() == (9, 0):  # the wgmma kernel is built
+        expected.update({"sm90 dtype": "mla_decode_sm90: q and kv_cache must both be bfloat16",
+                         "sm90 page": "multiple of 64", "sm90 sm90-page": "multiple of 64",
+                         "sm90 no-page": "multiple of 64", "sm90 table": "block_table must be",
+                         "sm90 splits": "part_out must be"})
     for name, message in expected.items():
         assert lines.get(name, "").startswith("RAISED") and message in lines[name], (name, lines.get(name))
     assert lines.get("untouched") == "True"
@@ -540,6 +582,6 @@ def test_timeline_benchmark_still_fits_the_kernel():
 
     src = instrumented_source()
     assert src.count("stamp(") == 5  # its five points
-    assert "TORCH_LIBRARY_IMPL" not in src and "check_mla_decode_sm80" not in src
+    assert "TORCH_LIBRARY_IMPL" not in src and "check_mla_decode" not in src
     assert "PYBIND11_MODULE" in src and "at::Tensor& timing" in src
     assert src.count("section[") == len(SECTIONS) + 2  # declared, four sums, written out

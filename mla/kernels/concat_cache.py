@@ -67,9 +67,10 @@ def _cuda_build_possible() -> bool:
 
 
 def _cuda_arch_flags() -> list[str]:
-    """Code for this device only: sm_90 on an H100/H200, else the device's own capability."""
+    """Code for this device only: sm_90a on an H100/H200 (wgmma, for mla_decode_sm90), else the
+    device's own capability."""
     major, minor = torch.cuda.get_device_capability()
-    arch = f"{major}{minor}"
+    arch = f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
     return [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
 
 
@@ -78,6 +79,7 @@ def load_extension() -> dict:
 
     Returns a dict: ``loaded`` (bool), ``cuda`` (whether the CUDA concat kernel is in it),
     ``decode`` (whether the CUDA decode stage 1 is: built for GPUs of compute capability >= 8.0),
+    ``decode_sm90`` (whether the wgmma one is: built for compute capability 9.0, as sm_90a),
     ``error`` (why not, when not loaded). Never raises: a failed build is reported once by
     ``concat_and_cache`` and the reference is used instead.
     """
@@ -95,11 +97,15 @@ def load_extension() -> dict:
         with_cuda = _cuda_build_possible()
         # the decode stage 1 uses sm_80 instructions (mma.sync on bf16, cp.async)
         with_decode = with_cuda and torch.cuda.get_device_capability() >= (8, 0)
+        # and the wgmma one is Hopper's (sm_90a)
+        with_sm90 = with_cuda and torch.cuda.get_device_capability() == (9, 0)
         sources = [_CSRC / "binding.cpp", _CSRC / "concat_and_cache_mla_cpu.cpp"]
         if with_cuda:
             sources.append(_CSRC / "concat_and_cache_mla.cu")
         if with_decode:
             sources.append(_CSRC / "mla_decode_sm80.cu")
+        if with_sm90:
+            sources.append(_CSRC / "mla_decode_sm90.cu")
         load(
             # Different names keep the CPU-only and the CUDA builds apart in the cache dir.
             name="mla_C_cuda" if with_cuda else "mla_C_cpu",
@@ -110,11 +116,12 @@ def load_extension() -> dict:
             is_python_module=False,  # the library registers torch.ops.mla.* when loaded
             verbose=False,
         )
-        _ext_state = {"loaded": True, "cuda": with_cuda, "decode": with_decode, "error": None}
+        _ext_state = {"loaded": True, "cuda": with_cuda, "decode": with_decode, "decode_sm90": with_sm90,
+                      "error": None}
     except Exception as exc:  # noqa: BLE001 - any failure means "use the reference"
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         error = f"{type(exc).__name__}: {first_line}"
-        _ext_state = {"loaded": False, "cuda": False, "decode": False, "error": error}
+        _ext_state = {"loaded": False, "cuda": False, "decode": False, "decode_sm90": False, "error": error}
     return _ext_state
 
 

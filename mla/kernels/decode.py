@@ -47,15 +47,21 @@ Stage 2, one program per (sequence, head, chunk of c): ``lse = logsumexp_s(parti
 The exponentials run in base 2 (``exp2``, the cheap instruction), with the scale folded into
 ``softmax_scale * log2(e)``; the lse is turned back into natural log on the way out.
 
-Two stage-1 kernels compute this. The Triton one below serves every case (any heads, c, r,
-dtype, page size; on the CPU through Triton's interpreter). For DeepSeek's sizes at up to 16
-heads (one GPU's share of 128 heads at tensor parallelism 8), bf16 or fp16, pages of a multiple
-of 32 rows, on a GPU, ``mla_decode`` runs the CUDA one in ``csrc/mla_decode_sm80.cu`` instead:
-the same tiles and partials, with warp-level tensor-core instructions and fragments loaded a
-k-step at a time, so that nothing spills and (on an H100/H200) two programs share an SM
-(``benchmarks/NOTES.md`` rows 33-40 have its times and where they go). It lives in the package's compiled
-extension (``mla.kernels.concat_cache.load_extension``); where that cannot be built, or the GPU
-lacks the shared memory or sm_80 instructions it needs, the Triton kernel runs.
+Three stage-1 kernels compute this. The Triton one below serves every case (any heads, c, r,
+dtype, page size; on the CPU through Triton's interpreter). For DeepSeek's sizes (c = 512,
+r = 64) in bf16 or fp16 on a GPU, ``mla_decode`` runs a CUDA one instead, with the same
+partials and merge:
+
+- up to 16 heads (one GPU's share of 128 at tensor parallelism 8), pages of a multiple of 32
+  rows: ``csrc/mla_decode_sm80.cu``, warp-level tensor-core instructions (sm_80 and later) with
+  fragments loaded a k-step at a time, so that nothing spills and (on an H100/H200) two
+  programs share an SM (``benchmarks/NOTES.md`` rows 33-40);
+- more heads, pages of a multiple of 64 rows, on Hopper (compute capability 9.0):
+  ``csrc/mla_decode_sm90.cu``, 64 heads a program with warpgroup MMA (wgmma) on operands in
+  shared memory, a 64-token tile loaded once for both products (NOTES row 41).
+
+They live in the package's compiled extension (``mla.kernels.concat_cache.load_extension``);
+where that cannot be built, or the GPU lacks what a kernel needs, the Triton kernel runs.
 """
 
 from __future__ import annotations
@@ -533,28 +539,40 @@ def _check_seq_lens(seq_lens, block_table, block_size) -> int:
 
 _CUDA_HEADS, _CUDA_C, _CUDA_R, _CUDA_TILE = 16, 512, 64, 32  # what csrc/mla_decode_sm80.cu is built for
 _CUDA_SMEM_BYTES = 105_088  # its shared memory a CTA (DecodeShape::kSmemBytes; a static_assert there)
-_BACKENDS = ("triton", "cuda")
+_SM90_HEADS, _SM90_TILE = 64, 64  # csrc/mla_decode_sm90.cu: heads a CTA (any count runs), tokens a tile
+_SM90_SMEM_BYTES = 231_168  # its shared memory a CTA (kSmemBytes; a static_assert there)
+_BACKENDS = ("triton", "cuda", "sm90")
 
 
-def _cuda_stage1_unfit(q, kv_cache, block_table, seq_lens, kv_lora_rank) -> str | None:
-    """None if the CUDA stage 1 can run these (checked) arguments, else why not, in words."""
+def _cuda_stage1_unfit(q, kv_cache, block_table, seq_lens, kv_lora_rank, kernel="cuda") -> str | None:
+    """None if a CUDA stage 1 can run these (checked) arguments, else why not, in words.
+
+    ``kernel``: ``"cuda"``, csrc/mla_decode_sm80.cu (<= 16 heads, sm_80 instructions), or
+    ``"sm90"``, csrc/mla_decode_sm90.cu (any heads, Hopper's wgmma: compute capability 9.0).
+    """
     b, h, d = q.shape
+    sm90 = kernel == "sm90"
     if q.device.type != "cuda":
         return f"q is on {q.device.type}, not a GPU"
-    if torch.cuda.get_device_capability(q.device) < (8, 0):
+    capability = torch.cuda.get_device_capability(q.device)
+    if sm90 and capability != (9, 0):
+        return f"the GPU's compute capability is {capability[0]}.{capability[1]}, not 9.0 (wgmma)"
+    if capability < (8, 0):
         return "the GPU's compute capability is below 8.0 (mma.sync, cp.async)"
     props = torch.cuda.get_device_properties(q.device)
     smem = getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
-    if smem < _CUDA_SMEM_BYTES:
-        return f"the GPU allows {smem} bytes of shared memory a block, the kernel needs {_CUDA_SMEM_BYTES}"
+    need = _SM90_SMEM_BYTES if sm90 else _CUDA_SMEM_BYTES
+    if smem < need:
+        return f"the GPU allows {smem} bytes of shared memory a block, the kernel needs {need}"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"q is {q.dtype}, not bfloat16 or float16"
-    if h > _CUDA_HEADS:
+    if not sm90 and h > _CUDA_HEADS:
         return f"q has {h} heads, more than {_CUDA_HEADS}"
     if (kv_lora_rank, d - kv_lora_rank) != (_CUDA_C, _CUDA_R):
         return f"c, r = {kv_lora_rank}, {d - kv_lora_rank}, not {_CUDA_C}, {_CUDA_R}"
-    if kv_cache.shape[1] % _CUDA_TILE:
-        return f"the block size {kv_cache.shape[1]} is not a multiple of {_CUDA_TILE}"
+    tile = _SM90_TILE if sm90 else _CUDA_TILE
+    if kv_cache.shape[1] % tile:
+        return f"the block size {kv_cache.shape[1]} is not a multiple of {tile}"
     rows_aligned = all(st % 8 == 0 for st in (q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1)))
     if not rows_aligned or q.data_ptr() % 16 or kv_cache.data_ptr() % 16:
         return "q's or kv_cache's rows are not 16-byte aligned"
@@ -563,9 +581,12 @@ def _cuda_stage1_unfit(q, kv_cache, block_table, seq_lens, kv_lora_rank) -> str 
     from mla.kernels.concat_cache import load_extension
 
     state = load_extension()
-    if not state["decode"]:
-        why = state["error"] or "built without it (no nvcc, or a GPU below sm_80 at build time)"
-        return f"the compiled extension has no CUDA decode kernel ({why})"
+    if not state["decode_sm90" if sm90 else "decode"]:
+        why = state["error"] or (
+            "built without it (no nvcc, or a GPU other than compute capability 9.0 at build time)"
+            if sm90 else "built without it (no nvcc, or a GPU below sm_80 at build time)"
+        )
+        return f"the compiled extension has no {'sm90' if sm90 else 'CUDA'} decode kernel ({why})"
     return None
 
 
@@ -573,17 +594,19 @@ _warned_cuda_fallback = False
 
 
 def _pick_backend(q, kv_cache, block_table, seq_lens, kv_lora_rank, backend, config_given) -> str:
-    """``"cuda"`` or ``"triton"``: the CUDA stage 1 by default where it applies."""
+    """``"cuda"``, ``"sm90"`` or ``"triton"``: by default the CUDA stage 1 for <= 16 heads, the
+    wgmma one for more, where it applies; else Triton."""
     global _warned_cuda_fallback
     if backend is not None and backend not in _BACKENDS:
-        raise ValueError(f"mla_decode: _backend must be None, 'triton' or 'cuda', got {backend!r}")
+        raise ValueError(f"mla_decode: _backend must be None, 'triton', 'cuda' or 'sm90', got {backend!r}")
     if backend == "triton" or (backend is None and (config_given or q.device.type != "cuda")):
         return "triton"  # a _config tunes the Triton kernel, so it asks for that one
-    why_not = _cuda_stage1_unfit(q, kv_cache, block_table, seq_lens, kv_lora_rank)
+    kernel = backend or ("cuda" if q.shape[1] <= _CUDA_HEADS else "sm90")
+    why_not = _cuda_stage1_unfit(q, kv_cache, block_table, seq_lens, kv_lora_rank, kernel)
     if why_not is None:
-        return "cuda"
-    if backend == "cuda":
-        raise ValueError(f"mla_decode: _backend='cuda' cannot run these arguments: {why_not}")
+        return kernel
+    if backend is not None:
+        raise ValueError(f"mla_decode: _backend={backend!r} cannot run these arguments: {why_not}")
     if why_not.startswith("the compiled extension") and not _warned_cuda_fallback:
         _warned_cuda_fallback = True
         warnings.warn(f"mla.kernels.mla_decode: using the Triton kernel: {why_not}", RuntimeWarning, stacklevel=3)
@@ -629,9 +652,11 @@ def mla_decode(
         _config: private tuning hook for benchmarks: any of ``BLOCK_H``, ``BLOCK_N``,
             ``num_warps``, ``num_stages``, ``PAGE_TILE``, ``HEAD_MAJOR``, ``SPLIT_TAIL`` (see
             ``default_config``) of the Triton kernel, which it selects.
-        _backend: private hook for benchmarks and tests: ``"triton"`` or ``"cuda"`` forces that
-            stage-1 kernel (``"cuda"`` raises a ValueError saying why when it cannot run the
-            arguments); None picks the CUDA one where it applies (see the module docstring).
+        _backend: private hook for benchmarks and tests: ``"triton"``, ``"cuda"`` (the sm_80 kernel,
+            <= 16 heads) or ``"sm90"`` (the wgmma kernel, Hopper) forces that stage-1 kernel (a
+            CUDA one raises a ValueError saying why when it cannot run the arguments); None picks
+            ``"cuda"`` for <= 16 heads and ``"sm90"`` for more where they apply, else Triton (see
+            the module docstring).
 
     Returns:
         out: (b, h, c) in q's dtype, ``softmax(scores) @ value``.
@@ -656,7 +681,9 @@ def mla_decode(
         config.update(_config)
 
     backend = _pick_backend(q, kv_cache, block_table, seq_lens, c, _backend, bool(_config))
-    block_h, block_n = (_CUDA_HEADS, _CUDA_TILE) if backend == "cuda" else (config["BLOCK_H"], config["BLOCK_N"])
+    block_h, block_n = {"cuda": (_CUDA_HEADS, _CUDA_TILE), "sm90": (_SM90_HEADS, _SM90_TILE)}.get(
+        backend, (config["BLOCK_H"], config["BLOCK_N"])
+    )
 
     if num_kv_splits is None or q.device.type == "cpu":
         max_seq_len = _check_seq_lens(seq_lens, block_table, block_size)
@@ -668,12 +695,11 @@ def mla_decode(
     if b == 0 or h == 0:
         return out, lse
 
-    if backend == "cuda":  # csrc/mla_decode_sm80.cu: stage 1 always writes partials, then merge
+    if backend != "triton":  # csrc/mla_decode_sm80.cu, _sm90.cu: stage 1 always writes partials, then merge
         part_out = torch.empty((b, h, num_kv_splits, c), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((b, h, num_kv_splits), dtype=torch.float32, device=q.device)
-        torch.ops.mla.mla_decode_sm80(
-            q, kv_cache, block_table, seq_lens, part_out, part_lse, float(softmax_scale), num_kv_splits
-        )
+        stage1 = torch.ops.mla.mla_decode_sm80 if backend == "cuda" else torch.ops.mla.mla_decode_sm90
+        stage1(q, kv_cache, block_table, seq_lens, part_out, part_lse, float(softmax_scale), num_kv_splits)
         _merge(part_out, part_lse, out, lse)
         return out, lse
 

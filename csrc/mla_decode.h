@@ -1,0 +1,38 @@
+// The argument check of the CUDA decode stage-1 kernels (mla_decode_sm80.cu, mla_decode_sm90.cu),
+// defined in binding.cpp beside concat_and_cache_mla's (its messages put numbers in with mla::num / mla::dims, see
+// concat_and_cache_mla.h for why).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace mla {
+
+// The kernel's name (it starts every message) and the sizes it is built for.
+struct DecodeKernelSizes {
+  const char* name;
+  int64_t max_heads, c, r, tile;
+};
+
+// Raises (RuntimeError in Python) naming the argument and what was expected; reads nothing.
+void check_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                      const at::Tensor& seq_lens, const at::Tensor& part_out, const at::Tensor& part_lse,
+                      int64_t num_splits, const DecodeKernelSizes& sizes);
+
+#ifdef __CUDACC__
+// The tokens [start, end) that split `split` of `num_splits` owns in a sequence of seq_len: whole
+// tiles of `tile` tokens, cut as the Triton kernel cuts them (the merge takes any cut); n_tiles
+// is 0 for an empty split.
+struct SplitTokens {
+  int start, end, n_tiles;
+};
+__device__ __forceinline__ SplitTokens split_tokens(int seq_len, int split, int num_splits, int tile) {
+  const int tiles_per_split = ((seq_len + tile - 1) / tile + num_splits - 1) / num_splits;
+  const int start = split * tiles_per_split * tile;
+  const int end = max(min(start + tiles_per_split * tile, seq_len), start);
+  return {start, end, (end - start + tile - 1) / tile};
+}
+#endif
+
+}  // namespace mla
