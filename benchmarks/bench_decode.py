@@ -248,7 +248,8 @@ def kernel_and_splits(q, kv_cache, block_table, seq_lens, kv_lora_rank, t, num_s
     if kernel != "triton":  # csrc/mla_decode_sm80.cu (16 heads a program, tiles of 32), _sm90.cu (64, 64)
         block_h, block_n, warps = (_CUDA_HEADS, _CUDA_TILE, 4) if kernel == "cuda" else (_SM90_HEADS, _SM90_TILE, 8)
         config = dict(kernel=kernel, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=2)
-        return kernel, config, choose_num_kv_splits(b, h, t, num_sms, block_h=block_h, block_n=block_n), triton_splits
+        splits = choose_num_kv_splits(b, h, t, num_sms, block_h=block_h, block_n=block_n, one_wave=kernel == "sm90")
+        return kernel, config, splits, triton_splits
     return kernel, dict(config, kernel="triton"), triton_splits, triton_splits
 
 

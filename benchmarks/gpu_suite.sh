@@ -27,7 +27,7 @@ for part in "$@"; do
     decode-bench) run decode-bench 300 python3 benchmarks/bench_decode.py --out "$OUT" ;;
     variants) run variants 300 python3 benchmarks/bench_decode.py --out "$OUT" --variants --budget-s 240 ;;
     cuda-probe) run cuda-probe 300 python3 benchmarks/probe_decode_cuda.py --out "$OUT" ;;
-    sm90-probe) run sm90-probe 300 python3 benchmarks/probe_decode_sm90.py --out "$OUT" ;;
+    sm90-probe) run sm90-probe 300 python3 benchmarks/probe_decode_sm90.py --out "$OUT" ;;  # writes h200-decode-sm90-probe.json
     cuda-timeline) run cuda-timeline 240 python3 benchmarks/timeline_decode_cuda.py --out "$OUT" ;;
     concat-probe) run concat-probe 200 python3 benchmarks/probe_concat.py --out "$OUT" ;;
     sanitize-decode) run sanitize-decode 200 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_decode.py ;;

@@ -10,7 +10,10 @@ picks at these heads, at the split count ``bench_decode.kernel_and_splits`` fixe
 kernel (``triton_us``). ``max_rel_diff_vs_default`` compares the best count's output with the
 default's. Correctness is the GPU tests' job (``tests/test_kernels_decode.py``).
 
-Writes ``h200-decode-sm90-probe.json`` (NOTES row 41).
+Writes ``h200-decode-sm90-probe.json`` (``--out-name``; NOTES row 41). The committed one came from
+this script's first version (no ``triton_us``; ``default_us`` was then the Triton kernel at 64
+and 128 heads); ``h200-decode-sm90-probe-h32.json`` is ``--heads 32``. The scan includes the
+split count ``mla_decode`` itself takes (``default_splits``).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--heads", default="128,64,16")
+    parser.add_argument("--out-name", default="h200-decode-sm90-probe.json")
     args = parser.parse_args(argv)
     state = load_extension()
     assert state["decode_sm90"], state
@@ -75,7 +79,7 @@ def main(argv=None) -> None:
                 lambda cache: default(cache, "triton", triton_splits), caches)), 1)
             want, _ = default(caches[0])
             head_blocks = -(-h // 64)
-            scan = {1, 2, 3, 4, 6, 8, max(1, round(num_sms / (head_blocks * b))),
+            scan = {1, 2, 3, 4, 6, 8, splits, max(1, round(num_sms / (head_blocks * b))),
                     max(1, round(2 * num_sms / (head_blocks * b)))}
             best = None
             for s in sorted(x for x in scan if x * 64 <= t):
@@ -91,7 +95,7 @@ def main(argv=None) -> None:
             print(json.dumps(row), flush=True)
             del q, caches, table, lens
             torch.cuda.empty_cache()
-    write_json(args.out, "h200-decode-sm90-probe.json",
+    write_json(args.out, args.out_name,
                dict(copy_GBps=copy, matmul_TFLOPs=mm, device=torch.cuda.get_device_name(0),
                     wall_s=time.time() - t0, rows=rows))
 

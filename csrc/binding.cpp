@@ -1,8 +1,8 @@
 // The one TORCH_LIBRARY(mla, ...) of the package: the op schemas, and the argument check that the
 // CPU twin (concat_and_cache_mla_cpu.cpp) and the CUDA kernel (concat_and_cache_mla.cu) of
 // concat_and_cache_mla share. Each backend registers its implementations with TORCH_LIBRARY_IMPL
-// in its own source, so a CPU-only build compiles no CUDA (and has no kernel for the decode op,
-// which is CUDA only: mla_decode_sm80.cu).
+// in its own source, so a CPU-only build compiles no CUDA (and has no kernel for the decode ops,
+// which are CUDA only: mla_decode_sm80.cu, mla_decode_sm90.cu).
 #include "concat_and_cache_mla.h"
 #include "mla_decode.h"
 

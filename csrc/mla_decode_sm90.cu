@@ -428,7 +428,8 @@ void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         q.get_device()));
   TORCH_CHECK(static_cast<size_t>(smem_optin) >= kSmemBytes,
-              "mla_decode_sm90: this GPU allows too little shared memory a block (226 KiB needed)");
+              "mla_decode_sm90: this GPU allows ", num(int64_t{smem_optin}),
+              " bytes of shared memory a block, the kernel needs ", num(static_cast<int64_t>(kSmemBytes)));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>((h + kM - 1) / kM), static_cast<unsigned>(b),
                   static_cast<unsigned>(num_splits));

@@ -102,14 +102,16 @@ def split_table(batches=(1, 4, 16, 64, 132), contexts=(1024, 4096, 32768, 131072
     """Markdown: the split counts `choose_num_kv_splits` picks on the SM count the CPU
     interpreter assumes, over the batch at t = 4,096, then for one sequence over its length; at
     16 heads for the CUDA stage 1 (what `mla_decode` runs on a GPU: 16 heads a program, tiles of
-    32) and the Triton one, and at 128 heads."""
+    32) and the Triton one, and at 128 heads for the Triton one and the wgmma one (what runs on
+    an H100 / H200: its one-wave rule)."""
     from mla.kernels import decode
 
     sms = decode._CPU_NUM_SMS
     columns = {  # header: keyword arguments beyond (batch, heads, t, SMs)
         "h = 16, CUDA": (16, dict(block_h=decode._CUDA_HEADS, block_n=decode._CUDA_TILE)),
         "h = 16, Triton": (16, {}),
-        "h = 128": (128, {}),
+        "h = 128, Triton": (128, {}),
+        "h = 128, wgmma": (128, dict(block_h=decode._SM90_HEADS, block_n=decode._SM90_TILE, one_wave=True)),
     }
     head = "| " + " | ".join(columns) + " |"
     rule = "|---:|" + "---:|" * len(columns)

@@ -229,6 +229,13 @@ def test_choose_num_kv_splits():
     # 64-head blocks, small batch: the first count that keeps >= 90% of 132 SMs busy
     assert choose_num_kv_splits(1, 128, 32_768, 132) == 60  # 2 head blocks x 60 splits: 91%
     assert choose_num_kv_splits(4, 128, 131_072, 132) == 15  # 8 x 15 = 120 programs
+    # one_wave (the wgmma kernel): the most splits that fit in one wave
+    assert choose_num_kv_splits(1, 128, 32_768, 132, one_wave=True) == 66  # 2 x 66 = 132
+    assert choose_num_kv_splits(4, 128, 131_072, 132, one_wave=True) == 16  # 8 x 16 = 128
+    assert choose_num_kv_splits(4, 64, 131_072, 132, one_wave=True) == 33
+    assert choose_num_kv_splits(1, 64, 131_072, 132, one_wave=True) == 128  # max_splits
+    assert choose_num_kv_splits(1, 128, 2048, 132, one_wave=True) == 8  # >= 4 tiles of 64 a split
+    assert choose_num_kv_splits(64, 128, 4096, 132, one_wave=True) == 1
     # 16-head blocks (memory bound): about 2 programs an SM, the nearest split count
     assert choose_num_kv_splits(64, 16, 4096, 132) == 4  # 256 programs (H200: 102 us vs 125 at 8)
     assert choose_num_kv_splits(128, 16, 8192, 132) == 2
@@ -290,6 +297,8 @@ BAD_INPUTS = {
     # c = 32, r = 8 here (and on a CPU machine, q on the CPU): the CUDA stage 1 says why it cannot
     "backend-cuda-unfit": (lambda a: a.update(_backend="cuda"), ValueError, "_backend='cuda' cannot run"),
     "backend-sm90-unfit": (lambda a: a.update(_backend="sm90"), ValueError, "_backend='sm90' cannot run"),
+    "backend-with-config": (lambda a: a.update(_backend="cuda", _config={"num_warps": 4}), ValueError,
+                            "_config tunes the Triton kernel; it cannot go with _backend='cuda'"),
 }
 
 
@@ -357,24 +366,26 @@ GPU_SHAPES = {
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "triton"], ids=["default", "triton"])
 @pytest.mark.parametrize("name", list(GPU_SHAPES))
-def test_gpu_bf16_deepseek_v3_shapes(name):
+def test_gpu_bf16_deepseek_v3_shapes(name, backend):
     heads, seq_lens = GPU_SHAPES[name]
     case = _gpu_case(seq_lens, heads)
-    out, lse = mla_decode(**case)
+    out, lse = mla_decode(**case, _backend=backend)
     ref_out, ref_lse = mla_decode_reference(**case, compute_dtype=torch.float32)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert_matches(out.float(), lse, ref_out.float(), ref_lse, case["seq_lens"], 1e-2)
     # split counts agree with each other (1 split is the no-merge path)
-    out1, lse1 = mla_decode(**case, num_kv_splits=1)
-    out7, lse7 = mla_decode(**case, num_kv_splits=7)
+    out1, lse1 = mla_decode(**case, num_kv_splits=1, _backend=backend)
+    out7, lse7 = mla_decode(**case, num_kv_splits=7, _backend=backend)
     assert rel_err(out1, out7) < 1e-2 and rel_err(out1, ref_out) < 1e-2
     assert_matches(out7.float(), lse7, ref_out.float(), ref_lse, case["seq_lens"], 1e-2)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "triton"], ids=["default", "triton"])
 @pytest.mark.parametrize("heads", [16, 128])
-def test_gpu_cache_past_int32_offsets(heads):
+def test_gpu_cache_past_int32_offsets(heads, backend):
     # num_blocks * 64 * 576 > 2^31 elements (~4.3 GB in bf16); the sequences' pages sit at the end
     block_size, d, c = 64, 576, 512
     num_blocks = 2**31 // (block_size * d) + 40
@@ -403,7 +414,7 @@ def test_gpu_cache_past_int32_offsets(heads):
         softmax_scale=192**-0.5,
     )
     for splits in (None, 1, 3):
-        out, lse = mla_decode(**case, num_kv_splits=splits)
+        out, lse = mla_decode(**case, num_kv_splits=splits, _backend=backend)
         ref_out, ref_lse = mla_decode_reference(**case, compute_dtype=torch.float32)
         assert_matches(out.float(), lse, ref_out.float(), ref_lse, case["seq_lens"], 1e-2)
     del kv_cache, case
@@ -411,18 +422,19 @@ def test_gpu_cache_past_int32_offsets(heads):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "triton"], ids=["default", "triton"])
 @pytest.mark.parametrize("heads", [16, 128])
-def test_gpu_cuda_graph_capture(heads):
+def test_gpu_cuda_graph_capture(heads, backend):
     # with num_kv_splits given the wrapper never syncs, so it can be captured in a CUDA graph
     case = _gpu_case([100, 3000, 0, 64], heads=heads, seed=3)
-    expected = mla_decode(**case, num_kv_splits=4)  # also compiles outside the capture
+    expected = mla_decode(**case, num_kv_splits=4, _backend=backend)  # also compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        mla_decode(**case, num_kv_splits=4)
+        mla_decode(**case, num_kv_splits=4, _backend=backend)
         with torch.cuda.graph(graph):
-            out, lse = mla_decode(**case, num_kv_splits=4)
+            out, lse = mla_decode(**case, num_kv_splits=4, _backend=backend)
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
     torch.cuda.synchronize()
@@ -431,7 +443,8 @@ def test_gpu_cuda_graph_capture(heads):
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: the CUDA stage 1 (csrc/mla_decode_sm80.cu) that mla_decode picks for <= 16 heads
+# GPU: the CUDA stage-1 kernels mla_decode picks: csrc/mla_decode_sm80.cu for <= 16 heads,
+# csrc/mla_decode_sm90.cu (compute capability 9.0) for more; the Triton one beside them
 # ---------------------------------------------------------------------------------------------
 
 # lengths around the 32-token tile and the pages, an empty row, and two long ones
@@ -455,8 +468,6 @@ def test_gpu_backends_match_reference(backend, dtype, heads, block_size):
         _skip_unless_sm90()
         if block_size % 64:
             pytest.skip("the wgmma stage 1 takes pages of a multiple of 64")
-    if backend == "triton" and heads in (20, 100):
-        pytest.skip("Triton's padded head blocks: test_padded_head_blocks and the 128-head cases")
     case = _gpu_case(CUDA_LENGTHS, heads, seed=heads + block_size, dtype=dtype, block_size=block_size)
     ref_out, ref_lse = mla_decode_reference(**case, compute_dtype=torch.float32)
     for splits in (None, 1, 5, 40):  # 40 splits: most splits of the short rows are empty

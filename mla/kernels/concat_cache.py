@@ -23,7 +23,8 @@ built by JIT on first use, cached on disk by torch (``TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/torch_extensions``) and loaded once per process. If no compiler is available or the
 build fails, ``concat_and_cache`` falls back to the reference with one warning. A CUDA build
 also holds the decode stage 1 of ``csrc/mla_decode_sm80.cu`` (op ``torch.ops.mla.mla_decode_sm80``),
-which ``mla.kernels.mla_decode`` uses for few heads.
+which ``mla.kernels.mla_decode`` uses for few heads, and on an H100 / H200 the wgmma one of
+``csrc/mla_decode_sm90.cu`` (op ``torch.ops.mla.mla_decode_sm90``) for more.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Split-KV paged decode for Multi-head Latent Attention: Triton, and CUDA for few heads.
+"""Split-KV paged decode for Multi-head Latent Attention: Triton, and CUDA for DeepSeek's sizes.
 
 In the absorbed form, MLA decode is multi-query attention over the latent cache: every head of a
 sequence attends to the same cached rows ``[kv_c | k_pe]`` (c + r values a token), the key is the
@@ -392,6 +392,7 @@ def choose_num_kv_splits(
     min_tiles_per_split: int = 4,
     max_splits: int = 128,
     programs_per_sm: int | None = None,
+    one_wave: bool = False,
 ) -> int:
     """How many pieces to cut each sequence into so that stage 1 fills the GPU.
 
@@ -405,7 +406,11 @@ def choose_num_kv_splits(
     - Big head blocks (``block_h = 64``, compute bound, one program an SM): 1 if ``P`` covers
       ``num_sms``; otherwise the smallest split count ``s`` whose ``P * s`` programs keep >= 90%
       of the SMs busy over all their waves (``P*s / (ceil(P*s / num_sms) * num_sms)``; e.g.
-      P = 2 on 132 SMs gives 60), or the best such use if none reaches 90%.
+      P = 2 on 132 SMs gives 60), or the best such use if none reaches 90%. With ``one_wave``
+      (the wgmma stage 1, ``csrc/mla_decode_sm90.cu``): the most splits whose ``P * s`` programs
+      fit in one wave of ``num_sms`` (P = 2 gives 66, P = 8 gives 16); measured on an H200 that
+      beat both the 90% count and two full waves by 5-7% at (1, 32768) and (4, 131072)
+      (``benchmarks/results/h200-decode-sm90-probe.json``).
 
     Either way among counts that leave every split ``min_tiles_per_split`` tiles of
     ``block_n`` tokens of the longest sequence (shorter splits spend their time starting up and
@@ -437,6 +442,8 @@ def choose_num_kv_splits(
         return max(1, min(most, (target + programs // 2) // programs))  # nearest count
     if programs >= num_sms:
         return 1
+    if one_wave:
+        return max(1, min(most, num_sms // programs))
     best, best_use = 1, 0.0
     for splits in range(1, most + 1):
         total = programs * splits
@@ -601,6 +608,8 @@ def _pick_backend(q, kv_cache, block_table, seq_lens, kv_lora_rank, backend, con
         raise ValueError(f"mla_decode: _backend must be None, 'triton', 'cuda' or 'sm90', got {backend!r}")
     if backend == "triton" or (backend is None and (config_given or q.device.type != "cuda")):
         return "triton"  # a _config tunes the Triton kernel, so it asks for that one
+    if backend in ("cuda", "sm90") and config_given:
+        raise ValueError(f"mla_decode: _config tunes the Triton kernel; it cannot go with _backend={backend!r}")
     kernel = backend or ("cuda" if q.shape[1] <= _CUDA_HEADS else "sm90")
     why_not = _cuda_stage1_unfit(q, kv_cache, block_table, seq_lens, kv_lora_rank, kernel)
     if why_not is None:
@@ -652,11 +661,12 @@ def mla_decode(
         _config: private tuning hook for benchmarks: any of ``BLOCK_H``, ``BLOCK_N``,
             ``num_warps``, ``num_stages``, ``PAGE_TILE``, ``HEAD_MAJOR``, ``SPLIT_TAIL`` (see
             ``default_config``) of the Triton kernel, which it selects.
-        _backend: private hook for benchmarks and tests: ``"triton"``, ``"cuda"`` (the sm_80 kernel,
-            <= 16 heads) or ``"sm90"`` (the wgmma kernel, Hopper) forces that stage-1 kernel (a
-            CUDA one raises a ValueError saying why when it cannot run the arguments); None picks
-            ``"cuda"`` for <= 16 heads and ``"sm90"`` for more where they apply, else Triton (see
-            the module docstring).
+        _backend: private hook for benchmarks and tests: ``"triton"``, ``"cuda"`` (the sm_80 kernel:
+            <= 16 heads, pages of a multiple of 32) or ``"sm90"`` (the wgmma kernel: compute
+            capability 9.0, pages of a multiple of 64) forces that stage-1 kernel (a CUDA one
+            raises a ValueError saying why when it cannot run the arguments; with ``_config``, which
+            only the Triton kernel takes, a ValueError too); None picks ``"cuda"`` for <= 16 heads
+            and ``"sm90"`` for more where each applies, else Triton (see the module docstring).
 
     Returns:
         out: (b, h, c) in q's dtype, ``softmax(scores) @ value``.
@@ -688,7 +698,9 @@ def mla_decode(
     if num_kv_splits is None or q.device.type == "cpu":
         max_seq_len = _check_seq_lens(seq_lens, block_table, block_size)
     if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(b, h, max_seq_len, _num_sms(q.device), block_h=block_h, block_n=block_n)
+        num_kv_splits = choose_num_kv_splits(
+            b, h, max_seq_len, _num_sms(q.device), block_h=block_h, block_n=block_n, one_wave=backend == "sm90"
+        )
 
     out = torch.empty((b, h, c), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h), dtype=torch.float32, device=q.device)

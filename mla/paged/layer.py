@@ -9,7 +9,8 @@ computes. One call, for the new tokens of n sequences flattened into T rows:
     decode rows (1 new token):
         q = [q_nope · W_UK | q_pe] (b, h, c + r)                    W_UK absorbed into the query
         o_lat (b, h, c) = mla_decode(q, pages)                      split-KV (Triton; CUDA stage 1
-                                                                    at <= 16 heads), MQA over the
+                                                                    at <= 16 heads, wgmma beyond
+                                                                    on Hopper), MQA over the
                                                                     latent, value = first c dims
         o = o_lat · W_UV (b, h, v)                                  W_UV absorbed on the way out
     prefill / extend rows (> 1 new token):
@@ -380,7 +381,8 @@ class PagedMLA(MLAAttention):
         allocates the pages and advances seq_lens) or an engine's own buffers. The write is the
         raw op `torch.ops.mla.concat_and_cache_mla` (no slot-range check); where the extension
         does not load (CPU without a compiler) the torch reference writes instead, which is not
-        capturable on a GPU. The decode kernel (the CUDA stage 1 at <= 16 heads, else Triton)
+        capturable on a GPU. The decode kernel (a CUDA stage 1 where one applies: the sm_80 one at <= 16 heads, the wgmma
+        one beyond on an H100 / H200; else Triton)
         runs with `num_kv_splits` as given; on the CPU the Triton one runs in its interpreter (bf16 there takes the kernel's torch reference, as `forward`).
         """
         cfg, w = self.config, self.weights
