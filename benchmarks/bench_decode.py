@@ -253,6 +253,21 @@ def kernel_and_splits(q, kv_cache, block_table, seq_lens, kv_lora_rank, t, num_s
     return kernel, dict(config, kernel="triton"), triton_splits, triton_splits
 
 
+def layer_splits(config, cache) -> tuple[str, int]:
+    """The stage-1 kernel and the split count a paged layer's captured decode step should fix for
+    this cache (its heads, its longest sequence plus the token the step appends), as
+    ``kernel_and_splits`` picks them: used by bench_layer.py and bench_tp.py."""
+    from mla.kernels.decode import _num_sms
+
+    b = cache.batch_size
+    q = torch.empty(b, config.num_heads, config.kv_lora_rank + config.qk_rope_head_dim,
+                    dtype=cache.kv_cache.dtype, device=cache.kv_cache.device)  # the step's absorbed query
+    t = int(cache.seq_lens.max()) + 1
+    kernel, _, splits, _ = kernel_and_splits(q, cache.kv_cache, cache.block_table, cache.seq_lens,
+                                             config.kv_lora_rank, t, _num_sms(q.device))
+    return kernel, splits
+
+
 def run_default(out_dir, overrides=None, out_name="h200-decode.json"):
     from mla.kernels.decode import mla_decode
 

@@ -14,7 +14,8 @@ contender decodes one token a row:
 - ``paged_step_eager``: ``PagedMLA.decode_step`` on device tensors from ``decode_inputs``,
   launched eagerly (no host sync, but every kernel is still launched from Python).
 - ``paged_graph``: the same ``decode_step`` captured once in a CUDA graph and replayed
-  (fixed-shape static buffers; the split count fixed by ``choose_num_kv_splits`` at capture).
+  (fixed-shape static buffers; the stage-1 kernel and split count ``mla_decode`` would pick, fixed at
+  capture by ``bench_decode.layer_splits``).
 
 Eager times are the mean of ``--iters`` back-to-back calls between two CUDA events (the caches
 grow by one token a call, ~1% over 4096); graph times are the mean of ``--iters`` replays, each
@@ -47,7 +48,7 @@ def _time_us(fn, iters: int, warmup: int = 3) -> float:
 
 def bench_batch(weights, b: int, context: int, iters: int) -> dict:
     import mla
-    from mla.kernels.decode import _num_sms, choose_num_kv_splits, default_config
+    from benchmarks.bench_decode import layer_splits
 
     cfg = weights.config
     dev, dt = weights.device, weights.dtype
@@ -75,10 +76,7 @@ def bench_batch(weights, b: int, context: int, iters: int) -> dict:
         torch.cuda.empty_cache()
         row["paged_eager_us"] = _time_us(lambda: paged(x, p_cache), iters)
 
-        conf = default_config(cfg.num_heads)
-        splits = choose_num_kv_splits(b, cfg.num_heads, int(p_cache.seq_lens.max()) + 1,
-                                      _num_sms(dev), block_h=conf["BLOCK_H"],
-                                      block_n=conf["BLOCK_N"])
+        row["decode_kernel"], splits = layer_splits(cfg, p_cache)
         row["num_kv_splits"] = splits
 
         def eager_step():

@@ -50,18 +50,12 @@ def _time_us(fn, iters: int, device: torch.device, warmup: int = 2) -> float:
 
 def _splits(layer, cache, device) -> int:
     """The split count the step runs with, chosen once for the rank's heads and the lengths as
-    mla_decode would for the kernel it picks (bench_decode.kernel_and_splits)."""
-    from benchmarks.bench_decode import kernel_and_splits
-    from mla.kernels.decode import _num_sms
+    mla_decode would for the kernel it picks (bench_decode.layer_splits)."""
+    from benchmarks.bench_decode import layer_splits
 
     if device.type != "cuda":
         return 2
-    cfg, b = layer.config, cache.batch_size
-    q = torch.empty(b, cfg.num_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=cache.kv_cache.dtype,
-                    device=device)  # the shape and dtype of the step's absorbed query
-    t = int(cache.seq_lens.max()) + 1
-    return kernel_and_splits(q, cache.kv_cache, cache.block_table, cache.seq_lens, cfg.kv_lora_rank, t,
-                             _num_sms(device))[2]
+    return layer_splits(layer.config, cache)[1]
 
 
 def _rank_bench(rank: int, world_size: int, group, preset: str, device_type: str, dtype_name: str,

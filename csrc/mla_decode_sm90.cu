@@ -4,23 +4,33 @@
 // MMA work is useful at 16 heads, where mla_decode_sm80.cu is the default).
 //
 // The same computation and outputs as mla_decode_sm80.cu (fp32 partial outputs and log-sum-exps
-// for the Triton merge), for DeepSeek's sizes only (c = 512, r = 64), tiles of kN = 64 tokens:
+// for the Triton merge), for DeepSeek's sizes only (c = 512, r = 64), tiles of kN = 64 tokens.
+// The two warpgroups take the split's tiles in pairs, A = tile 2p in buffer 0 and B = tile 2p + 1
+// in buffer 1 ("seesaw", the schedule of FlashMLA's Hopper kernel): each computes S for its own
+// tile and holds half of O, so both do the same MMA work and one's softmax runs while the other's
+// MMAs do.
 //
-//   q (64 heads, 576) -> shared memory once; K tiles (64 tokens, 576), two stages, by cp.async
-//   for each tile of the split:
-//     warpgroup 0: S = q . K^T           (64, 64) fp32 in registers: 36 wgmma m64n64k16
-//                  online softmax on S (each head row lives in 4 lanes of one warp: no shared
-//                  memory), P = exp2(S * scale * log2 e - m) as bf16 / fp16, alpha = exp2(m_old - m)
-//                  P -> shared memory (for warpgroup 1), alpha -> shared memory
-//     both:        O[:, 256 g : 256 g + 256] = O * alpha + P . V[:, 256 g : 256 g + 256]
-//                  (V = the tile's first 512 dims, read in place: 4 wgmma m64n256k16;
-//                  warpgroup 0 takes P from its registers, warpgroup 1 from shared memory)
-//   part_out = O / l, part_lse = (m + log2 l) ln 2  (zeros and -inf for an empty split)
+//   warpgroup 0 (O[:, :256], tile A)           warpgroup 1 (O[:, 256:], tile B)
+//   S_A = q . K_A^T (36 wgmma m64n64k16)        S_B = q . K_B^T
+//   m_A = max(m, rowmax S_A), P_A, O_L *= ..   ->  m_B = max(m_A, rowmax S_B), P_B, O_R *= ..
+//   O_L += P_A . V_A[:, :256] (P from regs)        O_R += P_B . V_B[:, 256:] (P from regs); P_B -> smem
+//   P_A *= exp2(m_A - m_B) -> smem            <-
+//   O_L = O_L * exp2(m_A - m_B) + P_B . V_B[:, :256]   O_R += P_A . V_A[:, 256:]   (P from smem)
+//   S of the next A, as its blocks land       S of the next B
 //
 // Shared memory holds q and each tile as wgmma's canonical 128-byte-swizzled K-major layout:
 // 9 column blocks of 64 dims (128 bytes a row), each (64 rows, 128 bytes) with the 16-byte
 // chunk c of row r stored at chunk c ^ (r % 8). The same bytes are V's N-major layout for the
-// second product (B = V, K = tokens, N = dims), so the tile is loaded once for both.
+// second product (B = V, K = tokens, N = dims), so a tile is loaded once for both. A buffer's
+// blocks are refilled as soon as both warpgroups are done with them: blocks 0-3 (V's left half)
+// by warpgroup 0, blocks 4-8 by warpgroup 1, with cp.async arriving on one mbarrier a block, so
+// S of the next tile starts on the blocks that have landed. P_A lives in buffer 0's rope block
+// (free once S_A is computed), P_B in a block of its own.
+//
+// At 128 heads the instructions the warps issue bound the time as much as the MMAs do (NOTES rows
+// 42-43), so: the loops over column blocks unroll (descriptors and copy addresses are a base plus
+// a constant), the scale is applied after the row max, inside the exponent's FFMA, and O is
+// rescaled only when some row of the warp changed its max.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -48,19 +58,22 @@ namespace {
 constexpr int kC = 512, kR = 64, kD = kC + kR;
 constexpr int kM = 64;                    // heads a CTA: wgmma's M
 constexpr int kN = 64;                    // tokens a tile
-constexpr int kStages = 2;                // tiles in shared memory
-constexpr int kThreads = 256;             // two warpgroups
+constexpr int kThreads = 256;             // two warpgroups of 128
 constexpr int kMaxHeads = 64 * 1024;      // head blocks are the grid's x (any count would do)
 constexpr int kBlocks = kD / 64;          // 9 column blocks of 64 dims (128 bytes a row)
+constexpr int kLoBlocks = 4;              // blocks 0-3 (loaded by warpgroup 0), 4-8 (warpgroup 1)
 constexpr int kBlockBytes = 64 * 128;     // one column block of 64 rows
 constexpr int kMatBytes = kBlocks * kBlockBytes;  // q, or one tile: 73,728 bytes
 constexpr int kVecs = kD / 8;             // 72 16-byte vectors a row
-constexpr int kLoads = 64 * kVecs / kThreads;     // 18 copies a thread for 64 rows
+constexpr int kLoads = 64 * kVecs / kThreads;     // 18 copies a thread for q's 64 rows
 static_assert(64 * kVecs % kThreads == 0, "rows split evenly over the threads");
-// q, the tiles, P (64 x 64, one column block), alpha, l, m; 1 KiB to align to 1024 bytes
-constexpr size_t kSmemBytes = size_t(1 + kStages) * kMatBytes + 64 * 128 + 3 * kM * 4 + 1024;
-static_assert(kSmemBytes == 231168,
+// q, two tiles, P_B (64 x 64, one column block), m / scale_A / scale_B / l (two) a row,
+// 18 mbarriers; 1 KiB to align to 1024 bytes
+constexpr size_t kSmemBytes = size_t(3) * kMatBytes + kBlockBytes + 5 * kM * 4 + 2 * kBlocks * 8 + 1024;
+static_assert(kSmemBytes == 231824,
               "mla/kernels/decode.py's _SM90_SMEM_BYTES must equal kSmemBytes");
+// named barriers between the warpgroups (0 is __syncthreads): one arrives, the other waits
+enum : int { kBarScaleA = 1, kBarScaleB = 2, kBarPA = 3, kBarPB = 4 };
 
 // byte offset of 16-byte vector v (of 72) of row r (of 64) in the swizzled layout
 __device__ __forceinline__ uint32_t swizzled(int r, int v) {
@@ -80,6 +93,24 @@ __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// mbarriers: a block's 128 loading threads arrive when their copies have landed
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  }
+}
+// named barrier `id` over both warpgroups: arrive (go on) or sync (wait for the other's arrive)
+__device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+
 // wgmma matrix descriptor: start address, leading / stride byte offsets, 128-byte swizzle
 __device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lead, uint32_t stride) {
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lead >> 4) << 16) |
@@ -92,12 +123,19 @@ __device__ __forceinline__ uint64_t desc_n(uint32_t addr) { return desc(addr, kB
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// wait until at most N committed groups of this warpgroup's MMAs are still running
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // keeps the compiler from touching accumulators between an MMA's issue and its wait
 template <int N>
 __device__ __forceinline__ void pin(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// keeps an MMA's register A operand (P) alive until the MMA has been waited for
+__device__ __forceinline__ void pin(uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) asm volatile("" : "+r"(a[i / 4][i % 4])::"memory");
 }
 
 #define MLA_D32 \
@@ -202,15 +240,19 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   // the swizzle pattern repeats every 1024 bytes: the layouts start on such a boundary
   const uint32_t raw = smem_u32(smem_raw);
   unsigned char* smem = smem_raw + (((raw + 1023) & ~1023u) - raw);
-  const uint32_t q_s = smem_u32(smem);                 // (64 heads, 576) swizzled
-  const uint32_t kv_s = q_s + kMatBytes;                // (kStages, 64 tokens, 576) swizzled
-  unsigned char* p_ptr = smem + (1 + kStages) * kMatBytes;  // (64 heads, 64 tokens) swizzled
-  const uint32_t p_s = smem_u32(p_ptr);
-  float* alpha_s = reinterpret_cast<float*>(p_ptr + 64 * 128);  // (64,)
-  float* l_s = alpha_s + kM;                                    // (64,)
-  float* m_s = l_s + kM;                                        // (64,)
+  const uint32_t q_s = smem_u32(smem);                  // (64 heads, 576) swizzled
+  const uint32_t kv_s = q_s + kMatBytes;                // buffers 0 (tile A) and 1 (tile B), swizzled
+  unsigned char* pa_ptr = smem + kMatBytes + 8 * kBlockBytes;  // P_A: buffer 0's rope block
+  unsigned char* pb_ptr = smem + 3 * kMatBytes;                // P_B (64 heads, 64 tokens) swizzled
+  const uint32_t pa_s = smem_u32(pa_ptr), pb_s = smem_u32(pb_ptr);
+  float* m_s = reinterpret_cast<float*>(pb_ptr + kBlockBytes);  // (64,) running max, log2 units
+  float* scale_a_s = m_s + kM;   // (64,) exp2(m_before - m_A): warpgroup 0 -> 1
+  float* scale_b_s = m_s + 2 * kM;  // (64,) exp2(m_A - m_B): warpgroup 1 -> 0
+  float* l_s = m_s + 3 * kM;     // (2, 64) each warpgroup's row sums, at the end
+  const uint32_t bars = smem_u32(m_s + 5 * kM);  // (2 buffers, 9 blocks) mbarriers
+  auto bar = [&](int buf, int block) { return bars + 8 * (buf * kBlocks + block); };
 
-  const int tid = threadIdx.x, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int tid = threadIdx.x, wtid = tid & 127, warp = (tid >> 5) & 3, lane = tid & 31;
   // the warpgroup, read through a shuffle so the compiler sees it is uniform in a warp (else it
   // serialises the wgmma in the branches below)
   const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
@@ -220,174 +262,315 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   const int64_t b = blockIdx.y;
   const int split = blockIdx.z;
 
-  // ---- this split's tokens: whole tiles of 64
+  // ---- this split's tokens: whole tiles of 64, taken in pairs
   const SplitTokens span = split_tokens(seq_lens[b], split, num_splits, kN);
   const int start = span.start, end = span.end, n_tiles = span.n_tiles;
+  const int n_pairs = (n_tiles + 1) / 2;
 
-  // ---- 64 rows of 576 values -> the swizzled layout at dst; rows >= valid_rows zero-filled
-  auto load_rows = [&](uint32_t dst, const T* src, int64_t row_stride, int valid_rows) {
+  // ---- blocks [J0, J1) of tile t -> buffer buf, by this warpgroup's 128 threads, each arriving
+  // on the block's mbarrier; rows past the split's end (all of them for t >= n_tiles) are zeros.
+  // A thread copies 16-byte chunk ld_chunk of rows ld_row + 16k (k < 4) of each block: all four
+  // rows share row % 8, so their swizzled place is one per-thread offset (plus 2048 k).
+  const int* bt_row = block_table + b * sbb;
+  const int ld_row = wtid >> 3, ld_chunk = wtid & 7;
+  const uint32_t ld_dst = ld_row * 128 + ((ld_chunk ^ (ld_row & 7)) << 4);
+  const int64_t row_step = 16 * skn;
+  auto load_blocks = [&](int buf, int t, auto J0, auto J1) {
+    const int tok0 = start + t * kN;  // a tile lies in one page (page_size % 64 == 0)
+    const int valid = end - tok0;
+    const T* src = kv + ld_row * skn + ld_chunk * 8;
+    if (valid > 0) src += int64_t(bt_row[tok0 / page_size]) * skp + int64_t(tok0 % page_size) * skn;
+    const uint32_t dst = kv_s + buf * kMatBytes + ld_dst;
 #pragma unroll
-    for (int k = 0; k < kLoads; ++k) {
-      const int i = tid + k * kThreads;
-      const int r = i / kVecs, v = i - r * kVecs;
-      const bool ok = r < valid_rows;
-      cp_async16(dst + swizzled(r, v), ok ? src + r * row_stride + v * 8 : src, ok);
+    for (int j = decltype(J0)::value; j < decltype(J1)::value; ++j) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const bool ok = ld_row + 16 * k < valid;
+        cp_async16(dst + j * kBlockBytes + k * 2048, ok ? src + k * row_step + j * 64 : kv, ok);
+      }
+      cp_async_arrive(bar(buf, j));
     }
   };
-  const int* bt_row = block_table + b * sbb;
-  auto load_tile = [&](int t) {
-    const int tok0 = start + t * kN;  // a tile lies in one page (page_size % 64 == 0)
-    const int64_t page = bt_row[tok0 / page_size];
-    load_rows(kv_s + (t % kStages) * kMatBytes, kv + page * skp + int64_t(tok0 % page_size) * skn, skn,
-              end - tok0);
-  };
-  if (n_tiles > 0) {  // an empty split reads nothing: it writes zeros and -inf below
-    load_rows(q_s, q + b * sqb + h0 * sqh, sqh, min(kM, num_heads - h0));
-    load_tile(0);
-  }
-  cp_async_commit();
-
-  float o[128];  // O[:, 256 wg : 256 wg + 256]: o[4j + {0,1}] row row0, cols 8j + 2c + {0,1}; {2,3} row row0 + 8
+  // ---- S (+)= q . K^T over blocks [J0, J1) of buffer buf (4 k-steps of 16 each), each block
+  // once its mbarrier completes phase `parity`; one commit group. Unrolled, so each descriptor
+  // is a base plus a constant (addresses < 256 KiB: the 14-bit address field does not carry).
+  auto scores = [&](float (&s)[32], int buf, int parity, auto J0, auto J1) {
+    const uint64_t q_desc = desc_k(q_s), k_desc = desc_k(kv_s + buf * kMatBytes);
+    wgmma_fence();
 #pragma unroll
-  for (int i = 0; i < 128; ++i) o[i] = 0.f;
-  float m0 = -INFINITY, m1 = -INFINITY;  // running max (log2 units) of rows row0, row0 + 8
-  float l0 = 0.f, l1 = 0.f;              // this thread's share of the running sums
-
-  for (int t = 0; t < n_tiles; ++t) {
-    cp_async_wait_all();   // tile t (and q) landed, this thread's copies ...
-    fence_async_shared();  // ... visible to wgmma ...
-    __syncthreads();       // ... everyone's; and every read of tile t - 1 and of P is done
-    if (t + 1 < n_tiles) load_tile(t + 1);
-    cp_async_commit();
-    const uint32_t tile = kv_s + (t % kStages) * kMatBytes;
-
-    uint32_t pf[4][4];  // warpgroup 0: P as wgmma A fragments, one k-step of 16 tokens each
-    float alpha0, alpha1;
-    if (wg == 0) {
-      // -- S = q . K^T over 576 dims: 9 column blocks x 4 k-steps of 16
-      float s[32];  // s[4j + {0,1}]: row row0, tokens 8j + 2c + {0,1}; {2,3}: row row0 + 8
-      wgmma_fence();
+    for (int j = decltype(J0)::value; j < decltype(J1)::value; ++j) {
+      mbar_wait(bar(buf, j), parity);
+      fence_async_shared();  // the landed copies, visible to wgmma
 #pragma unroll
-      for (int kb = 0; kb < kBlocks; ++kb) {
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-          const uint32_t off = kb * kBlockBytes + ks * 32;
-          mma_s<T>(s, desc_k(q_s + off), desc_k(tile + off), kb | ks);
-        }
+      for (int ks = 0; ks < 4; ++ks) {
+        const uint32_t off = (j * kBlockBytes + ks * 32) >> 4;
+        mma_s<T>(s, q_desc + off, k_desc + off, j | ks);
       }
-      wgmma_commit();
-      wgmma_wait_all();
-      pin(s);
-
-      // -- online softmax, rows row0 and row0 + 8 (4 lanes a row)
-      const int valid = min(kN, end - (start + t * kN));
-      float mx0 = -INFINITY, mx1 = -INFINITY;
+    }
+    wgmma_commit();
+  };
+  // ---- the row maxima of scale * S (log2 units) for rows row0, row0 + 8, tokens >= valid
+  // masked to -inf (in a partial tile only). With a positive scale (the rule) S stays unscaled:
+  // the max is taken first and exponentiate folds the scale into one FFMA a score.
+  const bool prescale = !(scale_log2 > 0.f);  // a softmax scale <= 0: scale S first
+  const float exp_mult = prescale ? 1.f : scale_log2;
+  auto row_max = [&](float (&s)[32], int valid, float& mx0, float& mx1) {
+    if (prescale) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) s[i] *= scale_log2;
+    }
+    if (valid < kN) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const bool ok = 8 * j + 2 * c + e < valid;
-          s[4 * j + e] = ok ? s[4 * j + e] * scale_log2 : -INFINITY;
-          s[4 * j + 2 + e] = ok ? s[4 * j + 2 + e] * scale_log2 : -INFINITY;
-          mx0 = fmaxf(mx0, s[4 * j + e]);
-          mx1 = fmaxf(mx1, s[4 * j + 2 + e]);
+          s[4 * j + e] = ok ? s[4 * j + e] : -INFINITY;
+          s[4 * j + 2 + e] = ok ? s[4 * j + 2 + e] : -INFINITY;
         }
       }
-#pragma unroll
-      for (int x = 1; x <= 2; x <<= 1) {
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
-      }
-      const float new0 = fmaxf(m0, mx0), new1 = fmaxf(m1, mx1);  // finite: a tile has a real token
-      alpha0 = exp2f(m0 - new0);  // 0 on the first tile
-      alpha1 = exp2f(m1 - new1);
-      m0 = new0;
-      m1 = new1;
-      float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          s[4 * j + e] = exp2f(s[4 * j + e] - new0);
-          s[4 * j + 2 + e] = exp2f(s[4 * j + 2 + e] - new1);
-          sum0 += s[4 * j + e];
-          sum1 += s[4 * j + 2 + e];
-        }
-      }
-      l0 = l0 * alpha0 + sum0;
-      l1 = l1 * alpha1 + sum1;
-
-      // -- P: the accumulator of two 8-token column groups is one A fragment of 16 tokens;
-      // to shared memory too (16-byte vector j of row r holds tokens 8j .. 8j + 7)
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        pf[ks][0] = pack(s[8 * ks + 0], s[8 * ks + 1], T{});  // row0,     tokens 16ks + 2c
-        pf[ks][1] = pack(s[8 * ks + 2], s[8 * ks + 3], T{});  // row0 + 8, tokens 16ks + 2c
-        pf[ks][2] = pack(s[8 * ks + 4], s[8 * ks + 5], T{});  // row0,     tokens 16ks + 8 + 2c
-        pf[ks][3] = pack(s[8 * ks + 6], s[8 * ks + 7], T{});  // row0 + 8, tokens 16ks + 8 + 2c
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int j = 2 * ks + half;
-          *reinterpret_cast<uint32_t*>(p_ptr + swizzled(row0, j) + 4 * c) = pf[ks][2 * half];
-          *reinterpret_cast<uint32_t*>(p_ptr + swizzled(row0 + 8, j) + 4 * c) = pf[ks][2 * half + 1];
-        }
-      }
-      if (c == 0) {
-        alpha_s[row0] = alpha0;
-        alpha_s[row0 + 8] = alpha1;
-      }
-      fence_async_shared();  // P is read by warpgroup 1's wgmma
     }
-    __syncthreads();  // P and alpha are in shared memory
-    if (wg == 1) {
-      alpha0 = alpha_s[row0];
-      alpha1 = alpha_s[row0 + 8];
-    }
-
-    // -- O = O * alpha + P . V over this warpgroup's 256 dims: 4 k-steps of 16 tokens
+    mx0 = -INFINITY;
+    mx1 = -INFINITY;
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[4 * j + 0] *= alpha0;
-      o[4 * j + 1] *= alpha0;
-      o[4 * j + 2] *= alpha1;
-      o[4 * j + 3] *= alpha1;
+    for (int j = 0; j < 8; ++j) {
+      mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
     }
-    wgmma_fence();
+#pragma unroll
+    for (int x = 1; x <= 2; x <<= 1) {  // the 4 lanes of a row
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
+    }
+    if (!prescale) {
+      mx0 *= scale_log2;
+      mx1 *= scale_log2;
+    }
+  };
+  // ---- P = exp2(scale * S - m) in place; returns this thread's share of the row sums
+  auto exponentiate = [&](float (&s)[32], float m0, float m1, float& sum0, float& sum1) {
+    sum0 = 0.f;
+    sum1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        s[4 * j + e] = exp2f(fmaf(s[4 * j + e], exp_mult, -m0));
+        s[4 * j + 2 + e] = exp2f(fmaf(s[4 * j + 2 + e], exp_mult, -m1));
+        sum0 += s[4 * j + e];
+        sum1 += s[4 * j + 2 + e];
+      }
+    }
+  };
+  // ---- P * (f0 for row0, f1 for row0 + 8) as wgmma A fragments: the accumulator of two 8-token
+  // column groups is one fragment of 16 tokens
+  auto fragments = [&](const float (&p)[32], float f0, float f1, uint32_t (&pf)[4][4]) {
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      const uint64_t v = desc_n(tile + (4 * wg) * kBlockBytes + ks * 16 * 128);
-      if (wg == 0) {
-        mma_o_reg<T>(o, pf[ks], v);
-      } else {
-        mma_o_smem<T>(o, desc_k(p_s + ks * 32), v);
+      pf[ks][0] = pack(p[8 * ks + 0] * f0, p[8 * ks + 1] * f0, T{});  // row0,     tokens 16ks + 2c
+      pf[ks][1] = pack(p[8 * ks + 2] * f1, p[8 * ks + 3] * f1, T{});  // row0 + 8, tokens 16ks + 2c
+      pf[ks][2] = pack(p[8 * ks + 4] * f0, p[8 * ks + 5] * f0, T{});  // row0,     tokens 16ks + 8 + 2c
+      pf[ks][3] = pack(p[8 * ks + 6] * f1, p[8 * ks + 7] * f1, T{});  // row0 + 8, tokens 16ks + 8 + 2c
+    }
+  };
+  // ---- the fragments -> a swizzled (64 heads, 64 tokens) block (vector j of row r: tokens 8j ..)
+  auto store_p = [&](unsigned char* dst, const uint32_t (&pf)[4][4]) {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int j = 2 * ks + half;
+        *reinterpret_cast<uint32_t*>(dst + swizzled(row0, j) + 4 * c) = pf[ks][2 * half];
+        *reinterpret_cast<uint32_t*>(dst + swizzled(row0 + 8, j) + 4 * c) = pf[ks][2 * half + 1];
       }
     }
-    wgmma_commit();
-    wgmma_wait_all();
-    pin(o);
-  }
-  cp_async_wait_all();
-
-  // ---- normalise and write; an empty split (l = 0) writes zeros and lse = -inf
-  if (wg == 0) {
-#pragma unroll
-    for (int x = 1; x <= 2; x <<= 1) {
-      l0 += __shfl_xor_sync(0xffffffffu, l0, x);
-      l1 += __shfl_xor_sync(0xffffffffu, l1, x);
-    }
+  };
+  // ---- rows row0, row0 + 8: the new running max, and the factor the other warpgroup rescales
+  // by, to shared memory (one lane a row, once all four lanes have read the old max)
+  auto publish_max = [&](float m0, float m1, float* factor_s, float f0, float f1) {
+    __syncwarp();
     if (c == 0) {
-      l_s[row0] = l0;
-      l_s[row0 + 8] = l1;
       m_s[row0] = m0;
       m_s[row0 + 8] = m1;
+      factor_s[row0] = f0;
+      factor_s[row0 + 8] = f1;
     }
+  };
+  // O's rows times f0 / f1, skipped when no row of this warp changed its max (f = 1): after the
+  // first tiles the running max rarely moves
+  auto rescale = [&](float (&o)[128], float f0, float f1) {
+    if (!__any_sync(0xffffffffu, f0 != 1.f || f1 != 1.f)) return;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[4 * j + 0] *= f0;
+      o[4 * j + 1] *= f0;
+      o[4 * j + 2] *= f1;
+      o[4 * j + 3] *= f1;
+    }
+  };
+  // V's 16-token k-step ks of buffer buf, this warpgroup's 256 dims (blocks 4 wg .. 4 wg + 3)
+  auto v_desc = [&](int buf, int ks) { return desc_n(kv_s + buf * kMatBytes + 4 * wg * kBlockBytes + ks * 16 * 128); };
+
+  // block ranges, as types (the loops over them unroll)
+  const std::integral_constant<int, 0> kZero;
+  const std::integral_constant<int, kLoBlocks> kLo;
+  const std::integral_constant<int, kBlocks> kAll;
+
+  // ---- set-up: the mbarriers, m = -inf; q (all threads) and the first two tiles
+  if (tid == 0) {
+    for (int i = 0; i < 2 * kBlocks; ++i) mbar_init(bars + 8 * i, 128);
+  }
+  if (tid < kM) m_s[tid] = -INFINITY;
+  __syncthreads();
+  if (n_tiles > 0) {  // an empty split reads nothing: it writes zeros and -inf below
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      const int i = tid + k * kThreads;
+      const int r = i / kVecs, v = i - r * kVecs;
+      const bool ok = r < num_heads - h0;
+      cp_async16(q_s + swizzled(r, v), ok ? q + b * sqb + (h0 + r) * sqh + v * 8 : q, ok);
+    }
+    cp_async_commit();
+    if (wg == 0) {
+      load_blocks(0, 0, kZero, kLo);
+      load_blocks(1, 1, kZero, kLo);
+    } else {
+      load_blocks(0, 0, kLo, kAll);
+      load_blocks(1, 1, kLo, kAll);
+    }
+    cp_async_wait_all();   // q landed (the tiles' copies are in no group) ...
+    fence_async_shared();  // ... visible to wgmma ...
+  }
+  __syncthreads();         // ... everyone's
+
+  float o[128];  // O[:, 256 wg : 256 wg + 256]: o[4j + {0,1}] row row0, cols 8j + 2c + {0,1}; {2,3} row row0 + 8
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float l0 = 0.f, l1 = 0.f;  // this thread's share of its warpgroup's row sums, relative to m_s
+  float s[32];  // S of this warpgroup's tile: s[4j + {0,1}] row row0, tokens 8j + 2c + {0,1}; {2,3} row row0 + 8
+  uint32_t pf[4][4];  // P as wgmma A fragments, one k-step of 16 tokens each
+
+  if (n_tiles > 0) {
+    scores(s, wg, 0, std::integral_constant<int, 0>{}, std::integral_constant<int, kBlocks>{});  // S_A (warpgroup 0, buffer 0), S_B (warpgroup 1, buffer 1)
+    wgmma_wait<0>();
+    pin(s);
+  }
+  for (int p = 0; p < n_pairs; ++p) {
+    const int tile_a = 2 * p;
+    const bool more = tile_a + 2 < n_tiles;  // a next pair: its tiles load into these buffers
+    const int next_parity = (p + 1) & 1;
+    if (wg == 0) {
+      // -- m_A = max(m, rowmax S_A); P_A = exp2(S_A - m_A); O_L, l rescaled to m_A
+      float mx0, mx1, sum0, sum1;
+      row_max(s, end - (start + tile_a * kN), mx0, mx1);
+      const float old0 = m_s[row0], old1 = m_s[row0 + 8];
+      const float new0 = fmaxf(old0, mx0), new1 = fmaxf(old1, mx1);  // finite: A has a real token
+      const float sa0 = exp2f(old0 - new0), sa1 = exp2f(old1 - new1);  // 0 on the first tile
+      publish_max(new0, new1, scale_a_s, sa0, sa1);
+      bar_arrive(kBarScaleA);
+      exponentiate(s, new0, new1, sum0, sum1);
+      l0 = l0 * sa0 + sum0;
+      l1 = l1 * sa1 + sum1;
+      rescale(o, sa0, sa1);
+      // -- O_L += P_A . V_A[:, :256]
+      fragments(s, 1.f, 1.f, pf);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) mma_o_reg<T>(o, pf[ks], v_desc(0, ks));
+      wgmma_commit();
+      wgmma_wait<0>();
+      pin(o);
+      pin(pf);
+      // -- P_A relative to m_B -> buffer 0's rope block, for warpgroup 1
+      bar_sync(kBarScaleB);
+      const float sb0 = scale_b_s[row0], sb1 = scale_b_s[row0 + 8];
+      fragments(s, sb0, sb1, pf);
+      store_p(pa_ptr, pf);
+      fence_async_shared();
+      bar_arrive(kBarPA);
+      // buffer 0's blocks 0-3 are done with (S_A, and V_A's left half): the next A's
+      if (more) load_blocks(0, tile_a + 2, kZero, kLo);
+      // -- O_L = O_L * exp2(m_A - m_B) + P_B . V_B[:, :256], P_B from warpgroup 1
+      bar_sync(kBarPB);
+      rescale(o, sb0, sb1);
+      l0 *= sb0;
+      l1 *= sb1;
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) mma_o_smem<T>(o, desc_k(pb_s + ks * 32), v_desc(1, ks));
+      wgmma_commit();
+      if (more) {
+        // -- S of the next A: blocks 0-3 (loaded first), then buffer 1's blocks 0-3 are free
+        // (V_B's left half) for the next B, then blocks 4-8 (loaded by warpgroup 1)
+        scores(s, 0, next_parity, kZero, kLo);
+        wgmma_wait<1>();
+        load_blocks(1, tile_a + 3, kZero, kLo);
+        scores(s, 0, next_parity, kLo, kAll);
+      }
+      wgmma_wait<0>();
+      pin(o);
+      pin(s);
+    } else {
+      // -- m_B = max(m_A, rowmax S_B); P_B = exp2(S_B - m_B); O_R, l rescaled from m to m_B
+      float mx0, mx1, sum0, sum1;
+      row_max(s, end - (start + (tile_a + 1) * kN), mx0, mx1);  // no tile B: all -inf
+      bar_sync(kBarScaleA);
+      const float ma0 = m_s[row0], ma1 = m_s[row0 + 8];
+      const float new0 = fmaxf(ma0, mx0), new1 = fmaxf(ma1, mx1);
+      const float sb0 = exp2f(ma0 - new0), sb1 = exp2f(ma1 - new1);
+      const float f0 = scale_a_s[row0] * sb0, f1 = scale_a_s[row0 + 8] * sb1;
+      publish_max(new0, new1, scale_b_s, sb0, sb1);
+      bar_arrive(kBarScaleB);
+      exponentiate(s, new0, new1, sum0, sum1);
+      l0 = l0 * f0 + sum0;
+      l1 = l1 * f1 + sum1;
+      rescale(o, f0, f1);
+      // -- O_R += P_B . V_B[:, 256:]; P_B -> shared memory for warpgroup 0
+      fragments(s, 1.f, 1.f, pf);
+      store_p(pb_ptr, pf);
+      fence_async_shared();
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) mma_o_reg<T>(o, pf[ks], v_desc(1, ks));
+      wgmma_commit();
+      bar_arrive(kBarPB);
+      // -- O_R += P_A . V_A[:, 256:], P_A from warpgroup 0 (relative to m_B)
+      bar_sync(kBarPA);
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) mma_o_smem<T>(o, desc_k(pa_s + ks * 32), v_desc(0, ks));
+      wgmma_commit();
+      // buffer 1's blocks 4-8 are done with (S_B, V_B's right half): the next B's; then
+      // buffer 0's (V_A's right half, P_A): the next A's
+      wgmma_wait<1>();
+      pin(pf);
+      if (more) load_blocks(1, tile_a + 3, kLo, kAll);
+      wgmma_wait<0>();
+      pin(o);
+      if (more) {
+        load_blocks(0, tile_a + 2, kLo, kAll);
+        scores(s, 1, next_parity, kZero, kAll);  // S of the next B
+        wgmma_wait<0>();
+        pin(s);
+      }
+    }
+  }
+
+  // ---- normalise and write; an empty split (l = 0) writes zeros and lse = -inf
+#pragma unroll
+  for (int x = 1; x <= 2; x <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
+  }
+  if (c == 0) {
+    l_s[wg * kM + row0] = l0;
+    l_s[wg * kM + row0 + 8] = l1;
   }
   __syncthreads();
   float* out = part_out + b * sob + int64_t(split) * sos;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = row0 + 8 * half, h = h0 + r;
-    const float l = l_s[r];
+    const float l = l_s[r] + l_s[kM + r];
     const float inv = l > 0.f ? 1.f / l : 0.f;
     if (h < num_heads) {
       if (wg == 0 && c == 0) {

@@ -477,6 +477,22 @@ def test_gpu_backends_match_reference(backend, dtype, heads, block_size):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "sm90", "triton"])
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 2.0])
+def test_gpu_backends_take_any_softmax_scale(backend, scale):
+    # the wgmma kernel takes the row max before scaling when the scale is positive, and scales
+    # first otherwise: a negative scale turns the max into a min, a zero one makes every weight equal
+    if backend == "sm90":
+        _skip_unless_sm90()
+    heads = 16 if backend == "cuda" else 64
+    case = dict(_gpu_case([1, 70, 300, 1000], heads, seed=7), softmax_scale=scale * 192**-0.5)
+    ref_out, ref_lse = mla_decode_reference(**case, compute_dtype=torch.float32)
+    for splits in (None, 3):
+        out, lse = mla_decode(**case, num_kv_splits=splits, _backend=backend)
+        assert_matches(out.float(), lse, ref_out.float(), ref_lse, case["seq_lens"], 1e-2)
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_backend_is_the_default_where_it_applies():
     case = _gpu_case([70, 300], 16)
     pick = lambda **kw: decode._pick_backend(  # noqa: E731
@@ -596,3 +612,22 @@ def test_timeline_benchmark_still_fits_the_kernel():
     assert "TORCH_LIBRARY_IMPL" not in src and "check_mla_decode" not in src
     assert "PYBIND11_MODULE" in src and "at::Tensor& timing" in src
     assert src.count("section[") == len(SECTIONS) + 2  # declared, four sums, written out
+
+
+def test_layer_splits_is_what_mla_decode_picks_for_the_cache():
+    # bench_layer.py and bench_tp.py fix a captured step's split count with this helper: it must
+    # read the paged cache's fields and agree with the kernel choice mla_decode makes
+    import mla
+    from benchmarks.bench_decode import layer_splits
+
+    paged = mla.build(mla.MLAWeights(mla.MLAConfig.from_preset("tiny")), "paged", block_size=64)
+    cache = paged.new_cache(3, 4096)
+    lengths = torch.tensor([100, 2000, 40])
+    cache.allocate(torch.arange(3), lengths)
+    cache.seq_lens[:] = lengths.to(cache.seq_lens)
+    kernel, splits = layer_splits(paged.config, cache)
+    h = paged.config.num_heads
+    config = decode.default_config(h)
+    want = choose_num_kv_splits(3, h, 2001, decode._num_sms(cache.kv_cache.device),
+                                block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
+    assert (kernel, splits) == ("triton", want)  # on the CPU mla_decode runs the Triton kernel

@@ -58,7 +58,8 @@ partials and merge:
   programs share an SM (``benchmarks/NOTES.md`` rows 33-40);
 - more heads, pages of a multiple of 64 rows, on Hopper (compute capability 9.0):
   ``csrc/mla_decode_sm90.cu``, 64 heads a program with warpgroup MMA (wgmma) on operands in
-  shared memory, a 64-token tile loaded once for both products (NOTES row 41).
+  shared memory, a 64-token tile loaded once for both products, its two warpgroups taking the
+  tiles in pairs (NOTES rows 41-43).
 
 They live in the package's compiled extension (``mla.kernels.concat_cache.load_extension``);
 where that cannot be built, or the GPU lacks what a kernel needs, the Triton kernel runs.
@@ -547,7 +548,7 @@ def _check_seq_lens(seq_lens, block_table, block_size) -> int:
 _CUDA_HEADS, _CUDA_C, _CUDA_R, _CUDA_TILE = 16, 512, 64, 32  # what csrc/mla_decode_sm80.cu is built for
 _CUDA_SMEM_BYTES = 105_088  # its shared memory a CTA (DecodeShape::kSmemBytes; a static_assert there)
 _SM90_HEADS, _SM90_TILE = 64, 64  # csrc/mla_decode_sm90.cu: heads a CTA (any count runs), tokens a tile
-_SM90_SMEM_BYTES = 231_168  # its shared memory a CTA (kSmemBytes; a static_assert there)
+_SM90_SMEM_BYTES = 231_824  # its shared memory a CTA (kSmemBytes; a static_assert there)
 _BACKENDS = ("triton", "cuda", "sm90")
 
 
