@@ -12,7 +12,8 @@ default's. Correctness is the GPU tests' job (``tests/test_kernels_decode.py``).
 
 Writes ``h200-decode-sm90-probe.json`` (``--out-name``; NOTES row 41). The committed one came from
 this script's first version (no ``triton_us``; ``default_us`` was then the Triton kernel at 64
-and 128 heads); ``h200-decode-sm90-probe-h32.json`` is ``--heads 32``. The scan includes the
+and 128 heads); ``h200-decode-sm90-probe-h32.json`` is ``--heads 32``, both on row 41's kernel;
+``h200-decode-sm90-probe-v8.json`` is ``--heads 64,32`` on row 43's (v8). The scan includes the
 split count ``mla_decode`` itself takes (``default_splits``).
 """
 
