@@ -29,8 +29,8 @@
 //
 // At 128 heads the instructions the warps issue bound the time as much as the MMAs do (NOTES rows
 // 42-43), so: the loops over column blocks unroll (descriptors and copy addresses are a base plus
-// a constant), the scale is applied after the row max, inside the exponent's FFMA, and O is
-// rescaled only when some row of the warp changed its max.
+// a constant), a positive scale is applied after the row max, inside the exponent's FFMA (a scale
+// <= 0 scales first), and O is rescaled only when some row of the warp changed its max.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -88,7 +88,8 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool p
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-// make this thread's shared-memory writes (cp.async landed, st.shared) visible to wgmma
+// order shared-memory writes this thread has made or observed (its st.shared; copies seen landed
+// through an mbarrier or a barrier) before its later wgmma reads (the async proxy)
 __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
@@ -490,7 +491,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       bar_arrive(kBarPA);
       // buffer 0's blocks 0-3 are done with (S_A, and V_A's left half): the next A's
       if (more) load_blocks(0, tile_a + 2, kZero, kLo);
-      // -- O_L = O_L * exp2(m_A - m_B) + P_B . V_B[:, :256], P_B from warpgroup 1
+      // -- O_L = O_L * exp2(m_A - m_B) + P_B . V_B[:, :256], P_B from warpgroup 1 (V_B's blocks
+      // landed before warpgroup 1's S_B waited on them and fenced, which precedes its arrive)
       bar_sync(kBarPB);
       rescale(o, sb0, sb1);
       l0 *= sb0;
@@ -534,7 +536,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       for (int ks = 0; ks < 4; ++ks) mma_o_reg<T>(o, pf[ks], v_desc(1, ks));
       wgmma_commit();
       bar_arrive(kBarPB);
-      // -- O_R += P_A . V_A[:, 256:], P_A from warpgroup 0 (relative to m_B)
+      // -- O_R += P_A . V_A[:, 256:], P_A from warpgroup 0 (relative to m_B; V_A's blocks landed
+      // before warpgroup 0's S_A waited on them, as above)
       bar_sync(kBarPA);
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) mma_o_smem<T>(o, desc_k(pa_s + ks * 32), v_desc(0, ks));
