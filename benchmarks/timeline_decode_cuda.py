@@ -51,7 +51,7 @@ def instrumented_source() -> str:
         assert old in src, f"the kernel changed; this edit no longer applies:\n{old}"
         src = src.replace(old, new, 1)
 
-    edit('#include "mla_decode.h"\n', "#include <torch/extension.h>\n")
+    edit('#include "mla_decode.h"\n', '#include <torch/extension.h>\n#include "mla_decode.h"\n')
     edit("int64_t slb, int64_t slh, int64_t sls) {", """int64_t slb, int64_t slh, int64_t sls, long long* timing) {
   const int64_t cta = int64_t(blockIdx.z) * gridDim.y + blockIdx.y;
   auto stamp = [&](int k) {
@@ -140,20 +140,25 @@ def build():
     folder = pathlib.Path(tempfile.mkdtemp(prefix="mla_timeline_"))
     (folder / "timeline.cu").write_text(instrumented_source())
     return load(name="mla_decode_timeline", sources=[str(folder / "timeline.cu")], build_directory=str(folder),
+                extra_include_paths=[str(ROOT / "csrc")],
                 extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"])
 
 
-def one_shape(mod, b, t, splits, repeats=5):
+def one_shape(mod, b, t, splits, repeats=5, clear="dirty"):
     from benchmarks.bench_decode import SCALE, make_inputs
 
     q, (cache,), table, lens = make_inputs(b, t, 16)
     part_out = torch.empty((b, 16, splits, 512), dtype=torch.float32, device="cuda")
     part_lse = torch.empty((b, 16, splits), dtype=torch.float32, device="cuda")
     timing = torch.zeros((b * splits, SLOTS), dtype=torch.int64, device="cuda")
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
+    total = torch.empty((), dtype=torch.int64, device="cuda")
     runs = []
     for rep in range(repeats + 2):  # two warm-up runs
-        flush.zero_()
+        if clear == "dirty":  # zeroed: L2 full of dirty lines, as do_bench leaves it
+            flush.zero_()
+        else:  # read: L2 full of clean lines (probe_l2_flush.py)
+            torch.sum(flush, dim=0, dtype=torch.int64, out=total)
         mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, timing)
         torch.cuda.synchronize()
         if rep < 2:
@@ -186,15 +191,18 @@ def main(argv=None):
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--clear", choices=("dirty", "clean"), default="dirty",
+                        help="L2 before each run: a buffer zeroed (dirty lines, do_bench's way) or read (clean)")
+    parser.add_argument("--out-name", default="h200-decode-cuda-timeline.json")
     args = parser.parse_args(argv)
     t0 = time.time()
     mod = build()
     print(f"built in {time.time() - t0:.0f} s", flush=True)
     rows = []
     for b, t, splits in SHAPES:
-        rows.append(one_shape(mod, b, t, splits))
+        rows.append(one_shape(mod, b, t, splits, clear=args.clear))
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
-    write_json(args.out, "h200-decode-cuda-timeline.json", dict(device=torch.cuda.get_device_name(0), rows=rows))
+    write_json(args.out, args.out_name, dict(device=torch.cuda.get_device_name(0), clear=args.clear, rows=rows))
 
 
 if __name__ == "__main__":

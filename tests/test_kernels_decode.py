@@ -631,3 +631,12 @@ def test_layer_splits_is_what_mla_decode_picks_for_the_cache():
     want = choose_num_kv_splits(3, h, 2001, decode._num_sms(cache.kv_cache.device),
                                 block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
     assert (kernel, splits) == ("triton", want)  # on the CPU mla_decode runs the Triton kernel
+
+
+def test_benchmark_l2_clear_names_its_modes():
+    # bench_decode.py times every call after clear_l2: a mode it does not know must not fall
+    # through to one of the two (a silent change of what the figures mean)
+    from benchmarks.bench_decode import clear_l2
+
+    with pytest.raises(ValueError, match="'clean' or 'dirty'.*'cold'"):
+        clear_l2("cold")

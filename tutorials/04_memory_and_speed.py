@@ -200,7 +200,10 @@ def rows_with(*keys):
 # 576-wide bf16 cache in pages of 64) with the kernel's time and the shape's *floor*,
 # $\max(\text{bytes}/\text{copy bandwidth},\ \text{FLOPs}/\text{matmul rate})$, both ceilings
 # measured in the same run. `share_of_floor` = floor / time: 1.0 would be the hardware's limit.
-# Few heads are memory bound, many heads compute bound.
+# Few heads are memory bound, many heads compute bound. Each call is timed with a cold L2: in
+# `h200-decode.json` after a read of a 256 MB buffer; in the files before it after that buffer
+# was zeroed (`triton.testing.do_bench`'s way), which leaves dirty lines in L2 for the kernel to
+# write back and reads 7-8 us slower at 16 heads (`benchmarks/NOTES.md` row 44).
 
 # %%
 decode = {name: data for name, data in rows_with("b", "t", "h", "time_us", "floor_us").items()}
