@@ -101,12 +101,16 @@ void check_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at:
   TORCH_CHECK(num_splits >= 1 && num_splits <= 65535, sizes.name, ": num_splits must be in [1, 65535], got ",
               num(num_splits));
   TORCH_CHECK(b <= 65535, sizes.name, ": at most 65535 sequences a launch, got ", num(b));
-  TORCH_CHECK(part_out.scalar_type() == at::kFloat && part_out.dim() == 4 && part_out.size(0) == b &&
+  // part_out is fp32 partials, or with one split the answer itself in q's dtype (nothing to merge)
+  const bool final_out = num_splits == 1 && part_out.scalar_type() == q.scalar_type();
+  TORCH_CHECK((part_out.scalar_type() == at::kFloat || final_out) && part_out.dim() == 4 && part_out.size(0) == b &&
                   part_out.size(1) == h && part_out.size(2) == num_splits && part_out.size(3) == sizes.c &&
                   part_out.stride(3) == 1 && part_out.stride(0) % 2 == 0 && part_out.stride(1) % 2 == 0 &&
                   part_out.stride(2) % 2 == 0 && reinterpret_cast<uintptr_t>(part_out.data_ptr()) % 8 == 0,
               sizes.name, ": part_out must be (b, h, num_splits, ", num(sizes.c), ") = (", num(b), ", ",
-              num(h), ", ", num(num_splits), ", ", num(sizes.c), ") float32, 8-byte aligned, got ", dims(part_out));
+              num(h), ", ", num(num_splits), ", ", num(sizes.c),
+              ") float32 (or q's dtype when num_splits is 1: the answer itself), 8-byte aligned, got ", dims(part_out),
+              " ", part_out.scalar_type());
   TORCH_CHECK(part_lse.scalar_type() == at::kFloat && part_lse.dim() == 3 && part_lse.size(0) == b &&
                   part_lse.size(1) == h && part_lse.size(2) == num_splits,
               sizes.name, ": part_lse must be (b, h, num_splits) float32, got ", dims(part_lse));
@@ -124,7 +128,8 @@ TORCH_LIBRARY(mla, m) {
       "concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "str kv_cache_dtype, Tensor? scale) -> ()");
   // Stage 1 of split-KV decode for <= 16 heads (mla/kernels/decode.py calls it): each split's
-  // fp32 partial output and log-sum-exp, which the Triton merge combines into out and lse.
+  // fp32 partial output and log-sum-exp, which the Triton merge combines into out and lse; with
+  // num_splits = 1, part_out may be out itself (b, h, 1, c) in q's dtype and part_lse lse (b, h, 1).
   m.def(
       "mla_decode_sm80(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor(a!) part_out, Tensor(b!) part_lse, float softmax_scale, int num_splits) -> ()");

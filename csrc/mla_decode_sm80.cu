@@ -6,7 +6,8 @@
 // DeepSeek's sizes only: a cache row is [kv_c (c = 512) | k_pe (r = 64)] in bf16 or fp16, the
 // key is the whole row, the value its first c values, and the (up to) 16 heads of a sequence
 // share each tile as one mma M. It writes fp32 partial outputs and log-sum-exps in the layout
-// of the Triton merge kernel, which combines the splits. (A CUDA merge, launched early by
+// of the Triton merge kernel, which combines the splits; with one split it writes the answer
+// itself (out in q's dtype, lse) and there is nothing to merge. (A CUDA merge, launched early by
 // programmatic dependent launch, was measured and lost: NOTES row 35.)
 // mla_decode (mla/kernels/decode.py) calls it for q of <= 16 heads in bf16 / fp16 with c = 512,
 // r = 64 and pages of a multiple of 32 rows, on a GPU of compute capability >= 8.0.
@@ -146,8 +147,9 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
     const T* __restrict__ kv,            // (pages, page_size, 576)
     const int* __restrict__ block_table,  // (b, max_pages), last dim contiguous
     const int* __restrict__ seq_lens,     // (b,), contiguous
-    float* __restrict__ part_out,         // (b, h, splits, 512)
-    float* __restrict__ part_lse,         // (b, h, splits)
+    void* __restrict__ part_out,          // (b, h, splits, 512) fp32; out (b, h, 1, 512) in T if final_out
+    float* __restrict__ part_lse,         // (b, h, splits); lse (b, h, 1) if final_out
+    bool final_out,                       // one split: write the answer itself, no merge after
     int num_heads, int page_size, int num_splits, float scale_log2,
     int64_t sqb, int64_t sqh, int64_t skp, int64_t skn, int64_t sbb,
     int64_t sob, int64_t soh, int64_t sos, int64_t slb, int64_t slh, int64_t sls) {
@@ -342,18 +344,19 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
   const int r = lane >> 2;
   const float l_lo = l_s[r], l_hi = l_s[r + 8];
   const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f, inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
-  float* out = part_out + b * sob + static_cast<int64_t>(split) * sos;
+  const int64_t out_at = b * sob + static_cast<int64_t>(split) * sos;
+  auto write = [&](int64_t at, float x, float y) {
+    if (final_out) {
+      store_pair(static_cast<T*>(part_out) + at, x, y);
+    } else {
+      *reinterpret_cast<float2*>(static_cast<float*>(part_out) + at) = make_float2(x, y);
+    }
+  };
 #pragma unroll
   for (int j = 0; j < S::kPVDims / 8; ++j) {
     const int col = warp * S::kPVDims + j * 8 + (lane & 3) * 2;
-    if (h0 + r < num_heads) {
-      *reinterpret_cast<float2*>(out + (h0 + r) * soh + col) =
-          make_float2(acc[j][0] * inv_lo, acc[j][1] * inv_lo);
-    }
-    if (h0 + r + 8 < num_heads) {
-      *reinterpret_cast<float2*>(out + (h0 + r + 8) * soh + col) =
-          make_float2(acc[j][2] * inv_hi, acc[j][3] * inv_hi);
-    }
+    if (h0 + r < num_heads) write(out_at + (h0 + r) * soh + col, acc[j][0] * inv_lo, acc[j][1] * inv_lo);
+    if (h0 + r + 8 < num_heads) write(out_at + (h0 + r + 8) * soh + col, acc[j][2] * inv_hi, acc[j][3] * inv_hi);
   }
 }
 
@@ -392,8 +395,8 @@ void mla_decode_sm80(const at::Tensor& q, const at::Tensor& kv_cache, const at::
                                         static_cast<int>(S::kSmemBytes)));
     kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(
         reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(kv_cache.data_ptr()),
-        block_table.data_ptr<int>(), seq_lens.data_ptr<int>(), part_out.data_ptr<float>(),
-        part_lse.data_ptr<float>(), static_cast<int>(h), static_cast<int>(kv_cache.size(1)),
+        block_table.data_ptr<int>(), seq_lens.data_ptr<int>(), part_out.data_ptr(),
+        part_lse.data_ptr<float>(), part_out.scalar_type() != at::kFloat, static_cast<int>(h), static_cast<int>(kv_cache.size(1)),
         static_cast<int>(num_splits), scale_log2, q.stride(0), q.stride(1), kv_cache.stride(0),
         kv_cache.stride(1), block_table.stride(0), part_out.stride(0), part_out.stride(1),
         part_out.stride(2), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2));

@@ -4,7 +4,7 @@
 // MMA work is useful at 16 heads, where mla_decode_sm80.cu is the default).
 //
 // The same computation and outputs as mla_decode_sm80.cu (fp32 partial outputs and log-sum-exps
-// for the Triton merge), for DeepSeek's sizes only (c = 512, r = 64), tiles of kN = 64 tokens.
+// for the Triton merge, or with one split the answer itself), for DeepSeek's sizes only (c = 512, r = 64), tiles of kN = 64 tokens.
 // The two warpgroups take the split's tiles in pairs, A = tile 2p in buffer 0 and B = tile 2p + 1
 // in buffer 1 ("seesaw", the schedule of FlashMLA's Hopper kernel): each computes S for its own
 // tile and holds half of O, so both do the same MMA work and one's softmax runs while the other's
@@ -231,8 +231,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     const T* __restrict__ kv,             // (pages, page_size, 576)
     const int* __restrict__ block_table,  // (b, max_pages), last dim contiguous
     const int* __restrict__ seq_lens,     // (b,)
-    float* __restrict__ part_out,         // (b, h, splits, 512)
-    float* __restrict__ part_lse,         // (b, h, splits)
+    void* __restrict__ part_out,          // (b, h, splits, 512) fp32; out (b, h, 1, 512) in T if final_out
+    float* __restrict__ part_lse,         // (b, h, splits); lse (b, h, 1) if final_out
+    bool final_out,                       // one split: write the answer itself, no merge after
     int num_heads, int page_size, int num_splits, float scale_log2,
     int64_t sqb, int64_t sqh, int64_t skp, int64_t skn, int64_t sbb,
     int64_t sob, int64_t soh, int64_t sos, int64_t slb, int64_t slh, int64_t sls) {
@@ -569,7 +570,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     l_s[wg * kM + row0 + 8] = l1;
   }
   __syncthreads();
-  float* out = part_out + b * sob + int64_t(split) * sos;
+  const int64_t out_at = b * sob + int64_t(split) * sos;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = row0 + 8 * half, h = h0 + r;
@@ -582,8 +583,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       }
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
-        *reinterpret_cast<float2*>(out + h * soh + 256 * wg + 8 * j + 2 * c) =
-            make_float2(o[4 * j + 2 * half] * inv, o[4 * j + 2 * half + 1] * inv);
+        const int64_t at = out_at + h * soh + 256 * wg + 8 * j + 2 * c;
+        const float x = o[4 * j + 2 * half] * inv, y = o[4 * j + 2 * half + 1] * inv;
+        if (final_out) {
+          *reinterpret_cast<uint32_t*>(static_cast<T*>(part_out) + at) = pack(x, y, T{});
+        } else {
+          *reinterpret_cast<float2*>(static_cast<float*>(part_out) + at) = make_float2(x, y);
+        }
       }
     }
   }
@@ -626,8 +632,8 @@ void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::
                                         static_cast<int>(kSmemBytes)));
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(
         reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(kv_cache.data_ptr()),
-        block_table.data_ptr<int>(), seq_lens.data_ptr<int>(), part_out.data_ptr<float>(),
-        part_lse.data_ptr<float>(), static_cast<int>(h), static_cast<int>(kv_cache.size(1)),
+        block_table.data_ptr<int>(), seq_lens.data_ptr<int>(), part_out.data_ptr(),
+        part_lse.data_ptr<float>(), part_out.scalar_type() != at::kFloat, static_cast<int>(h), static_cast<int>(kv_cache.size(1)),
         static_cast<int>(num_splits), scale_log2, q.stride(0), q.stride(1), kv_cache.stride(0),
         kv_cache.stride(1), block_table.stride(0), part_out.stride(0), part_out.stride(1),
         part_out.stride(2), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2));

@@ -550,6 +550,7 @@ cases = {
     "no-page": dict(kv_cache=cache[:, :0]),
     "table": dict(block_table=table.long()),
     "splits": dict(num_splits=4),
+    "answer-splits": dict(part_out=torch.full((2, 16, 3, 512), 7.0, device="cuda", dtype=q.dtype)),
 }
 ops = {"sm80": torch.ops.mla.mla_decode_sm80}
 if state["decode_sm90"]:
@@ -590,12 +591,12 @@ def test_gpu_cuda_ops_reject_what_they_cannot_run():
         lines[key] = rest
     expected = {"sm80 heads": "mla_decode_sm80: q must be (b, h <= 16", "sm80 dtype": "bfloat16 or both float16",
                 "sm80 page": "multiple of 32", "sm80 no-page": "multiple of 32", "sm80 table": "block_table must be",
-                "sm80 splits": "part_out must be"}
+                "sm80 splits": "part_out must be", "sm80 answer-splits": "q's dtype when num_splits is 1"}
     if torch.cuda.get_device_capability() == (9, 0):  # the wgmma kernel is built
         expected.update({"sm90 dtype": "mla_decode_sm90: q and kv_cache must both be bfloat16",
                          "sm90 page": "multiple of 64", "sm90 sm90-page": "multiple of 64",
                          "sm90 no-page": "multiple of 64", "sm90 table": "block_table must be",
-                         "sm90 splits": "part_out must be"})
+                         "sm90 splits": "part_out must be", "sm90 answer-splits": "q's dtype when num_splits is 1"})
     for name, message in expected.items():
         assert lines.get(name, "").startswith("RAISED") and message in lines[name], (name, lines.get(name))
     assert lines.get("untouched") == "True"

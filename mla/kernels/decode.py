@@ -708,10 +708,13 @@ def mla_decode(
     if b == 0 or h == 0:
         return out, lse
 
-    if backend != "triton":  # csrc/mla_decode_sm80.cu, _sm90.cu: stage 1 always writes partials, then merge
+    if backend != "triton":  # csrc/mla_decode_sm80.cu, _sm90.cu
+        stage1 = torch.ops.mla.mla_decode_sm80 if backend == "cuda" else torch.ops.mla.mla_decode_sm90
+        if num_kv_splits == 1:  # stage 1 writes the answer (out in q's dtype, lse); no merge
+            stage1(q, kv_cache, block_table, seq_lens, out.unsqueeze(2), lse.unsqueeze(2), float(softmax_scale), 1)
+            return out, lse
         part_out = torch.empty((b, h, num_kv_splits, c), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((b, h, num_kv_splits), dtype=torch.float32, device=q.device)
-        stage1 = torch.ops.mla.mla_decode_sm80 if backend == "cuda" else torch.ops.mla.mla_decode_sm90
         stage1(q, kv_cache, block_table, seq_lens, part_out, part_lse, float(softmax_scale), num_kv_splits)
         _merge(part_out, part_lse, out, lse)
         return out, lse
