@@ -7,12 +7,13 @@ Default run. Ceilings first: device-to-device copy bandwidth (a 2 GiB copy, read
 and the bf16 matmul rate (8192^3, random data). Then, for DeepSeek-V3's cache (bf16, page 64,
 c + r = 576, value c = 512) at each (b, t, h) of ``SHAPES``: mla_decode, plain torch (gather the
 pages, einsum, softmax, einsum) and FlashMLA / FlashInfer when they import, each the median of
-do_bench's loop with L2 cleared before every call by READING a 256 MB buffer (``clear_l2``; do_bench
+do_bench's loop with L2 cleared before every call by READING a 256 MiB buffer (``clear_l2``; do_bench
 zeroes it, which leaves L2 full of dirty lines a read-only kernel must first write back: NOTES row
 44; ``dirty_l2_time_us`` is do_bench's own figure); caches under 3x L2 are also rotated between
 copies. mla_decode is timed twice: ``time_us`` replays it from a CUDA graph (the
 kernels alone, as a serving loop that captures its decode step runs them) and ``eager_us``
-calls it from Python (checks, allocation and two launches each time; ~10 us more at b <= 4).
+calls it from Python (checks, allocation and one or two launches each time: at short shapes the
+Python call's own CPU time, ~170 us on the host of the v11 run).
 ``steady_us`` is a call's share of a graph of >= 8 back-to-back calls (the copies in turn): a
 single-call graph also pays the graph's own launch (``graph_overhead_us``, ~4.8 us on the H200),
 which a captured decode step of many layers pays once (NOTES row 39). The floor of a shape is ``max(bytes / copy_bw, FLOPs / matmul_rate)`` with
@@ -62,30 +63,31 @@ SWEEP_SHAPES = [(64, 4096, 16), (64, 4096, 128), (2, 65536, 16), (2, 65536, 128)
 # ---------------------------------------------------------------------------------------------
 
 
-L2_CLEAR_BYTES = 256 * 10**6  # what do_bench clears with: 5x the H200's 50 MiB of L2
+L2_CLEAR_BYTES = 256 * 2**20  # what do_bench clears with: 5x the H200's 50 MiB of L2
 _l2_buffers: dict = {}
 
 
-def clear_l2(mode="clean"):
-    """Fill L2 with lines of a 256 MB buffer, so a timed call finds none of its own data there.
+def clear_l2(mode="clean", device=None):
+    """Fill L2 with lines of a 256 MiB buffer, so a timed call finds none of its own data there.
 
-    ``clean`` reads the buffer (a sum): L2 is left holding clean lines, which a call's misses
-    evict for free. ``dirty`` zeroes it, as ``triton.testing.do_bench`` does: L2 is left holding
-    dirty lines, and a call's misses first write them back, up to 50 MB of DRAM writes that are
-    not the call's own (NOTES row 44: +7.7 us at 64 x 4096 with 16 heads, +4.8 us at b = 1).
+    ``clean`` reads the buffer (a float32 sum into a float32 scalar: one reduction kernel, no
+    cast copy): L2 is left holding clean lines, which a call's misses evict for free. ``dirty``
+    zeroes it, as ``triton.testing.do_bench`` does: L2 is left holding dirty lines, and a call's
+    misses first write them back, DRAM writes that are not the call's own (NOTES row 44).
     A decode kernel only reads and its floor counts only its reads, so its times are taken clean;
     between two layers of a served step, L2 holds mostly the weights the projections read.
     """
     if mode not in ("clean", "dirty"):
         raise ValueError(f"clear_l2: mode must be 'clean' or 'dirty', got {mode!r}")
-    if "buffer" not in _l2_buffers:
-        _l2_buffers["buffer"] = torch.empty(L2_CLEAR_BYTES // 4, dtype=torch.int32, device=DEVICE)
-        _l2_buffers["total"] = torch.empty((), dtype=torch.int64, device=DEVICE)
-    buffer = _l2_buffers["buffer"]
+    device = torch.device(DEVICE if device is None else device)
+    if device not in _l2_buffers:
+        buffer = torch.zeros(L2_CLEAR_BYTES // 4, dtype=torch.float32, device=device)
+        _l2_buffers[device] = (buffer, torch.empty((), dtype=torch.float32, device=device))
+    buffer, total = _l2_buffers[device]
     if mode == "dirty":
         buffer.zero_()
     else:
-        torch.sum(buffer, dim=0, dtype=torch.int64, out=_l2_buffers["total"])
+        torch.sum(buffer, dim=0, out=total)  # same dtype in and out: no promoted copy of the buffer
 
 
 def bench_us(fn, *, warmup_ms=25, rep_ms=100, l2="clean") -> float:
@@ -413,7 +415,8 @@ def run_default(out_dir, overrides=None, out_name="h200-decode.json"):
         copy_GBps=copy_GBps,
         matmul_TFLOPs=mm_TFLOPs,
         graph_overhead_us=graph_overhead_us,
-        l2_clear="clean: a 256 MB buffer read before each timed call (dirty_l2_time_us: zeroed, do_bench's way)",
+        l2_clear="clean: a 256 MiB buffer read (a float32 sum) before each timed call (dirty_l2_time_us: zeroed, "
+                 "do_bench's way)",
         device=torch.cuda.get_device_name(0),
         num_sms=num_sms,
         torch=torch.__version__,

@@ -4,7 +4,8 @@
 
 At the decode benchmark's (b, t) and 128, 64 and 16 heads (``--heads``), times stage 1 and the
 merge (``torch.ops.mla.mla_decode_sm90`` then the Triton merge) in a CUDA graph as
-``bench_decode.py``'s ``time_us`` does, at a scan of split counts (1-8, and those that make
+``bench_decode.py``'s ``time_us`` does (at one split too, where ``mla_decode`` itself now skips the
+merge: NOTES row 45), at a scan of split counts (1-8, and those that make
 about one or two CTAs an SM) beside ``mla_decode``'s default call (``default_kernel``: what it
 picks at these heads, at the split count ``bench_decode.kernel_and_splits`` fixes) and the Triton
 kernel (``triton_us``). ``max_rel_diff_vs_default`` compares the best count's output with the

@@ -4,7 +4,7 @@
 
 Builds a copy of ``csrc/mla_decode_sm80.cu`` with timestamps added (the source is edited as
 text here, so the package's kernel stays as it is; an edit that no longer applies fails loudly)
-and runs it once per repetition after an L2 flush. Thread 0 of every CTA records
+and runs it once per repetition after L2 is cleared (``--clear``). Thread 0 of every CTA records
 ``%globaltimer`` (ns, one clock for the whole GPU) and ``clock64`` (its SM's cycles) at five
 points: start; the query in shared memory (the prologue); the first tile landed; the tile loop
 done; the partials written. It also sums the cycles it spent in the loop's wait for a tile and
@@ -21,7 +21,9 @@ add a few cycles each. Medians over CTAs, then over 5 repetitions; cycles are tu
 the clock the two timers give. (``h200-decode-cuda-timeline-first.json`` is the first run, before
 the four parts: NOTES row 40.)
 
-Writes ``h200-decode-cuda-timeline.json`` (NOTES row 40).
+Writes ``h200-decode-cuda-timeline.json`` (NOTES row 40), with L2 zeroed before each run as
+do_bench leaves it. ``--clear both --out-name h200-decode-cuda-timeline-l2.json`` runs every shape
+after a read clear and after a zeroing one, in turn, on one build (NOTES row 44).
 """
 
 from __future__ import annotations
@@ -145,20 +147,15 @@ def build():
 
 
 def one_shape(mod, b, t, splits, repeats=5, clear="dirty"):
-    from benchmarks.bench_decode import SCALE, make_inputs
+    from benchmarks.bench_decode import SCALE, clear_l2, make_inputs
 
     q, (cache,), table, lens = make_inputs(b, t, 16)
     part_out = torch.empty((b, 16, splits, 512), dtype=torch.float32, device="cuda")
     part_lse = torch.empty((b, 16, splits), dtype=torch.float32, device="cuda")
     timing = torch.zeros((b * splits, SLOTS), dtype=torch.int64, device="cuda")
-    flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
-    total = torch.empty((), dtype=torch.int64, device="cuda")
     runs = []
     for rep in range(repeats + 2):  # two warm-up runs
-        if clear == "dirty":  # zeroed: L2 full of dirty lines, as do_bench leaves it
-            flush.zero_()
-        else:  # read: L2 full of clean lines (probe_l2_flush.py)
-            torch.sum(flush, dim=0, dtype=torch.int64, out=total)
+        clear_l2(clear)  # dirty: a buffer zeroed, as do_bench leaves L2; clean: read (NOTES row 44)
         mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, timing)
         torch.cuda.synchronize()
         if rep < 2:
@@ -191,18 +188,27 @@ def main(argv=None):
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--clear", choices=("dirty", "clean"), default="dirty",
-                        help="L2 before each run: a buffer zeroed (dirty lines, do_bench's way) or read (clean)")
+    parser.add_argument("--clear", choices=("dirty", "clean", "both"), default="dirty",
+                        help="L2 before each run: a buffer zeroed (dirty lines, do_bench's way), read (clean "
+                             "lines), or both in turn (one build; writes runs = {clean: rows, dirty: rows})")
     parser.add_argument("--out-name", default="h200-decode-cuda-timeline.json")
     args = parser.parse_args(argv)
     t0 = time.time()
     mod = build()
     print(f"built in {time.time() - t0:.0f} s", flush=True)
-    rows = []
-    for b, t, splits in SHAPES:
-        rows.append(one_shape(mod, b, t, splits, clear=args.clear))
-        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
-    write_json(args.out, args.out_name, dict(device=torch.cuda.get_device_name(0), clear=args.clear, rows=rows))
+    runs = {}
+    for clear in ("clean", "dirty") if args.clear == "both" else (args.clear,):
+        runs[clear] = []
+        for b, t, splits in SHAPES:
+            runs[clear].append(one_shape(mod, b, t, splits, clear=clear))
+            print(clear, json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in runs[clear][-1].items()}),
+                  flush=True)
+    result = dict(device=torch.cuda.get_device_name(0), clear=args.clear)
+    if args.clear == "both":
+        result["runs"] = runs
+    else:
+        result["rows"] = runs[args.clear]
+    write_json(args.out, args.out_name, result)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@
 //     s = sum over the 4 quarters (through shared memory) * scale * log2(e); -inf past the split
 //     online softmax, 8 threads a head row: m, l in registers; p (16, 32) and alpha to shared
 //     warp w: acc[:, 128w : 128w + 128] = acc * alpha + p . V[:, 128w : 128w + 128]   (V = K[:, :c])
-//   part_out = acc / l, part_lse = (m + log2 l) * ln 2  (zeros and -inf for an empty split)
+//   part_out = acc / l, part_lse = (m + log2 l) * ln 2  (zeros and -inf for an empty split);
+//   with one split these are out (in q's dtype) and lse themselves
 //
 // The template keeps the launch shape a choice (tile, stages, warps, CTAs an SM): NOTES row 34
 // has the four measured; git history (commit 5eaf170, benchmarks/cuda/) has them built.

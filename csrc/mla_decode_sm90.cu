@@ -4,7 +4,8 @@
 // MMA work is useful at 16 heads, where mla_decode_sm80.cu is the default).
 //
 // The same computation and outputs as mla_decode_sm80.cu (fp32 partial outputs and log-sum-exps
-// for the Triton merge, or with one split the answer itself), for DeepSeek's sizes only (c = 512, r = 64), tiles of kN = 64 tokens.
+// for the Triton merge, or with one split the answer itself), for DeepSeek's sizes only (c = 512,
+// r = 64), tiles of kN = 64 tokens.
 // The two warpgroups take the split's tiles in pairs, A = tile 2p in buffer 0 and B = tile 2p + 1
 // in buffer 1 ("seesaw", the schedule of FlashMLA's Hopper kernel): each computes S for its own
 // tile and holds half of O, so both do the same MMA work and one's softmax runs while the other's

@@ -201,9 +201,9 @@ def rows_with(*keys):
 # $\max(\text{bytes}/\text{copy bandwidth},\ \text{FLOPs}/\text{matmul rate})$, both ceilings
 # measured in the same run. `share_of_floor` = floor / time: 1.0 would be the hardware's limit.
 # Few heads are memory bound, many heads compute bound. Each call is timed with a cold L2: in
-# `h200-decode.json` after a read of a 256 MB buffer; in the files before it after that buffer
+# `h200-decode.json` after a read of a 256 MiB buffer; in the files before it after that buffer
 # was zeroed (`triton.testing.do_bench`'s way), which leaves dirty lines in L2 for the kernel to
-# write back and reads 7-8 us slower at 16 heads (`benchmarks/NOTES.md` row 44).
+# write back: up to ~8 us slower at 16 heads (`dirty_l2_time_us`; `benchmarks/NOTES.md` row 44).
 
 # %%
 decode = {name: data for name, data in rows_with("b", "t", "h", "time_us", "floor_us").items()}
