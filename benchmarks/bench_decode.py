@@ -13,7 +13,7 @@ zeroes it, which leaves L2 full of dirty lines a read-only kernel must first wri
 copies. mla_decode is timed twice: ``time_us`` replays it from a CUDA graph (the
 kernels alone, as a serving loop that captures its decode step runs them) and ``eager_us``
 calls it from Python (checks, allocation and one or two launches each time: at short shapes the
-Python call's own CPU time, ~170 us on the host of the v11 run).
+Python call's own CPU time, which depends on the host; NOTES has the v11 figures).
 ``steady_us`` is a call's share of a graph of >= 8 back-to-back calls (the copies in turn): a
 single-call graph also pays the graph's own launch (``graph_overhead_us``, ~4.8 us on the H200),
 which a captured decode step of many layers pays once (NOTES row 39). The floor of a shape is ``max(bytes / copy_bw, FLOPs / matmul_rate)`` with
