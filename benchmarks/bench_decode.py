@@ -12,10 +12,11 @@ zeroes it, which leaves L2 full of dirty lines a read-only kernel must first wri
 44; ``dirty_l2_time_us`` is do_bench's own figure); caches under 3x L2 are also rotated between
 copies. mla_decode is timed twice: ``time_us`` replays it from a CUDA graph (the
 kernels alone, as a serving loop that captures its decode step runs them) and ``eager_us``
-calls it from Python (checks, allocation and one or two launches each time: at short shapes the
-Python call's own CPU time, which depends on the host; NOTES has the v11 figures).
+calls it from Python (checks, allocation and one or two launches each time: at short shapes
+the part of the call's CPU time that the clear before it does not cover shows, which depends
+on the host; NOTES has the v11 figures).
 ``steady_us`` is a call's share of a graph of >= 8 back-to-back calls (the copies in turn): a
-single-call graph also pays the graph's own launch (``graph_overhead_us``, ~4.8 us on the H200),
+single-call graph also pays the graph's own launch (``graph_overhead_us``, ~4-5 us on the H200),
 which a captured decode step of many layers pays once (NOTES row 39). The floor of a shape is ``max(bytes / copy_bw, FLOPs / matmul_rate)`` with
 bytes = cache rows read + q + out and FLOPs = 2·b·h·t·(576 + 512). Prints a table and writes
 ``h200-decode.json`` in DESIGN.md's schema.
@@ -70,8 +71,8 @@ _l2_buffers: dict = {}
 def clear_l2(mode="clean", device=None):
     """Fill L2 with lines of a 256 MiB buffer, so a timed call finds none of its own data there.
 
-    ``clean`` reads the buffer (a float32 sum into a float32 scalar: one reduction kernel, no
-    cast copy): L2 is left holding clean lines, which a call's misses evict for free. ``dirty``
+    ``clean`` reads the buffer (a float32 sum into a float32 scalar: a memset of the reduction's
+    semaphores and one reduction kernel, no cast copy): L2 is left holding clean lines, which a call's misses evict for free. ``dirty``
     zeroes it, as ``triton.testing.do_bench`` does: L2 is left holding dirty lines, and a call's
     misses first write them back, DRAM writes that are not the call's own (NOTES row 44).
     A decode kernel only reads and its floor counts only its reads, so its times are taken clean;
@@ -217,7 +218,7 @@ def graphed_sequence(fn, caches, min_calls=8):
 
     Returns (replay, calls): time replay and divide by calls for the time a call takes inside a
     longer sequence of kernels, as in a captured decode step of many layers. A graph of a single
-    call (``graphed``) also pays the graph's own launch, ~4.8 us on the H200 (``graph_overhead_us``)
+    call (``graphed``) also pays the graph's own launch, ~4-5 us on the H200 (``graph_overhead_us``)
     that a step of 61 layers pays once. The copies (>= 3x L2 together) keep each call's reads
     out of L2 as in ``graphed``.
     """

@@ -12,12 +12,15 @@ times the same CUDA-graph replay of ``mla_decode`` (its default kernel and split
 - ``clean``: the buffer read (a float32 sum: L2 holds clean lines of it, cold for the cache, with
   nothing to write back; ``time_us`` from v9 on). Between two layers of a served step L2 holds
   mostly weights read by the projections, so this is the nearer of the two to serving,
-- ``none``: nothing between calls but the rotation of cache copies (>= 3x L2 together).
+- ``none``: nothing between calls but the rotation of cache copies (>= 3x L2 together). With
+  no GPU work ahead of the start event the host's launch of the replay is timed too (a graph of
+  one add reads ~16 us so against ~5): read this column as an upper bound.
 
 Each is ``bench_decode.bench_us``'s loop (do_bench's: events around the replay alone, the clear
 before the first event; ``none`` with a clear that does nothing), and the same for a graph of one
 1-element add (the graph's own launch, ``graph_overhead_us``). It also lists the kernels each
-clear launches (torch.profiler), so a clear that copies the buffer shows. Writes
+clear launches (torch.profiler), so a clear that copies the buffer shows (``clear_l2``'s; the
+``dirty`` timing is do_bench's own, which zeroes an int32 buffer of the same size). Writes
 ``h200-decode-flush-probe.json``.
 """
 

@@ -5,8 +5,10 @@
 With ``num_kv_splits = 1`` the CUDA stage-1 kernels write ``out`` (q's dtype) and ``lse``
 themselves; before, they wrote (b, h, 1, 512) fp32 partials and the Triton merge copied them
 into ``out``. This times both, each replayed from a CUDA graph after L2 is cleared with a read
-(``bench_decode.bench_us``), in one process, in turn three times, at the shapes where ``mla_decode`` picks one split
-(128 heads, b = 64 and 128) and at 16 heads forced to one split. Writes ``h200-decode-one-split.json``.
+(``bench_decode.bench_us``), in one process, in turn three times, at the shapes where
+``mla_decode`` picks one split (128 heads, b = 64 and 128) and at 16 heads forced to one split.
+Writes ``h200-decode-one-split.json``; the committed one was timed with the first, copying
+version of the clear (NOTES rows 44-45), the same for both columns.
 """
 
 from __future__ import annotations
