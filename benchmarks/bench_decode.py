@@ -72,9 +72,10 @@ def clear_l2(mode="clean", device=None):
     """Fill L2 with lines of a 256 MiB buffer, so a timed call finds none of its own data there.
 
     ``clean`` reads the buffer (a float32 sum into a float32 scalar: a memset of the reduction's
-    semaphores and one reduction kernel, no cast copy): L2 is left holding clean lines, which a call's misses evict for free. ``dirty``
-    zeroes it, as ``triton.testing.do_bench`` does: L2 is left holding dirty lines, and a call's
-    misses first write them back, DRAM writes that are not the call's own (NOTES row 44).
+    semaphores and one reduction kernel, no cast copy): L2 is left holding clean lines, which a
+    call's misses evict for free. ``dirty`` zeroes it, as ``triton.testing.do_bench`` does: L2 is
+    left holding dirty lines, and a call's misses first write them back, DRAM writes that are
+    not the call's own (NOTES row 44).
     A decode kernel only reads and its floor counts only its reads, so its times are taken clean;
     between two layers of a served step, L2 holds mostly the weights the projections read.
     """

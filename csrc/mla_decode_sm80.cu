@@ -356,8 +356,12 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
 #pragma unroll
   for (int j = 0; j < S::kPVDims / 8; ++j) {
     const int col = warp * S::kPVDims + j * 8 + (lane & 3) * 2;
-    if (h0 + r < num_heads) write(out_at + (h0 + r) * soh + col, acc[j][0] * inv_lo, acc[j][1] * inv_lo);
-    if (h0 + r + 8 < num_heads) write(out_at + (h0 + r + 8) * soh + col, acc[j][2] * inv_hi, acc[j][3] * inv_hi);
+    if (h0 + r < num_heads) {
+      write(out_at + (h0 + r) * soh + col, acc[j][0] * inv_lo, acc[j][1] * inv_lo);
+    }
+    if (h0 + r + 8 < num_heads) {
+      write(out_at + (h0 + r + 8) * soh + col, acc[j][2] * inv_hi, acc[j][3] * inv_hi);
+    }
   }
 }
 
@@ -397,10 +401,10 @@ void mla_decode_sm80(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(
         reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(kv_cache.data_ptr()),
         block_table.data_ptr<int>(), seq_lens.data_ptr<int>(), part_out.data_ptr(),
-        part_lse.data_ptr<float>(), part_out.scalar_type() != at::kFloat, static_cast<int>(h), static_cast<int>(kv_cache.size(1)),
-        static_cast<int>(num_splits), scale_log2, q.stride(0), q.stride(1), kv_cache.stride(0),
-        kv_cache.stride(1), block_table.stride(0), part_out.stride(0), part_out.stride(1),
-        part_out.stride(2), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2));
+        part_lse.data_ptr<float>(), part_out.scalar_type() != at::kFloat, static_cast<int>(h),
+        static_cast<int>(kv_cache.size(1)), static_cast<int>(num_splits), scale_log2, q.stride(0),
+        q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), part_out.stride(0),
+        part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (q.scalar_type() == at::kBFloat16) {
