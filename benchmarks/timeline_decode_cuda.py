@@ -45,6 +45,27 @@ SECTIONS = ("issue", "scores", "softmax", "pv")  # the loop body between its bar
 SLOTS = 16  # a CTA's row: 5 x (globaltimer, clock64), SM id, wait cycles, 4 section cycle sums
 
 
+def stamp_code(slots: int) -> str:
+    """C++ for a kernel's top (``cta`` and ``timing`` defined): ``stamp(k)`` has thread 0 record
+    ``%globaltimer`` and ``clock64`` in slots 2k, 2k + 1 of its CTA's row; stamp 0 and the SM id
+    (slot 10) are taken at once."""
+    return f"""  auto stamp = [&](int k) {{
+    if (threadIdx.x == 0) {{
+      unsigned long long g;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+      timing[cta * {slots} + 2 * k] = (long long)g;
+      timing[cta * {slots} + 2 * k + 1] = clock64();
+    }}
+  }};
+  stamp(0);
+  if (threadIdx.x == 0) {{
+    int smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    timing[cta * {slots} + 10] = smid;
+  }}
+"""
+
+
 def instrumented_source() -> str:
     src = (ROOT / "csrc" / "mla_decode_sm80.cu").read_text()
 
@@ -56,18 +77,7 @@ def instrumented_source() -> str:
     edit('#include "mla_decode.h"\n', '#include <torch/extension.h>\n#include "mla_decode.h"\n')
     edit("int64_t slb, int64_t slh, int64_t sls) {", """int64_t slb, int64_t slh, int64_t sls, long long* timing) {
   const int64_t cta = int64_t(blockIdx.z) * gridDim.y + blockIdx.y;
-  auto stamp = [&](int k) {
-    if (threadIdx.x == 0) {
-      unsigned long long g;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
-      timing[cta * 16 + 2 * k] = (long long)g;
-      timing[cta * 16 + 2 * k + 1] = clock64();
-    }
-  };
-  stamp(0);
-  int smid;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-  if (threadIdx.x == 0) timing[cta * 16 + 10] = smid;""")
+""" + stamp_code(SLOTS))
     edit("""  cp_async_wait<kStages - 1>();  // the q group (the oldest) has landed
   __syncthreads();""", """  cp_async_wait<kStages - 1>();  // the q group (the oldest) has landed
   __syncthreads();
@@ -146,17 +156,17 @@ def build():
                 extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"])
 
 
-def one_shape(mod, b, t, splits, repeats=5, clear="dirty"):
-    from benchmarks.bench_decode import SCALE, clear_l2, make_inputs
+def stamped_runs(launch, timing, clear, repeats=5):
+    """launch() `repeats` times after two warm-ups, each after clear_l2(clear) (dirty: a buffer
+    zeroed, as do_bench leaves L2; clean: read, NOTES row 44). Yields for each run: the timing rows
+    (on the CPU; columns 0-9 the five (globaltimer, clock64) stamps), each CTA's start and end (us
+    from the first start), the SM clock (GHz, from the two timers), and us(a, z): each CTA's time
+    from stamp a to stamp z (us, from its cycles)."""
+    from benchmarks.bench_decode import clear_l2
 
-    q, (cache,), table, lens = make_inputs(b, t, 16)
-    part_out = torch.empty((b, 16, splits, 512), dtype=torch.float32, device="cuda")
-    part_lse = torch.empty((b, 16, splits), dtype=torch.float32, device="cuda")
-    timing = torch.zeros((b * splits, SLOTS), dtype=torch.int64, device="cuda")
-    runs = []
-    for rep in range(repeats + 2):  # two warm-up runs
-        clear_l2(clear)  # dirty: a buffer zeroed, as do_bench leaves L2; clean: read (NOTES row 44)
-        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, timing)
+    for rep in range(repeats + 2):
+        clear_l2(clear)
+        launch()
         torch.cuda.synchronize()
         if rep < 2:
             continue
@@ -165,9 +175,25 @@ def one_shape(mod, b, t, splits, repeats=5, clear="dirty"):
         start, end = (ns[:, 0] - ns[:, 0].min()) / 1e3, (ns[:, 4] - ns[:, 0].min()) / 1e3
         ghz = ((cycles[:, 4] - cycles[:, 0]) / (ns[:, 4] - ns[:, 0])).median().item()
 
-        def us(a, z):  # from point a to point z, per CTA
+        def us(a, z, cycles=cycles, ghz=ghz):
             return (cycles[:, z] - cycles[:, a]) / ghz / 1e3
 
+        yield x, start, end, ghz, us
+
+
+def one_shape(mod, b, t, splits, repeats=5, clear="dirty"):
+    from benchmarks.bench_decode import SCALE, make_inputs
+
+    q, (cache,), table, lens = make_inputs(b, t, 16)
+    part_out = torch.empty((b, 16, splits, 512), dtype=torch.float32, device="cuda")
+    part_lse = torch.empty((b, 16, splits), dtype=torch.float32, device="cuda")
+    timing = torch.zeros((b * splits, SLOTS), dtype=torch.int64, device="cuda")
+    runs = []
+
+    def launch():
+        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, timing)
+
+    for x, start, end, ghz, us in stamped_runs(launch, timing, clear, repeats):
         def med(v):
             return v.median().item()
 

@@ -616,6 +616,19 @@ def test_timeline_benchmark_still_fits_the_kernel():
     assert src.count("section[") == len(SECTIONS) + 2  # declared, four sums, written out
 
 
+def test_sm90_timeline_benchmark_still_fits_the_kernel():
+    """benchmarks/timeline_decode_sm90.py edits csrc/mla_decode_sm90.cu the same way (counters
+    around the pair loop's copies, waits and barriers): its patches must still apply."""
+    from benchmarks.timeline_decode_sm90 import PARTS, instrumented_source
+
+    src = instrumented_source()  # asserts the counts of what it wraps: 4 barriers, 6 waits, 4 loads
+    assert src.count("stamp(") == 5  # its five points
+    assert "TORCH_LIBRARY_IMPL" not in src and "check_mla_decode" not in src
+    assert "PYBIND11_MODULE" in src and "at::Tensor& timing" in src
+    for part in range(len(PARTS)):
+        assert f"acc[{part}] += clock64() - c_;" in src
+
+
 def test_layer_splits_is_what_mla_decode_picks_for_the_cache():
     # bench_layer.py and bench_tp.py fix a captured step's split count with this helper: it must
     # read the paged cache's fields and agree with the kernel choice mla_decode makes

@@ -1,0 +1,171 @@
+"""Where each warpgroup of the wgmma decode stage 1 spends its cycles: per-CTA counters, on the GPU.
+
+    PYTHONPATH=. python3 benchmarks/timeline_decode_sm90.py --out benchmarks/results   # ~1.5 min, JIT build included
+
+Builds a copy of ``csrc/mla_decode_sm90.cu`` with counters added (the source is edited as text
+here, so the package's kernel stays as it is; an edit that no longer applies fails loudly), as
+``timeline_decode_cuda.py`` does for the sm_80 kernel, and runs it after L2 is cleared by a
+read (NOTES row 44). Thread 0 of every CTA records ``%globaltimer`` and ``clock64`` at five
+points: start; q landed (the prologue: q and the first two tiles' copies issued, q waited for);
+the first S of each warpgroup done; the pair loop done; the output written. The first thread of
+each warpgroup (0 and 128) sums, over the pair loop, the cycles it spends:
+
+- ``issue``: issuing the copies of the next tiles (the ``load_blocks`` calls in the loop; with
+  ``cp.async`` every thread issues, and a stall is the SM's queue of outstanding copies being
+  full; with TMA the first thread of each warpgroup reads the block table and issues them);
+- ``load_wait``: waiting on a block's mbarrier before its ``wgmma`` for S (the copy not landed);
+- ``wg_wait``: at a named barrier, waiting for the other warpgroup (its max, its P);
+- ``mma_wait``: in ``wgmma.wait_group``, waiting for its own MMAs;
+
+and ``other`` is the rest of the loop: the softmax, fragments, stores of P and the issue of
+the MMAs. The clock reads add a few cycles each, and registers (254 a thread against the
+kernel's 240, still no spills). Medians over CTAs, then over 5 repetitions;
+``*_per_tile`` divides a warpgroup's loop by the CTA's tiles (cycles).
+
+Writes the rows of one run to ``--out-name``. The committed ``h200-decode-sm90-timeline.json``
+(NOTES row 46) gathers three runs by hand under ``runs``: the cp.async kernel before TMA, the
+TMA kernel, and a variant not kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import re
+import statistics
+import tempfile
+import time
+
+import torch
+
+from benchmarks.timeline_decode_cuda import stamp_code, stamped_runs
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# (b, t, h): 128 heads at the benchmark's shapes, the splits mla_decode picks
+SHAPES = ((1, 32768, 128), (64, 4096, 128), (2, 65536, 128), (4, 131072, 128))
+PARTS = ("issue", "load_wait", "wg_wait", "mma_wait")
+SLOTS = 24  # 5 x (globaltimer, clock64), SM id, then per warpgroup: 4 part sums and the loop's cycles
+
+
+def instrumented_source() -> str:
+    src = (ROOT / "csrc" / "mla_decode_sm90.cu").read_text()
+
+    def edit(old, new, count=1):
+        nonlocal src
+        assert src.count(old) == count, f"the kernel changed; this edit no longer applies:\n{old}"
+        src = src.replace(old, new)
+
+    def timed(call, part):
+        return f"{{ const long long c_ = clock64(); {call}; acc[{part}] += clock64() - c_; }}"
+
+    edit('#include "mla_decode.h"\n', '#include <torch/extension.h>\n#include "mla_decode.h"\n')
+    edit("int64_t sob, int64_t soh, int64_t sos, int64_t slb, int64_t slh, int64_t sls) {",
+         "int64_t sob, int64_t soh, int64_t sos, int64_t slb, int64_t slh, int64_t sls, long long* timing) {")
+    edit("  const int split = blockIdx.z;\n", """  const int split = blockIdx.z;
+  const int64_t cta = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+""" + stamp_code(SLOTS) + """  long long acc[4] = {0, 0, 0, 0};
+""")
+    edit("      mbar_wait(bar(buf, j), parity);\n", "      " + timed("mbar_wait(bar(buf, j), parity)", 1) + "\n")
+    # the prologue's copies and waits do not count: the sums restart at the loop
+    edit("  __syncthreads();         // ... everyone's\n",
+         "  __syncthreads();         // ... everyone's\n  stamp(1);\n")
+    loop_at = src.index("  for (int p = 0; p < n_pairs; ++p) {")
+    head, loop = src[:loop_at], src[loop_at:]
+    end_at = loop.index("  // ---- normalise and write")
+    body, tail = loop[:end_at], loop[end_at:]
+    body, n_sync = re.subn(r"bar_sync\((kBar\w+)\);", lambda m: timed(f"bar_sync({m[1]})", 2), body)
+    body, n_wait = re.subn(r"wgmma_wait<(\d)>\(\);", lambda m: timed(f"wgmma_wait<{m[1]}>()", 3), body)
+    body, n_load = re.subn(r"load_blocks\(([^;]*)\);", lambda m: timed(f"load_blocks({m[1]})", 0), body)
+    assert n_sync == 4 and n_wait == 6 and n_load == 4, (n_sync, n_wait, n_load)
+    head = head.rstrip("\n") + """
+  if (tid == 0) stamp(2);
+  const long long c_loop = clock64();
+  for (int k = 0; k < 4; ++k) acc[k] = 0;
+"""
+    tail = """  if (wtid == 0) {
+    for (int k = 0; k < 4; ++k) timing[cta * 24 + 11 + 5 * wg + k] = acc[k];
+    timing[cta * 24 + 15 + 5 * wg] = clock64() - c_loop;
+  }
+  stamp(3);
+""" + tail
+    src = head + body + tail
+    edit("#else\n  __trap();", "  __syncthreads();\n  stamp(4);\n#else\n  __trap();")
+    edit("""  check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
+                   {"mla_decode_sm90", kMaxHeads, kC, kR, kN});""", "")
+    edit("double softmax_scale, int64_t num_splits) {",
+         "double softmax_scale, int64_t num_splits, at::Tensor& timing) {")
+    edit("part_lse.stride(0), part_lse.stride(1), part_lse.stride(2));",
+         "part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), (long long*)timing.data_ptr<int64_t>());")
+    src = src[: src.index("TORCH_LIBRARY_IMPL")]
+    src = src.replace("namespace {\n", "", 1).replace("}  // namespace\n\n", "", 1)
+    return src + 'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &mla::mla_decode_sm90); }\n'
+
+
+def build():
+    from torch.utils.cpp_extension import load
+
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="mla_timeline_sm90_"))
+    (folder / "timeline.cu").write_text(instrumented_source())
+    return load(name="mla_decode_timeline_sm90", sources=[str(folder / "timeline.cu")], build_directory=str(folder),
+                extra_include_paths=[str(ROOT / "csrc")],
+                extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
+
+
+def one_shape(mod, b, t, h, repeats=5, clear="clean"):
+    from benchmarks.bench_decode import SCALE, kernel_and_splits, make_inputs
+
+    q, (cache,), table, lens = make_inputs(b, t, h)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    _, _, splits, _ = kernel_and_splits(q, cache, table, lens, 512, t, num_sms)
+    if splits == 1:  # the kernel writes the answer itself (q's dtype)
+        part_out = torch.empty((b, h, 1, 512), dtype=q.dtype, device="cuda")
+    else:
+        part_out = torch.empty((b, h, splits, 512), dtype=torch.float32, device="cuda")
+    part_lse = torch.empty((b, h, splits), dtype=torch.float32, device="cuda")
+    ctas = math.ceil(h / 64) * b * splits
+    timing = torch.zeros((ctas, SLOTS), dtype=torch.int64, device="cuda")
+    runs = []
+
+    def launch():
+        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, timing)
+
+    for x, start, end, ghz, us in stamped_runs(launch, timing, clear, repeats):
+        run = dict(span_us=end.max().item(), start_max_us=start.max().item(), end_median_us=end.median().item(),
+                   prologue_us=us(0, 1).median().item(), first_s_us=us(1, 2).median().item(),
+                   loop_us=us(2, 3).median().item(), epilogue_us=us(3, 4).median().item(), ghz=ghz,
+                   sms=len(set(x[:, 10].tolist())))
+        for wg in (0, 1):
+            loop = x[:, 15 + 5 * wg].double()
+            parts = {name: x[:, 11 + 5 * wg + k].double() for k, name in enumerate(PARTS)}
+            parts["other"] = loop - sum(parts.values())
+            run[f"wg{wg}_loop_cycles"] = loop.median().item()
+            for name, v in parts.items():
+                run[f"wg{wg}_{name}_cycles"] = v.median().item()
+        runs.append(run)
+    row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    tiles = math.ceil(math.ceil(t / 64) / splits)
+    per_tile = {f"{k[:-7]}_per_tile": row[k] / tiles for k in row if k.endswith("_cycles")}
+    return dict(b=b, t=t, h=h, splits=splits, tiles_per_cta=tiles, **row, **per_tile)
+
+
+def main(argv=None):
+    from benchmarks.bench_decode import write_json
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out-name", default="h200-decode-sm90-timeline.json")
+    args = parser.parse_args(argv)
+    t0 = time.time()
+    mod = build()
+    print(f"built in {time.time() - t0:.0f} s", flush=True)
+    rows = []
+    for b, t, h in SHAPES:
+        rows.append(one_shape(mod, b, t, h))
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
+    write_json(args.out, args.out_name, dict(device=torch.cuda.get_device_name(0), clear="clean", rows=rows))
+
+
+if __name__ == "__main__":
+    main()
