@@ -22,10 +22,11 @@
 // Shared memory holds q and each tile as wgmma's canonical 128-byte-swizzled K-major layout:
 // 9 column blocks of 64 dims (128 bytes a row), each (64 rows, 128 bytes) with the 16-byte
 // chunk c of row r stored at chunk c ^ (r % 8). The same bytes are V's N-major layout for the
-// second product (B = V, K = tokens, N = dims), so a tile is loaded once for both. A buffer's
-// blocks are refilled as soon as both warpgroups are done with them: blocks 0-3 (V's left half)
-// by warpgroup 0, blocks 4-8 by warpgroup 1, with cp.async arriving on one mbarrier a block, so
-// S of the next tile starts on the blocks that have landed. P_A lives in buffer 0's rope block
+// second product (B = V, K = tokens, N = dims), so a tile is loaded once for both, by the TMA
+// unit (the cache's tensor map does the swizzle; a partial tile by cp.async). A buffer's blocks
+// are refilled as soon as both warpgroups are done with them: blocks 0-3 (V's left half) by
+// warpgroup 0, blocks 4-8 by warpgroup 1, one mbarrier a block, so S of the next tile starts
+// on the blocks that have landed. P_A lives in buffer 0's rope block
 // (free once S_A is computed), P_B in a block of its own.
 //
 // At 128 heads the instructions the warps issue bound the time as much as the MMAs do (NOTES rows
@@ -41,6 +42,7 @@
 #include "concat_and_cache_mla.h"
 #include "mla_decode.h"
 
+#include <cuda.h>  // CUtensorMap (the types only: the encoder is fetched through the runtime)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -75,6 +77,9 @@ static_assert(kSmemBytes == 231824,
               "mla/kernels/decode.py's _SM90_SMEM_BYTES must equal kSmemBytes");
 // named barriers between the warpgroups (0 is __syncthreads): one arrives, the other waits
 enum : int { kBarScaleA = 1, kBarScaleB = 2, kBarPA = 3, kBarPB = 4 };
+// named barrier of one warpgroup (128 threads; 5 and 6): a partial tile's copies all issued
+template <int Id>
+__device__ __forceinline__ void bar_sync_wg() { asm volatile("bar.sync %0, 128;\n" ::"n"(Id) : "memory"); }
 
 // byte offset of 16-byte vector v (of 72) of row r (of 64) in the swizzled layout
 __device__ __forceinline__ uint32_t swizzled(int r, int v) {
@@ -95,12 +100,30 @@ __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// mbarriers: a block's 128 loading threads arrive when their copies have landed
+// mbarriers, one arrival a phase: a whole tile's block completes when the TMA unit has written
+// its bytes (expect_tx), a partial one when its cp.async copies have landed and one thread arrives
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// the mbarrier's phase also waits for this thread's cp.async copies (pending count +1, then -1
+// when they land: the phase still needs its one plain arrive)
 __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// the TMA unit copies box (64 dims, 64 rows) at (dim, row, page) of the cache into dst, swizzled
+// as the tensor map says (128 bytes, the layout above), completing `bytes` on the mbarrier
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int dim, int row, int page,
+                                         uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(dim), "r"(row), "r"(page), "r"(bar)
+      : "memory");
 }
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
   uint32_t done = 0;
@@ -230,6 +253,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     const T* __restrict__ q,              // (b, h, 576)
     const T* __restrict__ kv,             // (pages, page_size, 576)
+    const __grid_constant__ CUtensorMap kv_map,  // kv as (576, page_size, pages), 128-byte swizzle
     const int* __restrict__ block_table,  // (b, max_pages), last dim contiguous
     const int* __restrict__ seq_lens,     // (b,)
     void* __restrict__ part_out,          // (b, h, splits, 512) fp32; out (b, h, 1, 512) in T if final_out
@@ -270,9 +294,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   const int start = span.start, end = span.end, n_tiles = span.n_tiles;
   const int n_pairs = (n_tiles + 1) / 2;
 
-  // ---- blocks [J0, J1) of tile t -> buffer buf, by this warpgroup's 128 threads, each arriving
-  // on the block's mbarrier; rows past the split's end (all of them for t >= n_tiles) are zeros.
-  // A thread copies 16-byte chunk ld_chunk of rows ld_row + 16k (k < 4) of each block: all four
+  // ---- blocks [J0, J1) of tile t -> buffer buf, by this warpgroup, completing the blocks'
+  // mbarriers. A whole tile: one thread has the TMA unit copy each block (the swizzle done in
+  // hardware, nothing for the other threads to issue). A partial one (the sequence's last) or
+  // none (t >= n_tiles): the 128 threads copy it with cp.async, rows past the split's end zeros
+  // (a page's unused rows may hold anything, NaN included, and P . V must not read them). A
+  // thread copies 16-byte chunk ld_chunk of rows ld_row + 16k (k < 4) of each block: all four
   // rows share row % 8, so their swizzled place is one per-thread offset (plus 2048 k).
   const int* bt_row = block_table + b * sbb;
   const int ld_row = wtid >> 3, ld_chunk = wtid & 7;
@@ -281,6 +308,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   auto load_blocks = [&](int buf, int t, auto J0, auto J1) {
     const int tok0 = start + t * kN;  // a tile lies in one page (page_size % 64 == 0)
     const int valid = end - tok0;
+    if (valid >= kN) {
+      if (wtid == 0) {
+        const int page = bt_row[tok0 / page_size], row = tok0 % page_size;
+#pragma unroll
+        for (int j = decltype(J0)::value; j < decltype(J1)::value; ++j) {
+          mbar_expect_tx(bar(buf, j), kBlockBytes);
+          tma_load(kv_s + buf * kMatBytes + j * kBlockBytes, &kv_map, 64 * j, row, page, bar(buf, j));
+        }
+      }
+      return;
+    }
     const T* src = kv + ld_row * skn + ld_chunk * 8;
     if (valid > 0) src += int64_t(bt_row[tok0 / page_size]) * skp + int64_t(tok0 % page_size) * skn;
     const uint32_t dst = kv_s + buf * kMatBytes + ld_dst;
@@ -292,6 +330,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
         cp_async16(dst + j * kBlockBytes + k * 2048, ok ? src + k * row_step + j * 64 : kv, ok);
       }
       cp_async_arrive(bar(buf, j));
+    }
+    if (wg == 0) bar_sync_wg<5>(); else bar_sync_wg<6>();  // every thread's count is on the mbarriers ...
+    if (wtid == 0) {
+#pragma unroll
+      for (int j = decltype(J0)::value; j < decltype(J1)::value; ++j) mbar_arrive(bar(buf, j));  // ... the phase's arrival
     }
   };
   // ---- S (+)= q . K^T over blocks [J0, J1) of buffer buf (4 k-steps of 16 each), each block
@@ -421,7 +464,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
 
   // ---- set-up: the mbarriers, m = -inf; q (all threads) and the first two tiles
   if (tid == 0) {
-    for (int i = 0; i < 2 * kBlocks; ++i) mbar_init(bars + 8 * i, 128);
+    for (int i = 0; i < 2 * kBlocks; ++i) mbar_init(bars + 8 * i, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
   }
   if (tid < kM) m_s[tid] = -INFINITY;
   __syncthreads();
@@ -602,7 +646,45 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-// Host side: the check (binding.cpp), then the launch on the current stream
+// Host side: the check (binding.cpp), the cache's tensor map, then the launch on the current stream
+
+namespace {
+
+// The cache as a 3-D tensor of (576 dims, page_size rows, pages) for the TMA unit, read in boxes of
+// 64 dims x 64 rows (one column block of a tile) written 128-byte swizzled. binding.cpp's check
+// has made the strides multiples of 16 bytes and the base 16-byte aligned, as the map needs.
+CUtensorMap kv_tensor_map(const at::Tensor& kv_cache) {
+  using Encode = decltype(&cuTensorMapEncodeTiled);
+  static const Encode encode = [] {  // the driver's entry point, through the runtime (no -lcuda)
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 12050
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+#else
+    C10_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found));
+#endif
+    TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
+                "mla_decode_sm90: the CUDA driver has no cuTensorMapEncodeTiled (needs CUDA 12)");
+    return reinterpret_cast<Encode>(fn);
+  }();
+  const auto bytes = static_cast<cuuint64_t>(kv_cache.element_size());
+  const cuuint64_t size[3] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(kv_cache.size(1)),
+                              static_cast<cuuint64_t>(kv_cache.size(0))};
+  const cuuint64_t stride[2] = {kv_cache.stride(1) * bytes, kv_cache.stride(0) * bytes};  // rows, pages
+  const cuuint32_t box[3] = {64, kN, 1};
+  const cuuint32_t step[3] = {1, 1, 1};
+  CUtensorMap map;
+  const CUresult status = encode(
+      &map, kv_cache.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      3, kv_cache.data_ptr(), size, stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(status == CUDA_SUCCESS, "mla_decode_sm90: kv_cache ", dims(kv_cache), " with strides (",
+              num(kv_cache.stride(0)), ", ", num(kv_cache.stride(1)),
+              ") cannot be described to the TMA unit (cuTensorMapEncodeTiled error ", num(int64_t{status}), ")");
+  return map;
+}
+
+}  // namespace
 
 void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, at::Tensor& part_out, at::Tensor& part_lse,
@@ -623,6 +705,7 @@ void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   TORCH_CHECK(static_cast<size_t>(smem_optin) >= kSmemBytes,
               "mla_decode_sm90: this GPU allows ", num(int64_t{smem_optin}),
               " bytes of shared memory a block, the kernel needs ", num(static_cast<int64_t>(kSmemBytes)));
+  const CUtensorMap kv_map = kv_tensor_map(kv_cache);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>((h + kM - 1) / kM), static_cast<unsigned>(b),
                   static_cast<unsigned>(num_splits));
@@ -632,7 +715,7 @@ void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(kSmemBytes)));
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(
-        reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(kv_cache.data_ptr()),
+        reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(kv_cache.data_ptr()), kv_map,
         block_table.data_ptr<int>(), seq_lens.data_ptr<int>(), part_out.data_ptr(),
         part_lse.data_ptr<float>(), part_out.scalar_type() != at::kFloat, static_cast<int>(h),
         static_cast<int>(kv_cache.size(1)), static_cast<int>(num_splits), scale_log2, q.stride(0),
