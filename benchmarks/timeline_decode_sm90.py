@@ -7,7 +7,7 @@ here, so the package's kernel stays as it is; an edit that no longer applies fai
 ``timeline_decode_cuda.py`` does for the sm_80 kernel, and runs it after L2 is cleared by a
 read (NOTES row 44). Thread 0 of every CTA records ``%globaltimer`` and ``clock64`` at five
 points: start; q landed (the prologue: q and the first two tiles' copies issued, q waited for);
-the first S of each warpgroup done; the pair loop done; the output written. The first thread of
+warpgroup 0's first S done; the pair loop done; the output written. The first thread of
 each warpgroup (0 and 128) sums, over the pair loop, the cycles it spends:
 
 - ``issue``: issuing the copies of the next tiles (the ``load_blocks`` calls in the loop; with
@@ -22,7 +22,7 @@ the MMAs. The clock reads add a few cycles each, and registers (254 a thread aga
 kernel's 240, still no spills). Medians over CTAs, then over 5 repetitions;
 ``*_per_tile`` divides a warpgroup's loop by the CTA's tiles (cycles).
 
-Writes the rows of one run to ``--out-name``. The committed ``h200-decode-sm90-timeline.json``
+Writes the rows of one run to ``--out-name`` (``h200-decode-sm90-timeline-rows.json``). The committed ``h200-decode-sm90-timeline.json``
 (NOTES row 46) gathers three runs by hand under ``runs``: the cp.async kernel before TMA, the
 TMA kernel, and a variant not kept.
 """
@@ -43,7 +43,7 @@ import torch
 from benchmarks.timeline_decode_cuda import stamp_code, stamped_runs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# (b, t, h): 128 heads at the benchmark's shapes, the splits mla_decode picks
+# (b, t, h): 128 heads at four of the benchmark's shapes, the splits mla_decode picks
 SHAPES = ((1, 32768, 128), (64, 4096, 128), (2, 65536, 128), (4, 131072, 128))
 PARTS = ("issue", "load_wait", "wg_wait", "mma_wait")
 SLOTS = 24  # 5 x (globaltimer, clock64), SM id, then per warpgroup: 4 part sums and the loop's cycles
@@ -84,10 +84,10 @@ def instrumented_source() -> str:
   const long long c_loop = clock64();
   for (int k = 0; k < 4; ++k) acc[k] = 0;
 """
-    tail = """  if (wtid == 0) {
-    for (int k = 0; k < 4; ++k) timing[cta * 24 + 11 + 5 * wg + k] = acc[k];
-    timing[cta * 24 + 15 + 5 * wg] = clock64() - c_loop;
-  }
+    tail = f"""  if (wtid == 0) {{
+    for (int k = 0; k < 4; ++k) timing[cta * {SLOTS} + 11 + 5 * wg + k] = acc[k];
+    timing[cta * {SLOTS} + 15 + 5 * wg] = clock64() - c_loop;
+  }}
   stamp(3);
 """ + tail
     src = head + body + tail
@@ -155,7 +155,7 @@ def main(argv=None):
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--out-name", default="h200-decode-sm90-timeline.json")
+    parser.add_argument("--out-name", default="h200-decode-sm90-timeline-rows.json")
     args = parser.parse_args(argv)
     t0 = time.time()
     mod = build()

@@ -465,7 +465,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   // ---- set-up: the mbarriers, m = -inf; q (all threads) and the first two tiles
   if (tid == 0) {
     for (int i = 0; i < 2 * kBlocks; ++i) mbar_init(bars + 8 * i, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // inits before any TMA completes on them
   }
   if (tid < kM) m_s[tid] = -INFINITY;
   __syncthreads();
@@ -654,6 +654,7 @@ namespace {
 // 64 dims x 64 rows (one column block of a tile) written 128-byte swizzled. binding.cpp's check
 // has made the strides multiples of 16 bytes and the base 16-byte aligned, as the map needs.
 CUtensorMap kv_tensor_map(const at::Tensor& kv_cache) {
+  if (kv_cache.size(0) == 0) return CUtensorMap{};  // no pages: every sequence is empty, no tile is read
   using Encode = decltype(&cuTensorMapEncodeTiled);
   static const Encode encode = [] {  // the driver's entry point, through the runtime (no -lcuda)
     void* fn = nullptr;
