@@ -22,9 +22,9 @@ the MMAs. The clock reads add a few cycles each, and registers (254 a thread aga
 kernel's 240, still no spills). Medians over CTAs, then over 5 repetitions;
 ``*_per_tile`` divides a warpgroup's loop by the CTA's tiles (cycles).
 
-Writes the rows of one run to ``--out-name`` (``h200-decode-sm90-timeline-rows.json``). The committed ``h200-decode-sm90-timeline.json``
-(NOTES row 46) gathers three runs by hand under ``runs``: the cp.async kernel before TMA, the
-TMA kernel, and a variant not kept.
+Writes the rows of one run to ``--out-name`` (``h200-decode-sm90-timeline-rows.json``). The
+committed ``h200-decode-sm90-timeline.json`` (NOTES row 46) gathers three runs by hand under
+``runs``: the cp.async kernel before TMA, the TMA kernel, and a variant not kept.
 """
 
 from __future__ import annotations
