@@ -121,7 +121,8 @@ __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
 __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int dim, int row, int page,
                                          uint32_t bar) {
   asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n"
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(dim), "r"(row), "r"(page), "r"(bar)
       : "memory");
 }
@@ -332,9 +333,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       cp_async_arrive(bar(buf, j));
     }
     if (wg == 0) bar_sync_wg<5>(); else bar_sync_wg<6>();  // every thread's count is on the mbarriers ...
-    if (wtid == 0) {
+    if (wtid == 0) {  // ... then the phase's one arrival
 #pragma unroll
-      for (int j = decltype(J0)::value; j < decltype(J1)::value; ++j) mbar_arrive(bar(buf, j));  // ... the phase's arrival
+      for (int j = decltype(J0)::value; j < decltype(J1)::value; ++j) mbar_arrive(bar(buf, j));
     }
   };
   // ---- S (+)= q . K^T over blocks [J0, J1) of buffer buf (4 k-steps of 16 each), each block
@@ -676,8 +677,9 @@ CUtensorMap kv_tensor_map(const at::Tensor& kv_cache) {
   const cuuint32_t step[3] = {1, 1, 1};
   CUtensorMap map;
   const CUresult status = encode(
-      &map, kv_cache.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-      3, kv_cache.data_ptr(), size, stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      &map,
+      kv_cache.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
+      kv_cache.data_ptr(), size, stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(status == CUDA_SUCCESS, "mla_decode_sm90: kv_cache ", dims(kv_cache), " with strides (",
               num(kv_cache.stride(0)), ", ", num(kv_cache.stride(1)),
