@@ -14,7 +14,7 @@ copies. mla_decode is timed twice: ``time_us`` replays it from a CUDA graph (the
 kernels alone, as a serving loop that captures its decode step runs them) and ``eager_us``
 calls it from Python (checks, allocation and one or two launches each time: at short shapes
 the part of the call's CPU time that the clear before it does not cover shows, which depends
-on the host; NOTES has the v11 and v12 figures).
+on the host; NOTES has the v11-v13 figures).
 ``steady_us`` is a call's share of a graph of >= 8 back-to-back calls (the copies in turn): a
 single-call graph also pays the graph's own launch (``graph_overhead_us``, ~4-5 us on the H200),
 which a captured decode step of many layers pays once (NOTES row 39). The floor of a shape is ``max(bytes / copy_bw, FLOPs / matmul_rate)`` with

@@ -13,7 +13,7 @@ each warpgroup (0 and 128) sums, over the pair loop, the cycles it spends:
 - ``issue``: issuing the copies of the next tiles (the ``load_blocks`` calls in the loop; with
   ``cp.async`` every thread issues, and a stall is the SM's queue of outstanding copies being
   full; with TMA the first thread of each warpgroup reads the block table and issues them);
-- ``load_wait``: waiting on a block's mbarrier before its ``wgmma`` for S (the copy not landed);
+- ``load_wait``: waiting on a block group's mbarrier before its ``wgmma`` for S (the copy not landed);
 - ``wg_wait``: at a named barrier, waiting for the other warpgroup (its max, its P);
 - ``mma_wait``: in ``wgmma.wait_group``, waiting for its own MMAs;
 
@@ -23,8 +23,9 @@ kernel's 240, still no spills). Medians over CTAs, then over 5 repetitions;
 ``*_per_tile`` divides a warpgroup's loop by the CTA's tiles (cycles).
 
 Writes the rows of one run to ``--out-name`` (``h200-decode-sm90-timeline-rows.json``). The
-committed ``h200-decode-sm90-timeline.json`` (NOTES row 46) gathers three runs by hand under
-``runs``: the cp.async kernel before TMA, the TMA kernel, and a variant not kept.
+committed ``h200-decode-sm90-timeline.json`` (NOTES rows 46-48) gathers four runs by hand under
+``runs``: the cp.async kernel before TMA, the TMA kernel, a variant not kept, and the kernel of
+rows 47-48 (one TMA copy a block group).
 """
 
 from __future__ import annotations

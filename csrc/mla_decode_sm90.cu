@@ -23,10 +23,11 @@
 // 9 column blocks of 64 dims (128 bytes a row), each (64 rows, 128 bytes) with the 16-byte
 // chunk c of row r stored at chunk c ^ (r % 8). The same bytes are V's N-major layout for the
 // second product (B = V, K = tokens, N = dims), so a tile is loaded once for both, by the TMA
-// unit (the cache's tensor map does the swizzle; a partial tile by cp.async). A buffer's blocks
-// are refilled as soon as both warpgroups are done with them: blocks 0-3 (V's left half) by
-// warpgroup 0, blocks 4-8 by warpgroup 1, one mbarrier a block, so S of the next tile starts
-// on the blocks that have landed. P_A lives in buffer 0's rope block
+// unit (the cache's tensor maps do the swizzle; a partial tile by cp.async). A buffer's blocks
+// are refilled as soon as both warpgroups are done with them, in two groups: blocks 0-3 (V's
+// left half) by warpgroup 0, blocks 4-8 by warpgroup 1, each group one TMA copy (a box of 4 or
+// 5 blocks) completing one mbarrier, so S of the next tile starts on the group that has landed
+// first. P_A lives in buffer 0's rope block
 // (free once S_A is computed), P_B in a block of its own.
 //
 // At 128 heads the instructions the warps issue bound the time as much as the MMAs do (NOTES rows
@@ -71,9 +72,11 @@ constexpr int kVecs = kD / 8;             // 72 16-byte vectors a row
 constexpr int kLoads = 64 * kVecs / kThreads;     // 18 copies a thread for q's 64 rows
 static_assert(64 * kVecs % kThreads == 0, "rows split evenly over the threads");
 // q, two tiles, P_B (64 x 64, one column block), m / scale_A / scale_B / l (two) a row,
-// 18 mbarriers; 1 KiB to align to 1024 bytes
-constexpr size_t kSmemBytes = size_t(3) * kMatBytes + kBlockBytes + 5 * kM * 4 + 2 * kBlocks * 8 + 1024;
-static_assert(kSmemBytes == 231824,
+// 4 mbarriers (2 buffers x 2 block groups); 1 KiB to align to 1024 bytes
+constexpr size_t kSmemBytes = size_t(3) * kMatBytes + kBlockBytes + 5 * kM * 4 + 2 * 2 * 8 + 1024;
+static_assert(64 * (4 * kC + 32) <= 2 * kMatBytes && 2 * kThreads == kC,
+              "the epilogue's rows fit in q's and buffer 0's bytes, a row's 512 values two a thread");
+static_assert(kSmemBytes == 231712,
               "mla/kernels/decode.py's _SM90_SMEM_BYTES must equal kSmemBytes");
 // named barriers between the warpgroups (0 is __syncthreads): one arrives, the other waits
 enum : int { kBarScaleA = 1, kBarScaleB = 2, kBarPA = 3, kBarPB = 4 };
@@ -100,8 +103,9 @@ __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// mbarriers, one arrival a phase: a whole tile's block completes when the TMA unit has written
-// its bytes (expect_tx), a partial one when its cp.async copies have landed and one thread arrives
+// mbarriers, one arrival a phase: a whole tile's block group completes when the TMA unit has
+// written its bytes (expect_tx), a partial one's when its cp.async copies have landed and one
+// thread arrives
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
@@ -116,14 +120,15 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
-// the TMA unit copies box (64 dims, 64 rows) at (dim, row, page) of the cache into dst, swizzled
-// as the tensor map says (128 bytes, the layout above), completing `bytes` on the mbarrier
-__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int dim, int row, int page,
+// the TMA unit copies the map's box (64 dims, 64 rows, 4 or 5 column blocks) at (row, block,
+// page) of the cache into dst, swizzled as the tensor map says (128 bytes, the layout above: a
+// block's 64 rows after another's), completing its bytes on the mbarrier
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int row, int block, int page,
                                          uint32_t bar) {
   asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];\n"
-      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(dim), "r"(row), "r"(page), "r"(bar)
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(0), "r"(row), "r"(block), "r"(page), "r"(bar)
       : "memory");
 }
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
@@ -254,7 +259,8 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     const T* __restrict__ q,              // (b, h, 576)
     const T* __restrict__ kv,             // (pages, page_size, 576)
-    const __grid_constant__ CUtensorMap kv_map,  // kv as (576, page_size, pages), 128-byte swizzle
+    const __grid_constant__ CUtensorMap kv_map_lo,  // kv as (64, page_size, 9, pages): boxes of blocks 0-3
+    const __grid_constant__ CUtensorMap kv_map_hi,  // and of blocks 4-8, 128-byte swizzle
     const int* __restrict__ block_table,  // (b, max_pages), last dim contiguous
     const int* __restrict__ seq_lens,     // (b,)
     void* __restrict__ part_out,          // (b, h, splits, 512) fp32; out (b, h, 1, 512) in T if final_out
@@ -277,8 +283,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   float* scale_a_s = m_s + kM;   // (64,) exp2(m_before - m_A): warpgroup 0 -> 1
   float* scale_b_s = m_s + 2 * kM;  // (64,) exp2(m_A - m_B): warpgroup 1 -> 0
   float* l_s = m_s + 3 * kM;     // (2, 64) each warpgroup's row sums, at the end
-  const uint32_t bars = smem_u32(m_s + 5 * kM);  // (2 buffers, 9 blocks) mbarriers
-  auto bar = [&](int buf, int block) { return bars + 8 * (buf * kBlocks + block); };
+  const uint32_t bars = smem_u32(m_s + 5 * kM);  // (2 buffers, 2 block groups) mbarriers
+  // the mbarrier of buffer buf's blocks [J0, ...): group 0 is blocks 0-3, group 1 blocks 4-8
+  auto bar = [&](int buf, int j0) { return bars + 8 * (2 * buf + (j0 >= kLoBlocks)); };
 
   const int tid = threadIdx.x, wtid = tid & 127, warp = (tid >> 5) & 3, lane = tid & 31;
   // the warpgroup, read through a shuffle so the compiler sees it is uniform in a warp (else it
@@ -295,8 +302,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   const int start = span.start, end = span.end, n_tiles = span.n_tiles;
   const int n_pairs = (n_tiles + 1) / 2;
 
-  // ---- blocks [J0, J1) of tile t -> buffer buf, by this warpgroup, completing the blocks'
-  // mbarriers. A whole tile: one thread has the TMA unit copy each block (the swizzle done in
+  // ---- blocks [J0, J1) of tile t -> buffer buf, by this warpgroup, completing the group's
+  // mbarrier. A whole tile: one thread has the TMA unit copy the group (the swizzle done in
   // hardware, nothing for the other threads to issue). A partial one (the sequence's last) or
   // none (t >= n_tiles): the 128 threads copy it with cp.async, rows past the split's end zeros
   // (a page's unused rows may hold anything, NaN included, and P . V must not read them). A
@@ -309,14 +316,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   auto load_blocks = [&](int buf, int t, auto J0, auto J1) {
     const int tok0 = start + t * kN;  // a tile lies in one page (page_size % 64 == 0)
     const int valid = end - tok0;
+    constexpr int j0 = decltype(J0)::value, j1 = decltype(J1)::value;
+    static_assert((j0 == 0 && j1 == kLoBlocks) || (j0 == kLoBlocks && j1 == kBlocks), "a block group");
     if (valid >= kN) {
       if (wtid == 0) {
         const int page = bt_row[tok0 / page_size], row = tok0 % page_size;
-#pragma unroll
-        for (int j = decltype(J0)::value; j < decltype(J1)::value; ++j) {
-          mbar_expect_tx(bar(buf, j), kBlockBytes);
-          tma_load(kv_s + buf * kMatBytes + j * kBlockBytes, &kv_map, 64 * j, row, page, bar(buf, j));
-        }
+        mbar_expect_tx(bar(buf, j0), (j1 - j0) * kBlockBytes);
+        tma_load(kv_s + buf * kMatBytes + j0 * kBlockBytes, j0 == 0 ? &kv_map_lo : &kv_map_hi, row, j0, page,
+                 bar(buf, j0));
       }
       return;
     }
@@ -324,30 +331,29 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     if (valid > 0) src += int64_t(bt_row[tok0 / page_size]) * skp + int64_t(tok0 % page_size) * skn;
     const uint32_t dst = kv_s + buf * kMatBytes + ld_dst;
 #pragma unroll
-    for (int j = decltype(J0)::value; j < decltype(J1)::value; ++j) {
+    for (int j = j0; j < j1; ++j) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const bool ok = ld_row + 16 * k < valid;
         cp_async16(dst + j * kBlockBytes + k * 2048, ok ? src + k * row_step + j * 64 : kv, ok);
       }
-      cp_async_arrive(bar(buf, j));
     }
-    if (wg == 0) bar_sync_wg<5>(); else bar_sync_wg<6>();  // every thread's count is on the mbarriers ...
-    if (wtid == 0) {  // ... then the phase's one arrival
-#pragma unroll
-      for (int j = decltype(J0)::value; j < decltype(J1)::value; ++j) mbar_arrive(bar(buf, j));
-    }
+    cp_async_arrive(bar(buf, j0));
+    if (wg == 0) bar_sync_wg<5>(); else bar_sync_wg<6>();  // every thread's count is on the mbarrier ...
+    if (wtid == 0) mbar_arrive(bar(buf, j0));  // ... then the phase's one arrival
   };
   // ---- S (+)= q . K^T over blocks [J0, J1) of buffer buf (4 k-steps of 16 each), each block
-  // once its mbarrier completes phase `parity`; one commit group. Unrolled, so each descriptor
+  // group once its mbarrier completes phase `parity`; one commit group. Unrolled, so each descriptor
   // is a base plus a constant (addresses < 256 KiB: the 14-bit address field does not carry).
   auto scores = [&](float (&s)[32], int buf, int parity, auto J0, auto J1) {
     const uint64_t q_desc = desc_k(q_s), k_desc = desc_k(kv_s + buf * kMatBytes);
     wgmma_fence();
 #pragma unroll
     for (int j = decltype(J0)::value; j < decltype(J1)::value; ++j) {
-      mbar_wait(bar(buf, j), parity);
-      fence_async_shared();  // the landed copies, visible to wgmma
+      if (j == 0 || j == kLoBlocks) {  // a group's first block
+        mbar_wait(bar(buf, j), parity);
+        fence_async_shared();  // the landed copies, visible to wgmma
+      }
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
         const uint32_t off = (j * kBlockBytes + ks * 32) >> 4;
@@ -465,7 +471,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
 
   // ---- set-up: the mbarriers, m = -inf; q (all threads) and the first two tiles
   if (tid == 0) {
-    for (int i = 0; i < 2 * kBlocks; ++i) mbar_init(bars + 8 * i, 1);
+    for (int i = 0; i < 4; ++i) mbar_init(bars + 8 * i, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // inits before any TMA completes on them
   }
   if (tid < kM) m_s[tid] = -INFINITY;
@@ -605,7 +611,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     }
   }
 
-  // ---- normalise and write; an empty split (l = 0) writes zeros and lse = -inf
+  // ---- normalise and write; an empty split (l = 0) writes zeros and lse = -inf. O goes out
+  // through shared memory (q's and buffer 0's bytes, free now): written straight from the
+  // accumulators, a warp's store covers 8 rows of 32 or 16 bytes each, half of each 32-byte
+  // sector in T; from shared memory it covers 256 or 128 bytes of one row (the answer in bf16
+  // at 64,4096: 6.1 -> 2.3 us, NOTES row 47).
 #pragma unroll
   for (int x = 1; x <= 2; x <<= 1) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, x);
@@ -616,27 +626,45 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     l_s[wg * kM + row0 + 8] = l1;
   }
   __syncthreads();
-  const int64_t out_at = b * sob + int64_t(split) * sos;
+  // a row of 512 values: fp32 partials, 8 bytes a thread (256 threads a row), or the answer in T,
+  // 4 bytes a thread (the op allows rows 8- and 4-byte aligned); rows padded by 32 and 16 bytes, so
+  // the accumulators' 8 rows a store fall in different banks
+  const int pitch = final_out ? 2 * kC + 16 : 4 * kC + 32;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = row0 + 8 * half, h = h0 + r;
     const float l = l_s[r] + l_s[kM + r];
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    if (h < num_heads) {
-      if (wg == 0 && c == 0) {
-        part_lse[b * slb + h * slh + split * sls] =
-            l > 0.f ? (m_s[r] + log2f(l)) * 0.6931471805599453f : -INFINITY;
-      }
+    if (wg == 0 && c == 0 && h < num_heads) {
+      part_lse[b * slb + h * slh + split * sls] =
+          l > 0.f ? (m_s[r] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+    }
+    unsigned char* row = smem + r * pitch;
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int64_t at = out_at + h * soh + 256 * wg + 8 * j + 2 * c;
-        const float x = o[4 * j + 2 * half] * inv, y = o[4 * j + 2 * half + 1] * inv;
-        if (final_out) {
-          *reinterpret_cast<uint32_t*>(static_cast<T*>(part_out) + at) = pack(x, y, T{});
-        } else {
-          *reinterpret_cast<float2*>(static_cast<float*>(part_out) + at) = make_float2(x, y);
-        }
+    for (int j = 0; j < 32; ++j) {
+      const int col = 256 * wg + 8 * j + 2 * c;
+      const float x = o[4 * j + 2 * half] * inv, y = o[4 * j + 2 * half + 1] * inv;
+      if (final_out) {
+        *reinterpret_cast<uint32_t*>(row + 2 * col) = pack(x, y, T{});
+      } else {
+        *reinterpret_cast<float2*>(row + 4 * col) = make_float2(x, y);
       }
+    }
+  }
+  __syncthreads();
+  const int n_rows = min(kM, num_heads - h0);
+  const int64_t out_at = b * sob + int64_t(split) * sos + int64_t(h0) * soh;
+  if (final_out) {
+#pragma unroll 8
+    for (int r = 0; r < n_rows; ++r) {
+      const uint32_t v = *reinterpret_cast<const uint32_t*>(smem + r * pitch + 4 * tid);
+      *reinterpret_cast<uint32_t*>(static_cast<T*>(part_out) + out_at + r * soh + 2 * tid) = v;
+    }
+  } else {
+#pragma unroll 8
+    for (int r = 0; r < n_rows; ++r) {
+      const float2 v = *reinterpret_cast<const float2*>(smem + r * pitch + 8 * tid);
+      *reinterpret_cast<float2*>(static_cast<float*>(part_out) + out_at + r * soh + 2 * tid) = v;
     }
   }
 #else
@@ -651,10 +679,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
 
 namespace {
 
-// The cache as a 3-D tensor of (576 dims, page_size rows, pages) for the TMA unit, read in boxes of
-// 64 dims x 64 rows (one column block of a tile) written 128-byte swizzled. binding.cpp's check
-// has made the strides multiples of 16 bytes and the base 16-byte aligned, as the map needs.
-CUtensorMap kv_tensor_map(const at::Tensor& kv_cache) {
+// The cache as a 4-D tensor of (64 dims, page_size rows, 9 column blocks, pages) for the TMA unit:
+// the blocks overlap no row (block k starts 128 bytes after block k - 1), so a box of 64 dims x
+// 64 rows x `blocks` blocks is that many column blocks of a tile, written one after another,
+// 128-byte swizzled (the kernel's layout). binding.cpp's check has made the strides multiples of
+// 16 bytes and the base 16-byte aligned, as the map needs.
+CUtensorMap kv_tensor_map(const at::Tensor& kv_cache, int blocks) {
   if (kv_cache.size(0) == 0) return CUtensorMap{};  // no pages: every sequence is empty, no tile is read
   using Encode = decltype(&cuTensorMapEncodeTiled);
   static const Encode encode = [] {  // the driver's entry point, through the runtime (no -lcuda)
@@ -670,15 +700,16 @@ CUtensorMap kv_tensor_map(const at::Tensor& kv_cache) {
     return reinterpret_cast<Encode>(fn);
   }();
   const auto bytes = static_cast<cuuint64_t>(kv_cache.element_size());
-  const cuuint64_t size[3] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(kv_cache.size(1)),
+  const cuuint64_t size[4] = {64, static_cast<cuuint64_t>(kv_cache.size(1)), static_cast<cuuint64_t>(kBlocks),
                               static_cast<cuuint64_t>(kv_cache.size(0))};
-  const cuuint64_t stride[2] = {kv_cache.stride(1) * bytes, kv_cache.stride(0) * bytes};  // rows, pages
-  const cuuint32_t box[3] = {64, kN, 1};
-  const cuuint32_t step[3] = {1, 1, 1};
+  // rows, blocks, pages
+  const cuuint64_t stride[3] = {kv_cache.stride(1) * bytes, 64 * bytes, kv_cache.stride(0) * bytes};
+  const cuuint32_t box[4] = {64, kN, static_cast<cuuint32_t>(blocks), 1};
+  const cuuint32_t step[4] = {1, 1, 1, 1};
   CUtensorMap map;
   const CUresult status = encode(
       &map,
-      kv_cache.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
+      kv_cache.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
       kv_cache.data_ptr(), size, stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(status == CUDA_SUCCESS, "mla_decode_sm90: kv_cache ", dims(kv_cache), " with strides (",
@@ -708,7 +739,8 @@ void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   TORCH_CHECK(static_cast<size_t>(smem_optin) >= kSmemBytes,
               "mla_decode_sm90: this GPU allows ", num(int64_t{smem_optin}),
               " bytes of shared memory a block, the kernel needs ", num(static_cast<int64_t>(kSmemBytes)));
-  const CUtensorMap kv_map = kv_tensor_map(kv_cache);
+  const CUtensorMap kv_map_lo = kv_tensor_map(kv_cache, kLoBlocks);
+  const CUtensorMap kv_map_hi = kv_tensor_map(kv_cache, kBlocks - kLoBlocks);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>((h + kM - 1) / kM), static_cast<unsigned>(b),
                   static_cast<unsigned>(num_splits));
@@ -718,8 +750,8 @@ void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(kSmemBytes)));
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(
-        reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(kv_cache.data_ptr()), kv_map,
-        block_table.data_ptr<int>(), seq_lens.data_ptr<int>(), part_out.data_ptr(),
+        reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(kv_cache.data_ptr()), kv_map_lo,
+        kv_map_hi, block_table.data_ptr<int>(), seq_lens.data_ptr<int>(), part_out.data_ptr(),
         part_lse.data_ptr<float>(), part_out.scalar_type() != at::kFloat, static_cast<int>(h),
         static_cast<int>(kv_cache.size(1)), static_cast<int>(num_splits), scale_log2, q.stride(0),
         q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), part_out.stride(0),

@@ -548,7 +548,7 @@ def _check_seq_lens(seq_lens, block_table, block_size) -> int:
 _CUDA_HEADS, _CUDA_C, _CUDA_R, _CUDA_TILE = 16, 512, 64, 32  # what csrc/mla_decode_sm80.cu is built for
 _CUDA_SMEM_BYTES = 105_088  # its shared memory a CTA (DecodeShape::kSmemBytes; a static_assert there)
 _SM90_HEADS, _SM90_TILE = 64, 64  # csrc/mla_decode_sm90.cu: heads a CTA (any count runs), tokens a tile
-_SM90_SMEM_BYTES = 231_824  # its shared memory a CTA (kSmemBytes; a static_assert there)
+_SM90_SMEM_BYTES = 231_712  # its shared memory a CTA (kSmemBytes; a static_assert there)
 _BACKENDS = ("triton", "cuda", "sm90")
 
 
