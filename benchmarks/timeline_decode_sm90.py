@@ -97,8 +97,8 @@ def instrumented_source() -> str:
                    {"mla_decode_sm90", kMaxHeads, kC, kR, kN});""", "")
     edit("double softmax_scale, int64_t num_splits) {",
          "double softmax_scale, int64_t num_splits, at::Tensor& timing) {")
-    edit("part_lse.stride(0), part_lse.stride(1), part_lse.stride(2));",
-         "part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), (long long*)timing.data_ptr<int64_t>());")
+    edit("part_lse.stride(0), part_lse.stride(1), part_lse.stride(2))",
+         "part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), (long long*)timing.data_ptr<int64_t>())")
     src = src[: src.index("TORCH_LIBRARY_IMPL")]
     src = src.replace("namespace {\n", "", 1).replace("}  // namespace\n\n", "", 1)
     return src + 'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &mla::mla_decode_sm90); }\n'
