@@ -19,7 +19,7 @@ each warpgroup (0 and 128) sums, over the pair loop, the cycles it spends:
 
 and ``other`` is the rest of the loop: the softmax, fragments, stores of P and the issue of
 the MMAs. The clock reads add a few cycles each, and registers (254 a thread against the
-kernel's 240, still no spills). Medians over CTAs, then over 5 repetitions;
+kernel's 240 at row 46, 238 since row 48; no spills). Medians over CTAs, then over 5 repetitions;
 ``*_per_tile`` divides a warpgroup's loop by the CTA's tiles (cycles).
 
 Writes the rows of one run to ``--out-name`` (``h200-decode-sm90-timeline-rows.json``). The

@@ -628,6 +628,7 @@ def test_sm90_timeline_benchmark_still_fits_the_kernel():
     for part in range(len(PARTS)):
         assert f"acc[{part}] += clock64() - c_;" in src
 
+
 def test_sm90_ab_benchmark_renames_each_versions_library(tmp_path):
     """benchmarks/ab_decode_sm90.py builds versions of csrc/mla_decode_sm90.cu side by side, each
     with binding.cpp, the op library renamed: both sources must still name the library once."""
@@ -638,7 +639,6 @@ def test_sm90_ab_benchmark_renames_each_versions_library(tmp_path):
     assert "TORCH_LIBRARY(mla_ab_new, m)" in binding and "TORCH_LIBRARY(mla, m)" not in binding
     assert "TORCH_LIBRARY_IMPL(mla_ab_new, CUDA, m)" in renamed and "TORCH_LIBRARY_IMPL(mla," not in renamed
     assert renamed.replace("mla_ab_new", "mla") == kernel  # nothing else changed
-
 
 
 def test_layer_splits_is_what_mla_decode_picks_for_the_cache():

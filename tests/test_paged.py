@@ -356,7 +356,7 @@ def test_ragged_entry_matches_common_call():
                 got = out[int(qsl[k]):int(qsl[k + 1])]
                 assert torch.allclose(got, expected[i, :lengths[i]], rtol=1e-5, atol=1e-6)
             assert ragged.seq_lens.tolist() == common.seq_lens.tolist()
-            # the same latents in the same places: up to the last bit, as the projections ran on a
+            # the same latents in the same places, to within the last bit: the projections ran on a
             # (T, d) batch here and a (b, s, d) one there, which the CPU's BLAS may block differently
             # (an ulp apart with torch 2.13); a wrong slot would read a NaN page or another token
             for i in range(3):
