@@ -1,15 +1,19 @@
-"""Versions of the wgmma decode stage 1 (``csrc/mla_decode_sm90.cu``) timed side by side, on the GPU.
+"""Versions of a CUDA decode stage 1 (``csrc/mla_decode_sm90.cu``, or with ``--kernel sm80``
+``csrc/mla_decode_sm80.cu``) timed side by side, on the GPU.
 
     PYTHONPATH=. python3 benchmarks/ab_decode_sm90.py --out DIR old=PATH.cu new=csrc/mla_decode_sm90.cu
+    PYTHONPATH=. python3 benchmarks/ab_decode_sm90.py --out DIR --kernel sm80 --shapes 1x32768,4x4096 \
+        old=PATH.cu new=csrc/mla_decode_sm80.cu
 
 Each ``NAME=PATH`` is a version of the kernel's source (e.g. ``git show HEAD:csrc/... > old.cu``
 beforehand: the GPU machine's copy has no git history). Each is built as an extension of its own
 (the sources copied with ``binding.cpp``, the op library renamed ``mla_ab_NAME`` and the C++
 namespace with it, so the versions load side by side; ``csrc``'s headers are shared), the builds
-in parallel processes. At each shape (128 heads unless ``--heads``; the split count
-``mla_decode`` takes) each version's stage 1, and at more than one split the Triton merge, is
-captured in one CUDA graph, as ``bench_decode.py``'s ``time_us`` is; with one split the kernel
-writes the answer in q's dtype itself, as ``mla_decode`` has it do. The versions are timed in
+in parallel processes. At each shape (``--shapes``, default the six of ``SHAPES``; 128 heads for
+sm90 and 16 for sm80 unless ``--heads``; the split count ``mla_decode`` takes) each version's
+stage 1, and at more than one split the Triton merge, is captured in one CUDA graph, as
+``bench_decode.py``'s ``time_us`` is; with one split the kernel writes the answer in q's dtype
+itself, as ``mla_decode`` has it do. The versions are timed in
 turn ``--rounds`` times (``bench_decode.bench_us``, L2 cleared by a read) and each one's minimum
 kept, so a drift of the clock over the run falls on all of them. ``NAME_diff`` is
 max |out - first's out| / max |first's out|: the versions are meant to compute the same thing.
@@ -89,13 +93,15 @@ def main(argv=None) -> None:
         SCALE, bench_us, copy_bandwidth_GBps, floor_us, graphed, make_inputs, matmul_TFLOPs, rotation_copies,
         write_json,
     )
-    from mla.kernels.decode import _SM90_HEADS, _SM90_TILE, choose_num_kv_splits
+    from mla.kernels.decode import _CUDA_HEADS, _CUDA_TILE, _SM90_HEADS, _SM90_TILE, choose_num_kv_splits
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("versions", nargs="+", metavar="NAME=PATH")
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--out-name", default="h200-decode-sm90-ab-rows.json")
-    parser.add_argument("--heads", default="128")
+    parser.add_argument("--kernel", choices=("sm90", "sm80"), default="sm90")
+    parser.add_argument("--heads", default=None, help="comma-separated; default 128 (sm90) or 16 (sm80)")
+    parser.add_argument("--shapes", default=None, help="comma-separated BxT (e.g. 1x32768); default SHAPES")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
     versions = {}
@@ -104,6 +110,14 @@ def main(argv=None) -> None:
         if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) or not pathlib.Path(path).is_file():
             parser.error(f"a version is NAME=PATH with NAME an identifier and PATH a file, got {item!r}")
         versions[name] = path
+    shapes = SHAPES
+    if args.shapes:
+        try:
+            shapes = tuple(tuple(int(x) for x in item.split("x")) for item in args.shapes.split(","))
+        except ValueError:
+            shapes = ()
+        if not shapes or any(len(shape) != 2 or min(shape) < 1 for shape in shapes):
+            parser.error(f"--shapes takes BxT pairs of positive integers (1x32768,2x65536), got {args.shapes!r}")
     t0 = time.time()
     folders = {name: tempfile.mkdtemp(prefix=f"mla_ab_{name}_") for name in versions}
     with concurrent.futures.ProcessPoolExecutor(len(versions), mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -113,7 +127,9 @@ def main(argv=None) -> None:
     ops = {}
     for name, path in versions.items():  # up to date: this only loads
         build(name, path, folders[name])
-        ops[name] = getattr(torch.ops, f"mla_ab_{name}").mla_decode_sm90
+        ops[name] = getattr(getattr(torch.ops, f"mla_ab_{name}"), f"mla_decode_{args.kernel}")
+    block_h, block_n = (_SM90_HEADS, _SM90_TILE) if args.kernel == "sm90" else (_CUDA_HEADS, _CUDA_TILE)
+    heads = args.heads or ("128" if args.kernel == "sm90" else "16")
     print(f"built {len(ops)} versions in {time.time() - t0:.0f} s", flush=True)
 
     copy, mm = copy_bandwidth_GBps(), matmul_TFLOPs()
@@ -121,10 +137,11 @@ def main(argv=None) -> None:
     print(f"copy {copy:.0f} GB/s, matmul {mm:.0f} TFLOP/s", flush=True)
     first = next(iter(ops))
     rows = []
-    for h in (int(x) for x in args.heads.split(",")):
-        for b, t in SHAPES:
+    for h in (int(x) for x in heads.split(",")):
+        for b, t in shapes:
             q, caches, table, lens = make_inputs(b, t, h, copies=rotation_copies(b, t))
-            splits = choose_num_kv_splits(b, h, t, num_sms, block_h=_SM90_HEADS, block_n=_SM90_TILE, one_wave=True)
+            splits = choose_num_kv_splits(b, h, t, num_sms, block_h=block_h, block_n=block_n,
+                                          one_wave=args.kernel == "sm90")
             floor, _ = floor_us(b, t, h, copy, mm)
             row = dict(b=b, t=t, h=h, splits=splits, floor_us=round(floor, 1))
             want = stage1(ops[first], q, caches[0], table, lens, splits, SCALE).float()
@@ -148,7 +165,7 @@ def main(argv=None) -> None:
                for name, path in versions.items()}
     write_json(args.out, args.out_name,
                dict(device=torch.cuda.get_device_name(0), copy_GBps=copy, matmul_TFLOPs=mm, rounds=args.rounds,
-                    versions=sources, wall_s=round(time.time() - t0), rows=rows))
+                    kernel=args.kernel, versions=sources, wall_s=round(time.time() - t0), rows=rows))
 
 
 if __name__ == "__main__":

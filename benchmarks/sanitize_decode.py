@@ -17,7 +17,8 @@ def main() -> None:
     for heads, seq_lens, splits in (((16), [1, 0, 130, 64], None), ((128), [300, 7], 4),
                                     ((3), [65, 129, 1], 8), ((16), [33, 2000, 0], 40),
                                     ((100), [70, 1000], 3),  # sm90: a second head block of 36
-                                    ((128), [300, 0, 70], 1), ((16), [130, 5, 0], 1)):  # one split: out written by stage 1
+                                    ((128), [300, 0, 70], 1), ((16), [130, 5, 0], 1),  # one split: out written by stage 1
+                                    ((16), [300, 2000, 64], 50)):  # sm80: 150 CTAs, over one wave of 132 SMs
         b = len(seq_lens)
         max_blocks = max(1, -(-max(seq_lens) // page)) + 1
         num_blocks = b * max_blocks + 3

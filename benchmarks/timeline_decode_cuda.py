@@ -133,10 +133,10 @@ def instrumented_source() -> str:
     for (int k = 0; k < 4; ++k) timing[cta * 16 + 12 + k] = section[k];
   }
 """)
-    end = src.rindex("}\n", 0, src.index("// The shape built"))  # the kernel's closing brace
+    end = src.rindex("}\n", 0, src.index("// The shapes built"))  # the kernel's closing brace
     src = src[:end] + "  __syncthreads();\n  stamp(4);\n" + src[end:]
     edit("""  check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
-                   {"mla_decode_sm80", kHeads, kC, kR, S::kTile});""", "")
+                   {"mla_decode_sm80", kHeads, kC, kR, DecodeShape::kTile});""", "")
     edit("double softmax_scale, int64_t num_splits) {", "double softmax_scale, int64_t num_splits, at::Tensor& timing) {")
     edit("part_lse.stride(0), part_lse.stride(1), part_lse.stride(2));",
          "part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), (long long*)timing.data_ptr<int64_t>());")

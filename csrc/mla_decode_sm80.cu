@@ -22,7 +22,9 @@
 //
 // One CTA per (head block of 16, sequence, split); kWarps = 4 warps; tiles of kTile = 32
 // tokens, kStages = 2 deep in shared memory (rows padded to 584 values so ldmatrix is free of
-// bank conflicts):
+// bank conflicts), two CTAs an SM. When the grid fits on the SMs one CTA each (one sequence, or a
+// few short ones), kStages = 4 instead, one CTA an SM: a CTA alone on its SM then has 3 tiles in
+// flight rather than 1 (NOTES rows 40 and 52):
 //
 //   q (16, 576) -> shared -> each warp's fragments of its quarter of the 576 dims (registers)
 //   for each tile of 32 tokens of this split (cp.async, kStages - 1 tiles ahead):
@@ -365,12 +367,14 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
   }
 }
 
-// The shape built: 4 warps, 2 tiles of 32 tokens, ~103 KiB of shared memory, two CTAs an SM.
+// The shapes built. Mostly 4 warps, 2 tiles of 32 tokens, ~103 KiB of shared memory, two CTAs an SM.
 // (Measured against it on an H200, NOTES row 34: 8 warps x 4 tiles of 32, one CTA an SM, 7-19%
 // slower from b = 4 up; 8 warps x 2 tiles of 64 and 4 warps x 4 tiles of 16, 2-17% slower.)
 using DecodeShape = Shape<32, 2, 4, 2>;
 static_assert(DecodeShape::kSmemBytes == 105088,
               "mla/kernels/decode.py's _CUDA_SMEM_BYTES must equal DecodeShape::kSmemBytes");
+// One wave of CTAs (b x splits <= SMs), one CTA an SM: 4 tiles of 32, ~176 KiB (NOTES row 52).
+using WaveShape = Shape<32, 4, 4, 1>;
 
 // ---------------------------------------------------------------------------------------------
 // Host side: the check (binding.cpp), then the launch on the current stream
@@ -378,24 +382,27 @@ static_assert(DecodeShape::kSmemBytes == 105088,
 void mla_decode_sm80(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, at::Tensor& part_out, at::Tensor& part_lse,
                      double softmax_scale, int64_t num_splits) {
-  using S = DecodeShape;
   // mla_decode checked the user's arguments; these guard the kernel's own assumptions.
   check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
-                   {"mla_decode_sm80", kHeads, kC, kR, S::kTile});
+                   {"mla_decode_sm80", kHeads, kC, kR, DecodeShape::kTile});
   const int64_t b = q.size(0), h = q.size(1);
   if (b == 0 || h == 0) return;
 
   const c10::cuda::CUDAGuard guard(q.device());
-  int smem_optin = 0;
+  int smem_optin = 0, num_sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         q.get_device()));
-  TORCH_CHECK(static_cast<size_t>(smem_optin) >= S::kSmemBytes,
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, q.get_device()));
+  TORCH_CHECK(static_cast<size_t>(smem_optin) >= DecodeShape::kSmemBytes,
               "mla_decode_sm80: this GPU allows too little shared memory a block (103 KiB needed)");
+  const bool one_wave =
+      b * num_splits <= num_sms && static_cast<size_t>(smem_optin) >= WaveShape::kSmemBytes;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid(1, static_cast<unsigned>(b), static_cast<unsigned>(num_splits));
   const float scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
-  auto run = [&](auto* kernel, auto type_tag) {
+  auto run = [&](auto* kernel, auto type_tag, auto shape_tag) {
     using T = decltype(type_tag);
+    using S = decltype(shape_tag);
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(S::kSmemBytes)));
     kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(
@@ -407,10 +414,18 @@ void mla_decode_sm80(const at::Tensor& q, const at::Tensor& kv_cache, const at::
         part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  if (q.scalar_type() == at::kBFloat16) {
-    run(mla_decode_sm80_kernel<__nv_bfloat16, S>, __nv_bfloat16{});
+  auto run_shape = [&](auto shape_tag) {
+    using S = decltype(shape_tag);
+    if (q.scalar_type() == at::kBFloat16) {
+      run(mla_decode_sm80_kernel<__nv_bfloat16, S>, __nv_bfloat16{}, shape_tag);
+    } else {
+      run(mla_decode_sm80_kernel<__half, S>, __half{}, shape_tag);
+    }
+  };
+  if (one_wave) {
+    run_shape(WaveShape{});
   } else {
-    run(mla_decode_sm80_kernel<__half, S>, __half{});
+    run_shape(DecodeShape{});
   }
 }
 

@@ -494,6 +494,32 @@ def test_gpu_backends_take_any_softmax_scale(backend, scale):
 
 
 @pytest.mark.gpu
+def test_gpu_sm80_kernel_both_launch_shapes():
+    # csrc/mla_decode_sm80.cu runs 4 tiles deep, one CTA an SM, when b * splits fits on the SMs,
+    # and 2 deep, two CTAs an SM, above that: split counts on both sides of the line, partial
+    # buffers NaN-filled so that a slot left unwritten shows
+    from mla.kernels.concat_cache import load_extension
+
+    assert load_extension()["decode"]
+    heads, b = 16, len(CUDA_LENGTHS)
+    case = _gpu_case(CUDA_LENGTHS, heads, seed=11)
+    ref_out, ref_lse = mla_decode_reference(**case, compute_dtype=torch.float32)
+    wave = torch.cuda.get_device_properties(0).multi_processor_count // b
+    for splits in (wave, wave + 1):
+        part_out = torch.full((b, heads, splits, 512), float("nan"), device="cuda")
+        part_lse = torch.full((b, heads, splits), float("nan"), device="cuda")
+        torch.ops.mla.mla_decode_sm80(case["q"], case["kv_cache"], case["block_table"], case["seq_lens"], part_out,
+                                      part_lse, float(case["softmax_scale"]), splits)
+        out = torch.empty((b, heads, 512), dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty((b, heads), device="cuda")
+        decode._merge(part_out, part_lse, out, lse)
+        assert_matches(out.float(), lse, ref_out.float(), ref_lse, case["seq_lens"], 1e-2)
+        out2, lse2 = mla_decode(**case, num_kv_splits=splits)  # the public call takes the same path
+        torch.testing.assert_close(out2, out, rtol=0, atol=0)
+        torch.testing.assert_close(lse2, lse, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_backend_is_the_default_where_it_applies():
     case = _gpu_case([70, 300], 16)
     pick = lambda **kw: decode._pick_backend(  # noqa: E731

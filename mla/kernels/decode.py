@@ -55,7 +55,8 @@ partials and merge:
 - up to 16 heads (one GPU's share of 128 at tensor parallelism 8), pages of a multiple of 32
   rows: ``csrc/mla_decode_sm80.cu``, warp-level tensor-core instructions (sm_80 and later) with
   fragments loaded a k-step at a time, so that nothing spills and (on an H100/H200) two
-  programs share an SM (``benchmarks/NOTES.md`` rows 33-40);
+  programs share an SM (``benchmarks/NOTES.md`` rows 33-40), or, when all the programs fit on
+  the SMs one each (one long sequence), one program an SM keeps 3 tiles in flight (row 52);
 - more heads, pages of a multiple of 64 rows, on Hopper (compute capability 9.0):
   ``csrc/mla_decode_sm90.cu``, 64 heads a program with warpgroup MMA (wgmma) on operands in
   shared memory, a 64-token tile loaded once for both products, its two warpgroups taking the
