@@ -6,20 +6,20 @@
         old=PATH.cu new=csrc/mla_decode_sm80.cu
 
 Each ``NAME=PATH`` is a version of the kernel's source (e.g. ``git show HEAD:csrc/... > old.cu``
-beforehand: the GPU machine's copy has no git history). Each is built as an extension of its own
-(the sources copied with ``binding.cpp``, the op library renamed ``mla_ab_NAME`` and the C++
-namespace with it, so the versions load side by side; ``csrc``'s headers are shared), the builds
-in parallel processes. At each shape (``--shapes``, default the six of ``SHAPES``; 128 heads for
-sm90 and 16 for sm80 unless ``--heads``; the split count ``mla_decode`` takes) each version's
-stage 1, and at more than one split the Triton merge, is captured in one CUDA graph, as
-``bench_decode.py``'s ``time_us`` is; with one split the kernel writes the answer in q's dtype
-itself, as ``mla_decode`` has it do. The versions are timed in
-turn ``--rounds`` times (``bench_decode.bench_us``, L2 cleared by a read) and each one's minimum
-kept, so a drift of the clock over the run falls on all of them. ``NAME_diff`` is
+beforehand: the GPU machine's copy has no git history). Each is built for sm_90a (so this runs
+on a Hopper GPU) as an extension of its own (the sources copied with ``binding.cpp``, the op
+library renamed ``mla_ab_NAME`` and the C++ namespace with it, so the versions load side by
+side; ``csrc``'s headers are shared), the builds in parallel processes. At each shape
+(``--shapes``, default the six of ``SHAPES``; 128 heads for sm90 and 16 for sm80 unless
+``--heads``; the split count ``mla_decode`` takes) each version's stage 1, and at more than one
+split the Triton merge, is captured in one CUDA graph, as ``bench_decode.py``'s ``time_us`` is;
+with one split the kernel writes the answer in q's dtype itself, as ``mla_decode`` has it do.
+The versions are timed in turn ``--rounds`` times (``bench_decode.bench_us``, L2 cleared by a
+read) and each one's minimum kept, so a drift of the clock over the run falls on all of them. ``NAME_diff`` is
 max |out - first's out| / max |first's out|: the versions are meant to compute the same thing.
 Correctness is the GPU tests' job (``tests/test_kernels_decode.py``); this only times.
 
-Writes ``--out-name`` (``h200-decode-sm90-ab-rows.json``); the committed A/B files gather runs
+Writes ``--out-name`` (``h200-decode-KERNEL-ab-rows.json``); the committed A/B files gather runs
 of it by hand under ``runs``.
 """
 
@@ -98,7 +98,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("versions", nargs="+", metavar="NAME=PATH")
     parser.add_argument("--out", type=pathlib.Path, required=True)
-    parser.add_argument("--out-name", default="h200-decode-sm90-ab-rows.json")
+    parser.add_argument("--out-name", default=None, help="default h200-decode-KERNEL-ab-rows.json")
     parser.add_argument("--kernel", choices=("sm90", "sm80"), default="sm90")
     parser.add_argument("--heads", default=None, help="comma-separated; default 128 (sm90) or 16 (sm80)")
     parser.add_argument("--shapes", default=None, help="comma-separated BxT (e.g. 1x32768); default SHAPES")
@@ -110,6 +110,9 @@ def main(argv=None) -> None:
         if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) or not pathlib.Path(path).is_file():
             parser.error(f"a version is NAME=PATH with NAME an identifier and PATH a file, got {item!r}")
         versions[name] = path
+    heads = [int(x) for x in (args.heads or ("128" if args.kernel == "sm90" else "16")).split(",")]
+    if args.kernel == "sm80" and max(heads) > 16:
+        parser.error(f"--kernel sm80 takes at most 16 heads, got --heads {args.heads}")
     shapes = SHAPES
     if args.shapes:
         try:
@@ -129,7 +132,6 @@ def main(argv=None) -> None:
         build(name, path, folders[name])
         ops[name] = getattr(getattr(torch.ops, f"mla_ab_{name}"), f"mla_decode_{args.kernel}")
     block_h, block_n = (_SM90_HEADS, _SM90_TILE) if args.kernel == "sm90" else (_CUDA_HEADS, _CUDA_TILE)
-    heads = args.heads or ("128" if args.kernel == "sm90" else "16")
     print(f"built {len(ops)} versions in {time.time() - t0:.0f} s", flush=True)
 
     copy, mm = copy_bandwidth_GBps(), matmul_TFLOPs()
@@ -137,7 +139,7 @@ def main(argv=None) -> None:
     print(f"copy {copy:.0f} GB/s, matmul {mm:.0f} TFLOP/s", flush=True)
     first = next(iter(ops))
     rows = []
-    for h in (int(x) for x in heads.split(",")):
+    for h in heads:
         for b, t in shapes:
             q, caches, table, lens = make_inputs(b, t, h, copies=rotation_copies(b, t))
             splits = choose_num_kv_splits(b, h, t, num_sms, block_h=block_h, block_n=block_n,
@@ -163,7 +165,7 @@ def main(argv=None) -> None:
             torch.cuda.empty_cache()
     sources = {name: dict(path=path, sha256=hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()[:16])
                for name, path in versions.items()}
-    write_json(args.out, args.out_name,
+    write_json(args.out, args.out_name or f"h200-decode-{args.kernel}-ab-rows.json",
                dict(device=torch.cuda.get_device_name(0), copy_GBps=copy, matmul_TFLOPs=mm, rounds=args.rounds,
                     kernel=args.kernel, versions=sources, wall_s=round(time.time() - t0), rows=rows))
 

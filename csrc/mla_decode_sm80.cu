@@ -15,10 +15,11 @@
 // Why a second kernel: at 16 heads the Triton program holds 255 registers and spills (each warp
 // keeps the whole (16, 576) query and a full tile's operand fragments) and keeps one tile in
 // flight (benchmarks/NOTES.md rows 30-31). Here the fragments are loaded a k-step at a time
-// (236 registers on sm_90, 254 on sm_80, no spills), the query's fragments stay in registers,
-// and on an H100/H200 (228 KiB of shared memory an SM) two CTAs share an SM, each with a tile in
-// flight while it computes the other (an A100 fits one; GPUs with less than the 103 KiB a block
-// needs, sm_86/89/120, run the Triton kernel). Measured on an H200: benchmarks/NOTES.md rows 33-40.
+// (229-236 registers on sm_90 by nvcc version, 254 on sm_80, no spills), the query's fragments
+// stay in registers, and on an H100/H200 (228 KiB of shared memory an SM) two CTAs share an SM,
+// each with a tile in flight while it computes the other (an A100 fits one; GPUs with less than
+// the 103 KiB a block needs, sm_86/89/120, run the Triton kernel). Measured on an H200:
+// benchmarks/NOTES.md rows 33-40.
 //
 // One CTA per (head block of 16, sequence, split); kWarps = 4 warps; tiles of kTile = 32
 // tokens, kStages = 2 deep in shared memory (rows padded to 584 values so ldmatrix is free of
@@ -373,8 +374,10 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
 using DecodeShape = Shape<32, 2, 4, 2>;
 static_assert(DecodeShape::kSmemBytes == 105088,
               "mla/kernels/decode.py's _CUDA_SMEM_BYTES must equal DecodeShape::kSmemBytes");
-// One wave of CTAs (b x splits <= SMs), one CTA an SM: 4 tiles of 32, ~176 KiB (NOTES row 52).
+// One wave of CTAs (b x splits <= SMs), one CTA an SM: 4 tiles of 32, ~176 KiB (NOTES row 52:
+// 5-9% faster at one sequence of 32k-128k tokens, 0.6 us slower at 4k, where a split has 4 tiles).
 using WaveShape = Shape<32, 4, 4, 1>;
+static_assert(WaveShape::kSmemBytes == 179840, "the one-wave shape's shared memory (NOTES row 52)");
 
 // ---------------------------------------------------------------------------------------------
 // Host side: the check (binding.cpp), then the launch on the current stream

@@ -495,7 +495,8 @@ def test_gpu_backends_take_any_softmax_scale(backend, scale):
 
 @pytest.mark.gpu
 def test_gpu_sm80_kernel_both_launch_shapes():
-    # csrc/mla_decode_sm80.cu runs 4 tiles deep, one CTA an SM, when b * splits fits on the SMs,
+    # csrc/mla_decode_sm80.cu runs 4 tiles deep, one CTA an SM, when b * splits fits on the SMs
+    # (and the GPU allows its 176 KiB of shared memory a block: an H100 / H200 does, an A100 not),
     # and 2 deep, two CTAs an SM, above that: split counts on both sides of the line, partial
     # buffers NaN-filled so that a slot left unwritten shows
     from mla.kernels.concat_cache import load_extension
