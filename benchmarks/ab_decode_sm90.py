@@ -15,8 +15,9 @@ side; ``csrc``'s headers are shared), the builds in parallel processes. At each 
 split the Triton merge, is captured in one CUDA graph, as ``bench_decode.py``'s ``time_us`` is;
 with one split the kernel writes the answer in q's dtype itself, as ``mla_decode`` has it do.
 The versions are timed in turn ``--rounds`` times (``bench_decode.bench_us``, L2 cleared by a
-read) and each one's minimum kept, so a drift of the clock over the run falls on all of them. ``NAME_diff`` is
-max |out - first's out| / max |first's out|: the versions are meant to compute the same thing.
+read) and each one's minimum kept, so a drift of the clock over the run falls on all of them.
+``NAME_diff`` is max |out - first's out| / max |first's out|: the versions are meant to compute
+the same thing.
 Correctness is the GPU tests' job (``tests/test_kernels_decode.py``); this only times.
 
 Writes ``--out-name`` (``h200-decode-KERNEL-ab-rows.json``); the committed A/B files gather runs
