@@ -9,7 +9,8 @@
 
 from .cache import LatentCache
 from .config import PRESETS, MLAConfig
-from .layer import TIERS, MLAAttention, build
+from .base import MLAAttention
+from .tiers import TIERS, build
 from .weights import MLAWeights
 
 __all__ = ["MLAConfig", "MLAWeights", "MLAAttention", "LatentCache", "build", "PRESETS", "TIERS"]

@@ -20,7 +20,7 @@ import torch
 
 from . import memory
 from .config import PRESETS, MLAConfig
-from .layer import TIERS, build
+from .tiers import TIERS, build
 from .weights import MLAWeights
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,

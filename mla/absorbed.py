@@ -41,7 +41,7 @@ import torch
 
 from .cache import LatentCache
 from .config import MLAConfig
-from .layer import MLAAttention
+from .base import MLAAttention
 from .naive import (attend_up_projected, causal_mask, latent, padding_mask, positions_and_rope,
                     query_latent, query_nope, query_rope)
 from .weights import MLAWeights
@@ -116,7 +116,7 @@ class AbsorbedMLA(MLAAttention):
             instead of applying the factors per call.
         prefill: "up-project" (rows with more than one new token take the naive dataflow,
             cheaper for long chunks) or "absorbed" (every row attends over the latent).
-        process_group: tensor parallelism (see `mla.layer.MLAAttention`).
+        process_group: tensor parallelism (see `mla.base.MLAAttention`).
     """
 
     tier = "absorbed"

@@ -106,8 +106,6 @@ class MLAConfig:
     @property
     def softmax_scale(self) -> float:
         """(d + r)^-0.5, times mscale^2 under YaRN (mscale from mscale_all_dim), as HF does."""
-        from .rope import softmax_scale
-
         return softmax_scale(self)
 
     def replace(self, **changes: Any) -> MLAConfig:
@@ -183,6 +181,23 @@ class MLAConfig:
         if self.rope_scaling is not None:
             out["rope_scaling"] = {"type": "yarn", **self.rope_scaling}
         return out
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: 0.1·mscale·ln(scale) + 1 (1 when scale <= 1)."""
+    if scale <= 1.0:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def softmax_scale(config: MLAConfig) -> float:
+    """(d + r)^-0.5, times mscale(factor, mscale_all_dim)^2 when YaRN is on and mscale_all_dim != 0."""
+    scale = config.qk_head_dim ** -0.5
+    yarn = config.yarn
+    if yarn is not None and yarn["mscale_all_dim"]:
+        mscale = yarn_get_mscale(yarn["factor"], yarn["mscale_all_dim"])
+        scale = scale * mscale * mscale
+    return scale
 
 
 def _check_yarn(rope_scaling: Mapping[str, Any], max_position_embeddings: int) -> dict[str, float]:

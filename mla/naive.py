@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .cache import LatentCache
-from .layer import MLAAttention
+from .base import MLAAttention
 from .rope import apply_rope, rope_cos_sin
 from .weights import MLAWeights
 

@@ -23,24 +23,7 @@ import math
 
 import torch
 
-from .config import MLAConfig
-
-
-def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature: 0.1·mscale·ln(scale) + 1 (1 when scale <= 1)."""
-    if scale <= 1.0:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
-
-
-def softmax_scale(config: MLAConfig) -> float:
-    """(d + r)^-0.5, times mscale(factor, mscale_all_dim)^2 when YaRN is on and mscale_all_dim != 0."""
-    scale = config.qk_head_dim ** -0.5
-    yarn = config.yarn
-    if yarn is not None and yarn["mscale_all_dim"]:
-        mscale = yarn_get_mscale(yarn["factor"], yarn["mscale_all_dim"])
-        scale = scale * mscale * mscale
-    return scale
+from .config import MLAConfig, yarn_get_mscale
 
 
 def _yarn_correction_dim(num_rotations: float, dim: int, base: float, original_len: int) -> float:

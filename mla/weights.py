@@ -58,7 +58,7 @@ class MLAWeights(nn.Module):
         tp_rank, tp_world_size: which share of the heads these weights hold: 0 and 1 for a
             whole layer, k and w for `shard(k, w)`. Plain ints, not parameters or buffers, so
             state dicts are HF's either way; a tier built with a process_group checks them
-            against the group (`mla.layer.MLAAttention`).
+            against the group (`mla.base.MLAAttention`).
     """
 
     def __init__(self, config: MLAConfig, *, dtype: torch.dtype = torch.float32,

@@ -43,7 +43,7 @@ import torch
 from ..absorbed import PREFILL_MODES, attend_absorbed
 from ..kernels import concat_and_cache, mla_decode, mla_decode_reference
 from ..kernels import concat_cache as _concat_cache
-from ..layer import MLAAttention
+from ..base import MLAAttention
 from ..naive import (attend_up_projected, causal_mask, latent, query_latent, query_nope,
                      query_rope)
 from ..rope import rope_cos_sin
@@ -81,7 +81,7 @@ class PagedMLA(MLAAttention):
         num_kv_splits: passed to `mla.kernels.mla_decode`; None lets it choose from the batch,
             lengths and SM count (one host sync). Fix it for CUDA-graph capture.
         shuffle: default seed of `new_cache`'s random page order (None: pages in order).
-        process_group: tensor parallelism over heads (see `mla.layer.MLAAttention`).
+        process_group: tensor parallelism over heads (see `mla.base.MLAAttention`).
 
     The common call is every tier's: `y = attn(x, cache, lengths)`, x (b, s, hidden). Engines
     that batch many sequences without padding call `forward_ragged`.
@@ -152,7 +152,7 @@ class PagedMLA(MLAAttention):
 
     # ---- the common call ------------------------------------------------------------------
     def forward(self, x: torch.Tensor, cache: PagedLatentCache, lengths=None) -> torch.Tensor:
-        """x (b, s, hidden), right-padded by `lengths` (b,) -> y (b, s, hidden); see mla.layer.
+        """x (b, s, hidden), right-padded by `lengths` (b,) -> y (b, s, hidden); see mla.base.
 
         Flattens the real tokens row after row and runs them as one ragged batch.
         """

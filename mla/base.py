@@ -1,4 +1,4 @@
-"""What all three tiers share: construction from MLAWeights, the call's checks, `build`.
+"""What all three tiers share: construction from MLAWeights, the call's checks, the output.
 
 Every tier is an `MLAAttention` with the same two calls:
 
@@ -23,9 +23,6 @@ from torch import nn
 
 from .cache import LatentCache
 from .weights import MLAWeights
-
-TIERS = ("naive", "absorbed", "paged")
-
 
 class MLAAttention(nn.Module):
     """Base of the tiers: holds the shared MLAWeights (a reference, never a copy).
@@ -144,20 +141,3 @@ def _as_lengths(lengths: Any, b: int, s: int) -> torch.Tensor:
     if bool(((lengths < 0) | (lengths > s)).any()):
         raise ValueError(f"lengths must lie in [0, tokens={s}], got {lengths.tolist()}")
     return lengths
-
-
-def build(weights: MLAWeights, tier: str, **options: Any) -> MLAAttention:
-    """The attention layer of `tier` ("naive", "absorbed" or "paged") over `weights`.
-
-    Options go to the tier's class: `process_group` for every tier; `precompute` and `prefill`
-    for "absorbed"; `block_size`, `num_blocks` for "paged".
-    """
-    if tier == "naive":
-        from .naive import NaiveMLA as cls
-    elif tier == "absorbed":
-        from .absorbed import AbsorbedMLA as cls
-    elif tier == "paged":
-        from .paged import PagedMLA as cls
-    else:
-        raise ValueError(f"unknown tier {tier!r}; expected one of {list(TIERS)}")
-    return cls(weights, **options)
