@@ -26,27 +26,26 @@ _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_al
 
 @dataclass(frozen=True)
 class MLAConfig:
-    """The attention sizes of a DeepSeek-V2/V3 layer.
-
-    Field names are HF's, so `MLAConfig.from_hf(model.config)` reads a checkpoint's config.json.
+    """The attention sizes of a DeepSeek-V2/V3 layer, under HF's field names (`from_hf`).
 
     Args:
         hidden_size: model width (`hidden`).
         num_heads: attention heads `h` (HF: `num_attention_heads`).
-        q_lora_rank: query latent width `q`; None means no query compression (DeepSeek-V2-Lite),
-            the query is then `q_proj(x)` straight from the hidden state.
-        kv_lora_rank: KV latent width `c`, the part of the cache that is up-projected into keys
-            and values.
+        q_lora_rank: query latent width `q`; None: no query compression (DeepSeek-V2-Lite), the
+            query is `q_proj(x)` straight from the hidden state.
+        kv_lora_rank: KV latent width `c`, the cached part, up-projected into keys and values.
         qk_nope_head_dim: per-head query/key width without position `d`.
         qk_rope_head_dim: per-head width of the decoupled rotary query/key `r` (even).
         v_head_dim: per-head value width `v`.
-        rope_theta: RoPE base.
+        rope_theta: RoPE base (> 1).
         rope_scaling: None, or a YaRN dict with `factor` and `original_max_position_embeddings`
             (and optionally `beta_fast`, `beta_slow`, `mscale`, `mscale_all_dim`).
         max_position_embeddings: longest position the model is meant for.
         rms_norm_eps: epsilon of the two RMSNorms on the latents.
         attention_bias: whether q_a_proj / q_proj, kv_a_proj_with_mqa and o_proj carry a bias
             (False in every released checkpoint).
+
+    Sizes are positive ints (not bools), numbers finite; an error names the field.
     """
 
     hidden_size: int

@@ -13,7 +13,7 @@ built from the same object compute with the same numbers. The submodules carry H
     kv_b_proj           Linear(c -> h·(d+v))       [W^{UK}; W^{UV}]  per head
     o_proj              Linear(h·v -> hidden)      W^{O}
 
-The properties W_UQ, W_QR, W_UK, W_UV, W_O are per-head *views* of those matrices (no copies).
+The properties W_UQ, W_QR, W_UK, W_UV, W_O are per-head views of those matrices (no copies).
 """
 
 from __future__ import annotations
@@ -257,24 +257,14 @@ class MLAWeights(nn.Module):
     def shard(self, rank: int, world_size: int) -> MLAWeights:
         """The weights of rank `rank`'s heads when `world_size` ranks split the heads evenly.
 
-        Rank k takes heads k·h/w ... (k+1)·h/w - 1 (h = num_heads, w = world_size), as the
-        system we started from does. What each rank keeps:
-
-            q_b_proj / q_proj    the output rows of its heads       (h/w·(d+r), q or hidden)
-            kv_b_proj            the output rows of its heads       (h/w·(d+v), c)
-            o_proj.weight        the input columns of its heads     (hidden, h/w·v)
-            q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm, o_proj.bias: all of it
-
-        The latent path is replicated: every rank computes (and caches) the same c + r values a
-        token. Each rank's o_proj gives a partial sum over its heads;
-        `MLAAttention.reduce_and_bias` all-reduces the partials and then adds o_proj's bias, so
-        the bias, kept whole on every shard, counts once. The softmax scale depends on d + r and
-        YaRN only, not on h.
+        Rank k takes heads k·h/w ... (k+1)·h/w - 1 (h = num_heads, w = world_size): the rows of
+        its heads in q_b_proj (or q_proj) and kv_b_proj, the columns of its heads in o_proj's
+        weight, and all of the latent path and o_proj's bias, which `reduce_and_bias` adds once
+        after the all-reduce (table and reasons: docs/tensor-parallel.md).
 
         Returns a new MLAWeights whose config has num_heads = h/w (its name notes "tp k/w") and
         whose tp_rank, tp_world_size record the share (sharding a shard again splits its share:
-        rank k·w' + k', world size w·w'); its tensors are copies (same dtype and device), so
-        changing one set of weights later does not change the other.
+        rank k·w' + k', world size w·w'); its tensors are copies, same dtype and device.
         """
         cfg = self.config
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
