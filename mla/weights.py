@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -320,8 +321,8 @@ def _layer_files(path: Path, prefix: str) -> dict[Path, list[str]]:
             raise ValueError(f"{index_file}: expected a 'weight_map' object of tensor name -> "
                              f"shard file, got {weight_map!r:.80}")
     elif (path / "model.safetensors").is_file():
-        keys = _read_tensors(path / "model.safetensors", None)
-        weight_map = {k: "model.safetensors" for k in keys}
+        with _safetensors(path / "model.safetensors") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
     else:
         raise FileNotFoundError(
             f"{path} has neither model.safetensors nor model.safetensors.index.json")
@@ -337,20 +338,24 @@ def _layer_files(path: Path, prefix: str) -> dict[Path, list[str]]:
     return files
 
 
-def _read_tensors(file: Path, keys: list[str] | None) -> dict[str, torch.Tensor] | list[str]:
-    """The tensors `keys` of a safetensors file, or (keys None) its tensor names."""
+@contextmanager
+def _safetensors(file: Path):
+    """safe_open(file), with any read error raised as ValueError naming the file."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(file, framework="pt") as f:
-            if keys is None:
-                return list(f.keys())
-            missing = sorted(set(keys) - set(f.keys()))
-            if missing:
-                raise ValueError(f"{file}: holds no tensor {missing[0]}, which the index puts there")
-            return {key: f.get_tensor(key) for key in keys}
+            yield f
     except (SafetensorError, OSError) as err:
         raise ValueError(f"{file}: not a readable safetensors file ({err})") from err
+
+
+def _read_tensors(file: Path, keys: list[str]) -> dict[str, torch.Tensor]:
+    with _safetensors(file) as f:
+        missing = sorted(set(keys) - set(f.keys()))
+        if missing:
+            raise ValueError(f"{file}: holds no tensor {missing[0]}, which the index puts there")
+        return {key: f.get_tensor(key) for key in keys}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -248,6 +248,8 @@ def test_truncated_safetensors_is_named(tmp_path, shards):
     ("model.safetensors.index.json", '{"metadata": {}}', r"index.json: expected .*weight_map"),
     ("model.safetensors.index.json", '{"weight_map": {"model.layers.0.self_attn.o_proj.weight": '
      '"missing.safetensors"}}', r"missing.safetensors.*not found.*index.json"),
+    ("model.safetensors.index.json", '{"weight_map": {"model.layers.0.self_attn.o_proj.weight": '
+     '"model-00001-of-00003.safetensors"}}', r"00001-of-00003.safetensors: holds no tensor .*o_proj"),
 ])
 def test_malformed_json_files_are_named(tmp_path, file, text, match):
     cfg = MLAConfig.from_preset("tiny")
