@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,27 +26,26 @@ _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_al
 
 @dataclass(frozen=True)
 class MLAConfig:
-    """The attention sizes of a DeepSeek-V2/V3 layer.
-
-    Field names are HF's, so `MLAConfig.from_hf(model.config)` reads a checkpoint's config.json.
+    """The attention sizes of a DeepSeek-V2/V3 layer, under HF's field names (`from_hf`).
 
     Args:
         hidden_size: model width (`hidden`).
         num_heads: attention heads `h` (HF: `num_attention_heads`).
-        q_lora_rank: query latent width `q`; None means no query compression (DeepSeek-V2-Lite),
-            the query is then `q_proj(x)` straight from the hidden state.
-        kv_lora_rank: KV latent width `c`, the part of the cache that is up-projected into keys
-            and values.
+        q_lora_rank: query latent width `q`; None: no query compression (DeepSeek-V2-Lite), the
+            query is `q_proj(x)` straight from the hidden state.
+        kv_lora_rank: KV latent width `c`, the cached part, up-projected into keys and values.
         qk_nope_head_dim: per-head query/key width without position `d`.
         qk_rope_head_dim: per-head width of the decoupled rotary query/key `r` (even).
         v_head_dim: per-head value width `v`.
-        rope_theta: RoPE base.
+        rope_theta: RoPE base (> 1).
         rope_scaling: None, or a YaRN dict with `factor` and `original_max_position_embeddings`
             (and optionally `beta_fast`, `beta_slow`, `mscale`, `mscale_all_dim`).
         max_position_embeddings: longest position the model is meant for.
         rms_norm_eps: epsilon of the two RMSNorms on the latents.
         attention_bias: whether q_a_proj / q_proj, kv_a_proj_with_mqa and o_proj carry a bias
             (False in every released checkpoint).
+
+    Sizes are positive ints (not bools), numbers finite; an error names the field.
     """
 
     hidden_size: int
@@ -63,29 +63,28 @@ class MLAConfig:
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
+        # Sizes must be ints (numpy's too, stored as int), not bools; floats finite.
         for key in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim",
                     "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"MLAConfig.{key} must be a positive int, got {value!r}")
-        if self.q_lora_rank is not None and (
-            not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0
-        ):
-            raise ValueError(
-                f"MLAConfig.q_lora_rank must be a positive int or None, got {self.q_lora_rank!r}"
-            )
+            self._set(key, _positive_int(f"MLAConfig.{key}", getattr(self, key)))
+        if self.q_lora_rank is not None:
+            self._set("q_lora_rank", _positive_int("MLAConfig.q_lora_rank (or None)",
+                                                   self.q_lora_rank))
         if self.qk_rope_head_dim % 2:
             raise ValueError(
                 "MLAConfig.qk_rope_head_dim must be even (RoPE rotates pairs), "
                 f"got {self.qk_rope_head_dim}"
             )
-        if not self.rope_theta > 0:
-            raise ValueError(f"MLAConfig.rope_theta must be > 0, got {self.rope_theta!r}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"MLAConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        # base^(-2i/r) falls with i only for a base above 1 (and YaRN divides by ln base)
+        self._set("rope_theta", _finite_above("MLAConfig.rope_theta", self.rope_theta, 1.0))
+        self._set("rms_norm_eps", _finite_above("MLAConfig.rms_norm_eps", self.rms_norm_eps, 0.0))
+        if not isinstance(self.attention_bias, bool):
+            raise ValueError(f"MLAConfig.attention_bias must be a bool, got {self.attention_bias!r}")
         if self.rope_scaling is not None:
-            object.__setattr__(self, "rope_scaling", _check_yarn(self.rope_scaling,
-                                                                 self.max_position_embeddings))
+            self._set("rope_scaling", _check_yarn(self.rope_scaling, self.max_position_embeddings))
+
+    def _set(self, key: str, value: Any) -> None:
+        object.__setattr__(self, key, value)  # the dataclass is frozen; only __post_init__ sets
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -154,11 +153,11 @@ class MLAConfig:
             qk_nope_head_dim=get("qk_nope_head_dim"),
             qk_rope_head_dim=get("qk_rope_head_dim"),
             v_head_dim=get("v_head_dim"),
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=get("max_position_embeddings", 4096),
-            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-            attention_bias=bool(get("attention_bias", False)),
+            rms_norm_eps=get("rms_norm_eps", 1e-6),
+            attention_bias=get("attention_bias", False),
             name=str(get("model_type", "hf")),
         )
 
@@ -200,6 +199,21 @@ def softmax_scale(config: MLAConfig) -> float:
     return scale
 
 
+def _positive_int(where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{where} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _finite_above(where: str, value: Any, low: float, *, inclusive: bool = False) -> float:
+    ok = (not isinstance(value, bool) and isinstance(value, numbers.Real)
+          and math.isfinite(value) and (value >= low if inclusive else value > low))
+    if not ok:
+        raise ValueError(f"{where} must be a finite number {'>=' if inclusive else '>'} {low:g}, "
+                         f"got {value!r}")
+    return float(value)
+
+
 def _check_yarn(rope_scaling: Mapping[str, Any], max_position_embeddings: int) -> dict[str, float]:
     if not isinstance(rope_scaling, Mapping):
         raise ValueError(f"MLAConfig.rope_scaling must be a dict or None, got {rope_scaling!r}")
@@ -214,13 +228,14 @@ def _check_yarn(rope_scaling: Mapping[str, Any], max_position_embeddings: int) -
     unknown = sorted(set(scaling) - set(_YARN_REQUIRED) - set(_YARN_DEFAULTS))
     if unknown:
         raise ValueError(f"MLAConfig.rope_scaling has unknown YaRN keys {unknown}")
-    factor = float(scaling["factor"])
-    original = scaling["original_max_position_embeddings"]
-    if not math.isfinite(factor) or factor < 1.0:
-        raise ValueError(f"MLAConfig.rope_scaling['factor'] must be >= 1, got {factor}")
-    if not isinstance(original, int) or original <= 0:
-        raise ValueError("MLAConfig.rope_scaling['original_max_position_embeddings'] must be a "
-                         f"positive int, got {original!r}")
+    out = {key: _finite_above(f"MLAConfig.rope_scaling[{key!r}]", scaling[key], low,
+                              inclusive=True)
+           for key, low in (("factor", 1.0), ("beta_fast", 0.0), ("beta_slow", 0.0),
+                            ("mscale", 0.0), ("mscale_all_dim", 0.0))}
+    factor = out["factor"]
+    original = _positive_int("MLAConfig.rope_scaling['original_max_position_embeddings']",
+                             scaling["original_max_position_embeddings"])
+    out["original_max_position_embeddings"] = original
     if original > max_position_embeddings:
         raise ValueError(
             f"YaRN stretches original_max_position_embeddings={original} up to "
@@ -229,11 +244,9 @@ def _check_yarn(rope_scaling: Mapping[str, Any], max_position_embeddings: int) -
         raise ValueError(
             f"inconsistent YaRN factor: max_position_embeddings={max_position_embeddings} is more "
             f"than factor ({factor}) x original_max_position_embeddings ({original})")
-    if not float(scaling["beta_fast"]) > float(scaling["beta_slow"]) > 0:
+    if not out["beta_fast"] > out["beta_slow"] > 0:
         raise ValueError("MLAConfig.rope_scaling needs beta_fast > beta_slow > 0, got "
                          f"{scaling['beta_fast']} and {scaling['beta_slow']}")
-    out: dict[str, float] = {k: float(v) for k, v in scaling.items()}
-    out["original_max_position_embeddings"] = int(original)
     return out
 
 

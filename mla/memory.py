@@ -11,6 +11,8 @@ hold, h·(d + r + v): the cache of an implementation that caches after kv_b_proj
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 from .config import MLAConfig
@@ -23,6 +25,20 @@ NUM_LAYERS = {"deepseek-v2": 60, "deepseek-v2-lite": 27, "deepseek-v3": 61, "tin
 DEEPSEEK_67B = dict(num_layers=95, num_kv_heads=8, head_dim=128, bytes_per_element=2.0)
 
 
+def _count(name: str, value, least: int) -> int:
+    """`value` as an int >= least, or ValueError naming the argument (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    return int(value)
+
+
+def _positive(name: str, value) -> float:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or value <= 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
 def cache_elements_per_token(config: MLAConfig, scheme: str) -> int:
     """Cached elements per token per layer for `scheme` at this config's head count and widths.
 
@@ -32,7 +48,10 @@ def cache_elements_per_token(config: MLAConfig, scheme: str) -> int:
     if scheme == "mha":
         return 2 * h * d_h
     if scheme.startswith("gqa-"):
-        groups = int(scheme.split("-", 1)[1])
+        count = scheme.split("-", 1)[1]
+        if not count.isdigit():
+            raise ValueError(f"cache scheme {scheme!r}: expected gqa-N with N a group count")
+        groups = int(count)
         if not 0 < groups <= h:
             raise ValueError(f"GQA groups must lie in [1, num_heads={h}], got {groups}")
         return 2 * groups * d_h
@@ -57,6 +76,7 @@ def paper_kv_reduction_vs_67b(bits_per_element: float = 6.0) -> float:
     (the paper's deployment section) against DeepSeek 67B's bf16 GQA cache. In bf16 both ways
     (bits_per_element=16) the reduction is ~82%.
     """
+    bits_per_element = _positive("bits_per_element", bits_per_element)
     v2 = MLAConfig.from_preset("deepseek-v2")
     v2_bytes = NUM_LAYERS["deepseek-v2"] * cache_elements_per_token(v2, "mla") * bits_per_element / 8
     b67 = DEEPSEEK_67B
@@ -78,8 +98,9 @@ def attention_flops(config: MLAConfig, s: int, t: int) -> AttentionFlops:
     The new tokens attend causally: the i-th (0-based) of s sees t - s + i + 1 keys, so
     scores total s·(t - s) + s·(s + 1)/2 (t counts the new tokens too).
     """
-    if not 0 < s <= t:
-        raise ValueError(f"need 0 < s <= t, got s={s}, t={t}")
+    if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) for n in (s, t)) or not (
+            0 < s <= t):
+        raise ValueError(f"need ints 0 < s <= t, got s={s!r}, t={t!r}")
     h, d, r, v, c = (config.num_heads, config.qk_nope_head_dim, config.qk_rope_head_dim,
                      config.v_head_dim, config.kv_lora_rank)
     pairs = s * (t - s) + s * (s + 1) / 2  # (query, key) pairs
@@ -90,7 +111,8 @@ def attention_flops(config: MLAConfig, s: int, t: int) -> AttentionFlops:
 
 def prefill_crossover(config: MLAConfig, context: int) -> int:
     """Smallest number of new tokens over `context` cached ones for which up-projection needs
-    fewer FLOPs than absorption (1 if it always does, context+... capped at 1<<20)."""
+    fewer FLOPs than absorption (1 if it always does; the search stops at 1<<20)."""
+    context = _count("context", context, 0)
     s = 1
     while s < 1 << 20:
         f = attention_flops(config, s, context + s)
@@ -104,6 +126,9 @@ def kv_cache_table(config: MLAConfig, seq_len: int, num_layers: int,
                    bytes_per_element: float = 2.0, schemes=("mha", "gqa-8", "mqa", "mla",
                                                             "mla-expanded")):
     """Rows of (scheme, elements/token/layer, bytes/token (all layers), bytes/sequence)."""
+    seq_len = _count("seq_len", seq_len, 0)
+    num_layers = _count("num_layers", num_layers, 1)
+    bytes_per_element = _positive("bytes_per_element", bytes_per_element)
     rows = []
     for scheme in schemes:
         per_layer = cache_elements_per_token(config, scheme)

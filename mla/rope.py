@@ -1,20 +1,12 @@
 """DeepSeek's rotary position embedding: interleaved pairs, YaRN scaling, the softmax mscale.
 
-RoPE rotates the r rotary dims of a query or key as r/2 independent pairs. DeepSeek checkpoints
-pair *neighbouring* dims, (x0, x1), (x2, x3), ... (DeepSeek-V3 `inference/model.py` views the last
-dim as complex numbers). Rotating the halves instead, (x0, x_{r/2}), ... (Llama's `rotate_half`),
-still gives a working model, but one that silently disagrees with every real checkpoint.
-
-Pair i at position m turns by the angle m·θ_i, θ_i = base^(-2i/r). YaRN (arXiv:2309.00071)
-stretches the context by `factor`: the slow pairs (wavelength longer than the original context)
-are interpolated (θ_i / factor), the fast pairs kept, and a linear ramp between two correction
-dims blends the two. It also rescales attention logits: cos/sin are multiplied by
-mscale(factor, mscale) / mscale(factor, mscale_all_dim), and the softmax scale by
-mscale(factor, mscale_all_dim)^2, with mscale(s, m) = 0.1·m·ln(s) + 1.
-
-Angles are computed in float32 as HF and DeepSeek's inference code do, then cast to the
-activations' dtype: the checkpoints were trained that way, and float64 angles would move
-positions in the thousands by ~1e-4 rad.
+RoPE rotates the r rotary dims of a query or key as r/2 pairs, and DeepSeek checkpoints pair
+*neighbouring* dims, (x0, x1), (x2, x3), ...; rotating the halves instead (Llama's
+`rotate_half`) runs but disagrees with every real checkpoint. Pair i at position m turns by
+m·θ_i, θ_i = base^(-2i/r). YaRN (arXiv:2309.00071) interpolates the slow pairs (θ_i / factor),
+keeps the fast ones, ramps between them, and multiplies cos and sin by
+mscale(factor, mscale) / mscale(factor, mscale_all_dim). Angles are float32, as in the code the
+checkpoints were trained with. Derivation: docs/derivations/rope.md.
 """
 
 from __future__ import annotations

@@ -74,10 +74,38 @@ def test_softmax_scale_has_yarn_mscale_squared():
     (dict(rope_scaling=dict(factor=4.0, original_max_position_embeddings=64, gamma=1)), "unknown"),
     (dict(rope_scaling=dict(factor=4.0, original_max_position_embeddings=64, beta_fast=1,
                             beta_slow=32)), "beta_fast"),
+    (dict(q_lora_rank=True), "q_lora_rank"),
+    (dict(q_lora_rank=24.0), "q_lora_rank"),
+    (dict(num_heads=True), "num_heads"),
+    (dict(max_position_embeddings=False), "max_position_embeddings"),
+    (dict(rope_theta=float("inf")), "rope_theta"),
+    (dict(rope_theta=float("nan")), "rope_theta"),
+    (dict(rope_theta=1.0), "rope_theta"),
+    (dict(rope_theta=True), "rope_theta"),
+    (dict(rope_theta="10000"), "rope_theta"),
+    (dict(rms_norm_eps=float("inf")), "rms_norm_eps"),
+    (dict(attention_bias=1), "attention_bias"),
+    (dict(rope_scaling=dict(factor=True, original_max_position_embeddings=64)),
+     r"rope_scaling\['factor'\] must be a finite number"),
+    (dict(rope_scaling=dict(factor=4.0, original_max_position_embeddings=64.0)), "original"),
+    (dict(rope_scaling=dict(factor=4.0, original_max_position_embeddings=64,
+                            mscale=float("nan"))), "mscale"),
+    (dict(rope_scaling=dict(factor=4.0, original_max_position_embeddings=64,
+                            mscale_all_dim=-1.0)), "mscale_all_dim"),
+    (dict(rope_scaling=dict(factor=4.0, original_max_position_embeddings=64,
+                            beta_fast=float("inf"))), "beta_fast"),
 ])
 def test_validation_names_the_field(changes, match):
     with pytest.raises(ValueError, match=match):
         MLAConfig.from_preset("tiny").replace(**changes)
+
+
+def test_numpy_integers_and_whole_floats_are_read_as_numbers():
+    np = pytest.importorskip("numpy")
+    cfg = MLAConfig.from_preset("tiny")
+    same = cfg.replace(num_heads=np.int64(4), q_lora_rank=np.int32(24), rope_theta=np.float32(1e4))
+    assert same == cfg and type(same.num_heads) is int and type(same.rope_theta) is float
+    assert cfg.replace(rope_theta=10000).rope_theta == 10000.0
 
 
 def test_unknown_preset_and_rope_type():

@@ -36,9 +36,17 @@ def rotate_pairs_reference(x, positions, thetas, scale):
     return out
 
 
-@pytest.mark.parametrize("preset", ["tiny", "deepseek-v3", "deepseek-v2"])
+def _tiny_with_mscales(mscale, mscale_all_dim):
+    return MLAConfig.from_preset("tiny").replace(rope_scaling=dict(
+        factor=4.0, original_max_position_embeddings=64, mscale=mscale,
+        mscale_all_dim=mscale_all_dim))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "deepseek-v3", "deepseek-v2", "mscales-differ"])
 def test_inv_freq_and_rotation_match_independent_formula(preset):
-    cfg = MLAConfig.from_preset(preset)
+    # every published config has mscale == mscale_all_dim, where their ratio is 1 either way up
+    cfg = (_tiny_with_mscales(1.0, 0.5) if preset == "mscales-differ"
+           else MLAConfig.from_preset(preset))
     y = cfg.yarn
     thetas = yarn_theta_reference(cfg.qk_rope_head_dim, cfg.rope_theta, y["factor"],
                                   y["original_max_position_embeddings"], y["beta_fast"],
@@ -81,3 +89,27 @@ def test_scores_depend_on_relative_position_only():
         ck, sk = rope_cos_sin(cfg, torch.tensor([n]), torch.float64)
         return (apply_rope(q[None], cq, sq) * apply_rope(k[None], ck, sk)).sum().item()
     assert score(10, 3) == pytest.approx(score(107, 100), rel=1e-5)
+
+
+@pytest.mark.parametrize("mscale,mscale_all_dim", [(1.0, 0.707), (0.707, 1.0), (1.0, 0.0),
+                                                   (0.0, 1.0)])
+def test_cos_sin_and_softmax_scale_match_transformers(mscale, mscale_all_dim):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    cfg = _tiny_with_mscales(mscale, mscale_all_dim)
+    fields = dict(cfg.to_hf_dict(), vocab_size=8, num_hidden_layers=1,
+                  num_key_value_heads=cfg.num_heads)
+    hf_cfg = transformers.DeepseekV3Config(**fields)
+    hf_rope = hf.DeepseekV3RotaryEmbedding(hf_cfg)
+    assert hf_rope.rope_type == "yarn"
+    positions = torch.tensor([[0, 1, 5, 63, 64, 200, 255]])
+    # HF's cos, sin: (1, s, r) = [cos(m·θ) | cos(m·θ)] times its attention factor, float32
+    hf_cos, hf_sin = hf_rope(torch.zeros(1, dtype=torch.float64), positions)
+    cos, sin = rope_cos_sin(cfg, positions[0], torch.float64)  # (s, r/2)
+    half = cfg.qk_rope_head_dim // 2
+    assert torch.allclose(cos, hf_cos[0, :, :half], rtol=1e-6, atol=1e-7)
+    assert torch.allclose(sin, hf_sin[0, :, :half], rtol=1e-6, atol=1e-7)
+    assert rope_attention_factor(cfg) == pytest.approx(hf_rope.attention_scaling, rel=1e-12)
+    hf_attn = hf.DeepseekV3Attention(hf_cfg, layer_idx=0)
+    assert cfg.softmax_scale == pytest.approx(hf_attn.scaling, rel=1e-12)
