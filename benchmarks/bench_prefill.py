@@ -1,6 +1,6 @@
 """Prefill over a cached context: the paged tier's up-projected path against its absorbed path.
 
-    PYTHONPATH=. python3 benchmarks/bench_prefill.py --out benchmarks/results    # ~1 min on an H200
+    python -m mla bench prefill --out benchmarks/results    # ~1 min on an H200
 
 DeepSeek-V3 sizes (one layer, random weights, bf16, page 64). Each row of the batch holds a
 ``--context`` (4096) token prefix plus s new tokens already in the paged cache; both paths run
@@ -27,18 +27,6 @@ import time
 import torch
 
 
-def _time_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def crossover(rows: list[dict]) -> tuple[int | None, int | None]:
     """(first s where up-project wins, smallest s from which it wins at every measured s)."""
     done = [r for r in rows if r["up_project_ms"] is not None and r["absorbed_ms"] is not None]
@@ -54,6 +42,8 @@ def crossover(rows: list[dict]) -> tuple[int | None, int | None]:
 
 
 def bench(paged, b: int, context: int, sizes: list[int], budget_s: float) -> list[dict]:
+    from benchmarks.timing import mean_us
+
     cfg, w = paged.config, paged.weights
     h, d, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     dev, dt = w.device, w.dtype
@@ -82,9 +72,9 @@ def bench(paged, b: int, context: int, sizes: list[int], budget_s: float) -> lis
         for path, key in (("up-project", "up_project_ms"), ("absorbed", "absorbed_ms")):
             try:
                 with torch.no_grad():
-                    row[key] = _time_ms(lambda: paged._prefill(path, q_nope, q_pe, cache, seq_ids,
-                                                               new_lens, context_lens, starts),
-                                        reps)
+                    row[key] = 1e-3 * mean_us(lambda: paged._prefill(path, q_nope, q_pe, cache, seq_ids,
+                                                                     new_lens, context_lens, starts),
+                                              reps, warmup=1)
             except torch.cuda.OutOfMemoryError:
                 row[key + "_error"] = "out of memory"
             torch.cuda.empty_cache()
