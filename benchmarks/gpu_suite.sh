@@ -35,7 +35,7 @@ for part in "$@"; do
     sanitize-decode) run sanitize-decode 200 compute-sanitizer --tool memcheck python3 benchmarks/lab/sanitize_decode.py ;;
     sweep) run sweep 330 python3 benchmarks/lab/tune_decode.py --out "$OUT" --sweep ;;
     layer) run layer 240 python3 -m mla bench layer --out "$OUT" ;;
-    prefill) run prefill 240 python3 -m mla bench prefill --out "$OUT" ;;
+    prefill) run prefill 540 python3 -m mla bench prefill --out "$OUT" ;;
     tp) run tp 400 python3 -m mla bench tp --out "$OUT" --tp 2 ;;  # 2 GPUs (nvidia-h200-x2)
     *) echo "unknown part $part" ;;
   esac

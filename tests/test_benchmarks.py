@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+import mla
 import mla.kernels  # noqa: F401  (sets TRITON_INTERPRET before triton is imported on a CPU machine)
 from benchmarks import bench_decode as bd
 from benchmarks import timing
@@ -54,7 +55,6 @@ def test_device_prefix_names_result_files():
 def test_layer_splits_is_what_mla_decode_picks_for_the_cache():
     # bench_layer.py and bench_tp.py fix a captured step's split count with this helper: it must
     # read the paged cache's fields and agree with the kernel choice mla_decode makes
-    import mla
 
     paged = mla.build(mla.MLAWeights(mla.MLAConfig.from_preset("tiny")), "paged", block_size=64)
     cache = paged.new_cache(3, 4096)
@@ -199,3 +199,46 @@ def test_flashmla_is_reported_missing_here():
     if ok:  # a machine with FlashMLA installed: nothing to say about its absence
         pytest.skip(f"flash_mla imports here ({what})")
     assert what.startswith("not importable (")
+
+
+# ---- bench_prefill.py --------------------------------------------------------------------------------
+
+
+def test_prefill_arguments_default_to_the_issue_list():
+    from benchmarks import bench_prefill as bp
+
+    assert bp.parse_args([]).shapes == bp.SHAPES
+    assert {(b, s) for b, s, t in bp.SHAPES if t == 0} == {
+        (1, 1024), (1, 4096), (4, 2048), (1, 8192), (1, 16384), (1, 32768), (1, 131072)}
+    assert {(b, s, t) for b, s, t in bp.SHAPES if t} == {(1, 4096, 32768), (1, 4096, 131072)}
+    assert bp.parse_args(["--shapes", "2x64, 1x4096+32768"]).shapes == [(2, 64, 0), (1, 4096, 32768)]
+
+
+@pytest.mark.parametrize("text", ["64", "0x64", "1x64+", "1x64+x"])
+def test_prefill_arguments_refuse_bad_shapes(text, capsys):
+    from benchmarks import bench_prefill as bp
+
+    with pytest.raises(SystemExit):
+        bp.parse_args(["--shapes", text])
+    assert "a shape is BxS or BxS+T" in capsys.readouterr().err
+
+
+def test_prefill_flops_count_the_causal_pairs():
+    from benchmarks import bench_prefill as bp
+
+    # by brute force: query i of s (at position t + i) scores keys 0 .. t + i
+    for s, t in [(1, 0), (5, 0), (3, 7)]:
+        assert bp.causal_pairs(s, t) == sum(t + i + 1 for i in range(s))
+    v3 = mla.MLAConfig.from_preset("deepseek-v3")
+    assert bp.attention_flops(v3, 2, 3, 7) == 2 * bp.causal_pairs(3, 7) * 128 * 2 * (128 + 64 + 128)
+
+
+def test_prefill_table_and_rates_from_fake_timings():
+    from benchmarks import bench_prefill as bp
+
+    row = bp.add_rates(dict(b=1, s=4096, t=0, layer_ms=4.0, sdpa_cudnn_ms=2.0, sdpa_efficient_ms=5.0,
+                            sdpa_flash_error="RuntimeError: no kernel", flex_error="compile failed"), 10**12)
+    assert row["layer_TFLOPs"] == pytest.approx(250.0) and row["sdpa_cudnn_TFLOPs"] == pytest.approx(500.0)
+    assert row["sdpa_flash_TFLOPs"] is None and row["layer_over_best_sdpa"] == pytest.approx(2.0)
+    line = bp.format_row(row)
+    assert "4.00 (250)" in line and "2.00 (500)" in line and line.count("error") == 2 and line.endswith("2.00")
