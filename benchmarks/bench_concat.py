@@ -1,6 +1,6 @@
 """concat_and_cache on the GPU: bandwidth of the CUDA kernel against device copy and torch.
 
-    PYTHONPATH=. python3 benchmarks/bench_concat.py --out benchmarks/results
+    python -m mla bench concat --out benchmarks/results      # < 2 min incl. JIT build
 
 The op is pure data movement, so its ceiling is the device copy bandwidth, measured in the same
 run (``dst.copy_(src)`` on 2 GiB, bytes read + written). For T tokens (bf16, c = 512, r = 64,
@@ -13,7 +13,7 @@ block 64, distinct random slots over a cache of ceil(T / 64) blocks):
 ``time_us`` times the op itself (``torch.ops.mla.concat_and_cache_mla``); ``api_us`` the public
 ``concat_and_cache``, whose argument checks read the slot range back to the host (a sync);
 ``torch_us`` the same write in torch (``torch.cat`` then ``index_put_`` on the flattened cache,
-plus the fp8 divide/clamp/cast). L2 is flushed before every timed call (triton's do_bench), so
+plus the fp8 divide/clamp/cast). L2 is cleared before every timed call (``timing.bench_us``), so
 small T is not served from cache. Prints a table and writes ``concat.json`` in ``--out``.
 """
 
@@ -32,23 +32,6 @@ C, R, BLOCK_SIZE = 512, 64, 64
 FP8_SCALE = 0.05
 
 
-def bench_us(fn, *, warmup_ms=25, rep_ms=100) -> float:
-    """Median time of fn() in microseconds (L2 cleared before each call by do_bench)."""
-    import triton.testing
-
-    return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-
-
-def copy_bandwidth_GBps(nbytes=2 * 2**30) -> float:
-    """Device-to-device copy, bytes read + bytes written per second."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    us = bench_us(lambda: dst.copy_(src))
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / (us * 1e-6) / 1e9
-
-
 def torch_write(kv_c, k_pe, kv_cache, slots, kv_cache_dtype, scale_t):
     """The baseline: what the reference does, minus its argument checks and -1 masking."""
     rows = torch.cat([kv_c, k_pe], dim=-1)  # (T, c + r)
@@ -60,6 +43,7 @@ def torch_write(kv_c, k_pe, kv_cache, slots, kv_cache_dtype, scale_t):
 
 
 def run(out_dir: Path) -> dict:
+    from benchmarks.timing import bench_us, copy_bandwidth_GBps
     from mla.kernels import concat_cache as cc
 
     t0 = time.time()

@@ -1,7 +1,7 @@
 """One MLA layer's decode step at DeepSeek-V3 sizes: absorbed (eager), paged (eager), paged in a
 CUDA graph.
 
-    PYTHONPATH=. python3 benchmarks/bench_layer.py --out benchmarks/results      # ~1 min on an H200
+    python -m mla bench layer --out benchmarks/results      # ~1 min on an H200
 
 One layer only (MLAConfig.from_preset("deepseek-v3"), random weights, bf16), projections
 included: x (b, 1, hidden) -> y (b, 1, hidden). Every row of the batch already holds
@@ -33,22 +33,10 @@ import time
 import torch
 
 
-def _time_us(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / iters
-
-
 def bench_batch(weights, b: int, context: int, iters: int) -> dict:
     import mla
     from benchmarks.bench_decode import layer_splits
+    from benchmarks.timing import mean_us
 
     cfg = weights.config
     dev, dt = weights.device, weights.dtype
@@ -71,10 +59,10 @@ def bench_batch(weights, b: int, context: int, iters: int) -> dict:
 
     row = dict(b=b, t=context)
     with torch.no_grad():
-        row["absorbed_eager_us"] = _time_us(lambda: absorbed(x, a_cache), iters)
+        row["absorbed_eager_us"] = mean_us(lambda: absorbed(x, a_cache), iters)
         del a_cache
         torch.cuda.empty_cache()
-        row["paged_eager_us"] = _time_us(lambda: paged(x, p_cache), iters)
+        row["paged_eager_us"] = mean_us(lambda: paged(x, p_cache), iters)
 
         row["decode_kernel"], splits = layer_splits(cfg, p_cache)
         row["num_kv_splits"] = splits
@@ -83,7 +71,7 @@ def bench_batch(weights, b: int, context: int, iters: int) -> dict:
             inputs = paged.decode_inputs(p_cache)
             return paged.decode_step(x, p_cache, num_kv_splits=splits, **inputs)
 
-        row["paged_step_eager_us"] = _time_us(eager_step, iters)
+        row["paged_step_eager_us"] = mean_us(eager_step, iters)
 
         # the graph: static inputs, warm up on a side stream, capture, replay
         static_x = x.clone()
@@ -103,7 +91,7 @@ def bench_batch(weights, b: int, context: int, iters: int) -> dict:
         row["graph_vs_eager_rel_err"] = err
         if not err < 1e-2:
             raise AssertionError(f"b={b}: graph replay differs from the eager step (rel {err})")
-        row["paged_graph_us"] = _time_us(graph.replay, iters)
+        row["paged_graph_us"] = mean_us(graph.replay, iters)
         del graph
     row["graph_speedup_vs_absorbed"] = row["absorbed_eager_us"] / row["paged_graph_us"]
     row["graph_speedup_vs_paged_eager"] = row["paged_eager_us"] / row["paged_graph_us"]

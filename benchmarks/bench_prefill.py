@@ -1,145 +1,240 @@
-"""Prefill over a cached context: the paged tier's up-projected path against its absorbed path.
+"""Prefill on the GPU: the paged tier's layer against torch SDPA and FlexAttention, at DeepSeek-V3 sizes.
 
-    PYTHONPATH=. python3 benchmarks/bench_prefill.py --out benchmarks/results    # ~1 min on an H200
+    python -m mla bench prefill --out benchmarks/results       # a few minutes on an H200
 
-DeepSeek-V3 sizes (one layer, random weights, bf16, page 64). Each row of the batch holds a
-``--context`` (4096) token prefix plus s new tokens already in the paged cache; both paths run
-the code the layer runs for such a row, ``PagedMLA._prefill(path, ...)``: gather the row's pages,
-build the causal mask, then ``attend_up_projected`` (kv_b_proj over the whole context, MHA) or
-W_UK into the query, ``attend_absorbed`` (MQA over the latent), W_UV out. The projections before
-and o_proj after are the same for both paths and left out. s = 1, 2, 4, ..., 4096 for one
-sequence and up to ``--max-b4`` for a batch of 4 (the float32 score tensor b·s·h·(t+s) grows
-past the GPU's memory beyond that).
+One layer (``MLAConfig.from_preset("deepseek-v3")``, random weights, bf16, page 64). For each
+(b, s, t) of ``SHAPES`` (b sequences of s new tokens over t cached ones; t = 0 is a prompt on an
+empty cache):
 
-The measured crossover is the smallest s from which up-projection is faster at every larger s
-measured (and the first s where it is faster at all), reported next to
-``mla.memory.prefill_crossover``, the FLOP model's value. Writes ``prefill.json`` into ``--out``.
+- ``layer``: the paged tier's whole call, x (b, s, hidden) -> y, projections included, through
+  whatever prefill path the layer takes (the cache's lengths are reset to t before each call);
+- ``sdpa_cudnn``, ``sdpa_efficient``, ``sdpa_flash``: ``scaled_dot_product_attention`` alone on
+  up-projected q, k (b, h, ·, d + r) and v (b, h, ·, v), causal with the new tokens at the end
+  (flash takes one head dim, so its v is padded to d + r and the output cut back);
+- ``flex``: ``flex_attention`` compiled, the same mask, where it compiles.
+
+Each gets ``*_ms`` (median of event-timed calls, the first call not counted), ``*_TFLOPs``
+(attention FLOPs = causal pairs x h x 2 x (d + r + v), over the time: for the layer this leaves
+its projections out, so it reads low) and ``*_peak_mib`` (memory allocated above what was
+there before the call: for SDPA its up-projected inputs included, for the layer its cache and
+weights not). A contender that fails (out of memory, no kernel for these shapes) records
+``*_error``. The bf16 matmul rate of the same run is ``matmul_TFLOPs``. Prints a table and
+writes ``DEVICE-prefill.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
+import sys
 import time
 
 import torch
 
+SHAPES = [  # (b, s, t): s new tokens a sequence over t cached ones
+    (1, 1024, 0), (1, 4096, 0), (4, 2048, 0), (1, 8192, 0), (1, 16384, 0), (1, 32768, 0), (1, 131072, 0),
+    (1, 4096, 32768), (1, 4096, 131072),
+]
+SDPA = ("cudnn", "efficient", "flash")
+CONTENDERS = ("layer", *(f"sdpa_{name}" for name in SDPA), "flex")
 
-def _time_ms(fn, reps: int) -> float:
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """'BxS,BxS+T,...' -> [(b, s, t), ...]: s new tokens over t cached (0 without '+T')."""
+    shapes = []
+    for item in text.split(","):
+        new, plus, cached = item.strip().partition("+")
+        parts = new.lower().split("x") + [cached if plus else "0"]
+        if len(parts) != 3 or not all(p.isdigit() for p in parts) or int(parts[0]) < 1 or int(parts[1]) < 1:
+            raise argparse.ArgumentTypeError(f"a shape is BxS or BxS+T (e.g. 1x4096+32768); got {item!r}")
+        shapes.append(tuple(int(p) for p in parts))
+    return shapes
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON")
+    parser.add_argument("--shapes", type=parse_shapes, default=SHAPES, help="BxS or BxS+T, comma-separated")
+    parser.add_argument("--preset", default="deepseek-v3")
+    parser.add_argument("--no-flex", dest="flex", action="store_false", help="skip FlexAttention (its compile)")
+    return parser.parse_args(argv)
+
+
+def causal_pairs(s: int, t: int) -> int:
+    """(query, key) pairs a causal prefill of s new tokens over t cached ones scores, a sequence."""
+    return s * t + s * (s + 1) // 2
+
+
+def attention_flops(config, b: int, s: int, t: int) -> int:
+    """Causal pairs x h x 2 x (d + r + v): the scores and the weighted sum of values."""
+    width = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
+    return b * causal_pairs(s, t) * config.num_heads * 2 * width
+
+
+def add_rates(row: dict, flops: int) -> dict:
+    """``*_TFLOPs`` for every ``*_ms`` of the row (None where the time is missing)."""
+    for name in CONTENDERS:
+        ms = row.get(f"{name}_ms")
+        row[f"{name}_TFLOPs"] = flops / (ms * 1e-3) / 1e12 if ms else None
+    times = [row.get(f"sdpa_{name}_ms") for name in SDPA]
+    best = min((ms for ms in times if ms), default=None)
+    row["layer_over_best_sdpa"] = row["layer_ms"] / best if best and row.get("layer_ms") else None
+    return row
+
+
+HEADER = f"{'b':>3} {'s':>7} {'t':>7} " + " ".join(f"{name:>15}" for name in CONTENDERS) + f" {'layer/sdpa':>10}"
+
+
+def format_row(row: dict) -> str:
+    """One line under HEADER: each contender's 'ms (TFLOP/s)', 'error' or '-'."""
+    cells = []
+    for name in CONTENDERS:
+        ms, rate = row.get(f"{name}_ms"), row.get(f"{name}_TFLOPs")
+        cell = f"{ms:.2f} ({rate:.0f})" if ms and rate else "error" if f"{name}_error" in row else "-"
+        cells.append(f"{cell:>15}")
+    ratio = row.get("layer_over_best_sdpa")
+    return (f"{row['b']:>3} {row['s']:>7} {row['t']:>7} " + " ".join(cells)
+            + (f" {ratio:>10.2f}" if ratio else f" {'-':>10}"))
+
+
+# ---------------------------------------------------------------------------------------------
+# On the GPU
+# ---------------------------------------------------------------------------------------------
+
+
+def measure(fn, reset=lambda: None, budget_ms=2000.0, most=10) -> tuple[float, float]:
+    """(median ms of event-timed calls, MiB allocated above the start at the peak of the first).
+
+    reset() runs before each call, outside the timed events. The first call (compile, caches)
+    is the memory measurement and is not timed; as many calls as fit ``budget_ms`` follow."""
+    import statistics
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    reset()
+    begin = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
+    peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
+    first_ms = 1e3 * (time.perf_counter() - begin)
+    times = []
+    for _ in range(max(1, min(most, int(budget_ms / max(first_ms, 1e-3))))):
+        reset()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), peak_mib
 
 
-def crossover(rows: list[dict]) -> tuple[int | None, int | None]:
-    """(first s where up-project wins, smallest s from which it wins at every measured s)."""
-    done = [r for r in rows if r["up_project_ms"] is not None and r["absorbed_ms"] is not None]
-    wins = [r["s"] for r in done if r["up_project_ms"] < r["absorbed_ms"]]
-    first = wins[0] if wins else None
-    stable = None
-    for r in reversed(done):
-        if r["up_project_ms"] < r["absorbed_ms"]:
-            stable = r["s"]
-        else:
-            break
-    return first, stable
-
-
-def bench(paged, b: int, context: int, sizes: list[int], budget_s: float) -> list[dict]:
-    cfg, w = paged.config, paged.weights
-    h, d, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-    dev, dt = w.device, w.dtype
-    s_max = max(sizes)
-    cache = paged.new_cache(b, context + s_max)
-    seq_ids = torch.arange(b)
-    cache.allocate(seq_ids, torch.full((b,), context + s_max))
-    gen = torch.Generator(device=dev).manual_seed(b)
-    cache.kv_cache.normal_(generator=gen)
-    out = []
-    t0 = time.time()
-    for s in sizes:
-        row = dict(b=b, s=s, t=context, up_project_ms=None, absorbed_ms=None)
-        if time.time() - t0 > budget_s:
-            row["skipped"] = "time budget"
-            out.append(row)
-            continue
-        cache.seq_lens[:] = context + s
-        q_nope = torch.randn(b * s, h, d, dtype=dt, device=dev, generator=gen)
-        q_pe = torch.randn(b * s, h, r, dtype=dt, device=dev, generator=gen)
-        new_lens = torch.full((b,), s)
-        context_lens = torch.full((b,), context)
-        starts = torch.arange(b) * s
-        # work ~ s: fewer repetitions for the long chunks
-        reps = max(2, min(20, 4096 // (s * b)))
-        for path, key in (("up-project", "up_project_ms"), ("absorbed", "absorbed_ms")):
-            try:
-                with torch.no_grad():
-                    row[key] = _time_ms(lambda: paged._prefill(path, q_nope, q_pe, cache, seq_ids,
-                                                               new_lens, context_lens, starts),
-                                        reps)
-            except torch.cuda.OutOfMemoryError:
-                row[key + "_error"] = "out of memory"
-            torch.cuda.empty_cache()
-        if row["up_project_ms"] and row["absorbed_ms"]:
-            row["winner"] = "up-project" if row["up_project_ms"] < row["absorbed_ms"] else "absorbed"
-        out.append(row)
-        print(f"{b:>3} {s:>6} {context:>6} {row['up_project_ms'] or float('nan'):>14.3f} "
-              f"{row['absorbed_ms'] or float('nan'):>12.3f}  {row.get('winner', '-')}", flush=True)
-        del q_nope, q_pe
-    del cache
+def _try(row: dict, name: str, run) -> None:
+    """row[name_ms], row[name_peak_mib] from run() -> (ms, MiB), or row[name_error]."""
+    try:
+        row[f"{name}_ms"], row[f"{name}_peak_mib"] = run()
+    except Exception as err:  # noqa: BLE001  (out of memory, no kernel for these shapes: a result)
+        row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:300]
     torch.cuda.empty_cache()
-    return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--max-s", type=int, default=4096)
-    ap.add_argument("--max-b4", type=int, default=1024)
-    ap.add_argument("--budget-s", type=float, default=35.0, help="per batch size")
-    args = ap.parse_args()
+def bench_layer(paged, b: int, s: int, t: int) -> tuple[float, float]:
+    cfg = paged.config
+    gen = torch.Generator(device="cuda").manual_seed(s + t)
+    cache = paged.new_cache(b, t + s)
+    cache.allocate(torch.arange(b), torch.full((b,), t + s))
+    if t:
+        cache.kv_cache.normal_(generator=gen)
+    x = torch.randn(b, s, cfg.hidden_size, dtype=paged.weights.dtype, device="cuda", generator=gen)
+
+    def reset():
+        cache.seq_lens[:] = t
+
+    with torch.no_grad():
+        return measure(lambda: paged(x, cache), reset)
+
+
+def bench_sdpa(cfg, backend: str, b: int, s: int, t: int) -> tuple[float, float]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    h, dk, dv = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    kernel = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    gen = torch.Generator(device="cuda").manual_seed(s + t)
+    q = torch.randn(b, h, s, dk, dtype=torch.bfloat16, device="cuda", generator=gen)
+    k = torch.randn(b, h, t + s, dk, dtype=torch.bfloat16, device="cuda", generator=gen)
+    v = torch.randn(b, h, t + s, dk if backend == "flash" else dv, dtype=torch.bfloat16, device="cuda",
+                    generator=gen)  # flash: v padded to d + r (random in the padding: it is cut off)
+    mask = dict(is_causal=True) if t == 0 else dict(attn_mask=causal_lower_right(s, t + s))
+    scale = dk**-0.5  # the value does not change the time
+
+    def call():
+        with sdpa_kernel(kernel):
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, **mask)
+        return out[..., :dv]
+
+    ms, _ = measure(call)
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def bench_flex(cfg, b: int, s: int, t: int) -> tuple[float, float]:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    h, dk, dv = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    gen = torch.Generator(device="cuda").manual_seed(s + t)
+    q = torch.randn(b, h, s, dk, dtype=torch.bfloat16, device="cuda", generator=gen)
+    k = torch.randn(b, h, t + s, dk, dtype=torch.bfloat16, device="cuda", generator=gen)
+    v = torch.randn(b, h, t + s, dv, dtype=torch.bfloat16, device="cuda", generator=gen)
+    block_mask = create_block_mask(lambda b_, h_, i, j: i + t >= j, None, None, s, t + s, device="cuda")
+    compiled = torch.compile(flex_attention)
+    ms, _ = measure(lambda: compiled(q, k, v, block_mask=block_mask, scale=dk**-0.5))
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def run(args) -> dict:
     import triton
 
     import mla
-    from mla.memory import prefill_crossover
-    from mla.paged.layer import PREFILL_CROSSOVER
+    from benchmarks.timing import matmul_TFLOPs
 
     t0 = time.time()
-    cfg = mla.MLAConfig.from_preset("deepseek-v3")
+    cfg = mla.MLAConfig.from_preset(args.preset)
+    matmul = matmul_TFLOPs()
+    print(f"bf16 matmul {matmul:.0f} TFLOP/s; each cell: ms (attention TFLOP/s)")
     weights = mla.MLAWeights(cfg, dtype=torch.bfloat16, device="cuda", seed=0)
-    paged = mla.build(weights, "paged", block_size=64, shuffle=0)
-    sizes = [1 << k for k in range(13) if 1 << k <= args.max_s]
-    print(f"{'b':>3} {'s':>6} {'t':>6} {'up-project ms':>14} {'absorbed ms':>12}  faster")
-    rows = bench(paged, 1, args.context, sizes, args.budget_s)
-    rows += bench(paged, 4, args.context, [s for s in sizes if s <= args.max_b4], args.budget_s)
-    model = prefill_crossover(cfg, args.context)
-    summary = {}
-    for b in (1, 4):
-        first, stable = crossover([r for r in rows if r["b"] == b])
-        summary[f"b{b}"] = dict(first_up_project_win=first, up_project_wins_from=stable)
-        print(f"b={b}: up-project first faster at s={first}, faster from s={stable} on; "
-              f"FLOP model (mla.memory.prefill_crossover, t={args.context}): s={model}")
-    print(f"PREFILL_CROSSOVER in mla/paged/layer.py now: {PREFILL_CROSSOVER}")
-    result = dict(
-        device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-        python=platform.python_version(), config="deepseek-v3", dtype="bfloat16", block_size=64,
-        context=args.context, timed="PagedMLA._prefill per path (gather + mask + attention + "
-        "W_UK/W_UV or kv_b_proj); projections and o_proj excluded (shared)",
-        model_crossover=model, measured=summary, prefill_crossover_constant=PREFILL_CROSSOVER,
-        rows=rows, wall_s=time.time() - t0)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "prefill.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {os.path.join(args.out, 'prefill.json')} in {result['wall_s']:.0f} s")
+    paged = mla.build(weights, "paged", block_size=64)
+    print(HEADER)
+    rows = []
+    for b, s, t in args.shapes:
+        row = dict(b=b, s=s, t=t)
+        _try(row, "layer", lambda: bench_layer(paged, b, s, t))
+        for backend in SDPA:
+            _try(row, f"sdpa_{backend}", lambda: bench_sdpa(cfg, backend, b, s, t))
+        if args.flex:
+            _try(row, "flex", lambda: bench_flex(cfg, b, s, t))
+        rows.append(add_rates(row, attention_flops(cfg, b, s, t)))
+        print(format_row(row), flush=True)
+    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                python=platform.python_version(), config=args.preset, dtype="bfloat16", block_size=64,
+                matmul_TFLOPs=matmul, prefill=getattr(paged, "prefill", None), rows=rows, wall_s=time.time() - t0)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_prefill: needs a CUDA GPU")
+    from benchmarks.timing import device_prefix, write_json
+
+    result = run(args)
+    write_json(args.out, f"{device_prefix(result['device'])}-prefill.json", result)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The paged layer's decode step under tensor parallelism: TP N against TP 1, one process a GPU.
 
-    PYTHONPATH=. python3 benchmarks/bench_tp.py --out benchmarks/results --tp 2     # N GPUs, NCCL, ~2 min
-    PYTHONPATH=. python3 benchmarks/bench_tp.py --out DIR --tp 2 --device cpu --preset tiny \\
-        --batches 2 --context 16 --iters 2                                         # gloo, a smoke run
+    python -m mla bench tp --out benchmarks/results --tp 2     # N GPUs, NCCL, ~2 min
+    python -m mla bench tp --out DIR --tp 2 --device cpu --preset tiny \\
+        --batches 2 --context 16 --iters 2                     # gloo, a smoke run
 
 One layer (``--preset``, DeepSeek-V3 by default; random weights, the same seed on every rank),
 projections included, x (b, 1, hidden) -> y (b, 1, hidden), for each batch of ``--batches``
@@ -28,18 +28,17 @@ import argparse
 import json
 import os
 import platform
-import re
 import time
 
 import torch
 
 
 def _time_us(fn, iters: int, device: torch.device, warmup: int = 2) -> float:
-    """Mean of `iters` back-to-back calls: CUDA events as bench_layer.py times, wall clock on the CPU."""
+    """Mean of `iters` back-to-back calls: CUDA events (``timing.mean_us``), wall clock on the CPU."""
     if device.type == "cuda":
-        from benchmarks.bench_layer import _time_us as cuda_time_us
+        from benchmarks.timing import mean_us
 
-        return cuda_time_us(fn, iters, warmup)
+        return mean_us(fn, iters, warmup)
     for _ in range(warmup):
         fn()
     start = time.perf_counter()
@@ -144,6 +143,7 @@ def _slowest(per_rank: list[list[dict]]) -> list[dict]:
 
 
 def main(argv=None) -> None:
+    from benchmarks.timing import device_prefix
     from mla import parallel
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -188,12 +188,11 @@ def main(argv=None) -> None:
             if key in pair.get(1, {}) and key in pair.get(args.tp, {}):
                 pair[args.tp][f"{key.removesuffix('_us')}_speedup_vs_tp1"] = pair[1][key] / pair[args.tp][key]
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    prefix = "h200" if "H200" in device_name else re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
     result = dict(device=device_name, torch=torch.__version__, python=platform.python_version(),
                   backend=backend, tp=args.tp, preset=args.preset, dtype=dtype, block_size=64,
                   context=args.context, iters=args.iters, rows=rows, wall_s=time.time() - t0)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{prefix}-tp.json")
+    path = os.path.join(args.out, f"{device_prefix(device_name)}-tp.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path} in {result['wall_s']:.0f} s")

@@ -2,12 +2,14 @@
 # Everything the GPU machine runs, in parts, each time-boxed, logs and JSON under $OUT.
 #   bash benchmarks/gpu_suite.sh tests concat-bench sanitize decode-bench sweep layer prefill
 #   bash benchmarks/gpu_suite.sh tp   (two GPUs: nvidia-h200-x2)
-#   bash benchmarks/gpu_suite.sh variants concat-probe cuda-probe cuda-timeline sm90-probe sanitize-decode   (experiments)
-# Run from the repository root with PYTHONPATH=. (the device machine has no package registry).
+#   bash benchmarks/gpu_suite.sh variants concat-probe cuda-probe cuda-timeline sm90-probe   (the lab: benchmarks/lab/)
+# Run from the repository root with PYTHONPATH=. (the device machine has no package registry);
+# FlashMLA runs beside mla_decode in decode-bench when .peers/flash_mla is there (PYTHONPATH=.peers:.).
 set -u
 OUT=${OUT:-/tmp/mla-gpu}
 mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
+export PYTHONPATH=${PYTHONPATH:-$([ -d .peers ] && echo .peers:.)} PYTHONUNBUFFERED=1
+export PYTHONPATH=${PYTHONPATH:-.}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 run() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
@@ -22,19 +24,19 @@ for part in "$@"; do
     info) run info 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"' ;;
     tests) run tests 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_decode.py tests/test_kernels_concat_cache.py tests/test_paged.py -m gpu ;;
     tests-all) run tests-all 500 python3 -m pytest -q -p no:cacheprovider tests ;;
-    concat-bench) run concat-bench 180 python3 benchmarks/bench_concat.py --out "$OUT" ;;
-    sanitize) run sanitize 240 bash -c 'compute-sanitizer --tool memcheck python3 benchmarks/sanitize_concat.py && compute-sanitizer --tool memcheck python3 benchmarks/sanitize_decode.py' ;;
-    decode-bench) run decode-bench 300 python3 benchmarks/bench_decode.py --out "$OUT" ;;
-    variants) run variants 300 python3 benchmarks/bench_decode.py --out "$OUT" --variants --budget-s 240 ;;
-    cuda-probe) run cuda-probe 300 python3 benchmarks/probe_decode_cuda.py --out "$OUT" ;;
-    sm90-probe) run sm90-probe 300 python3 benchmarks/probe_decode_sm90.py --out "$OUT" ;;  # writes h200-decode-sm90-probe.json
-    cuda-timeline) run cuda-timeline 240 python3 benchmarks/timeline_decode_cuda.py --out "$OUT" ;;
-    concat-probe) run concat-probe 200 python3 benchmarks/probe_concat.py --out "$OUT" ;;
-    sanitize-decode) run sanitize-decode 200 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_decode.py ;;
-    sweep) run sweep 330 python3 benchmarks/bench_decode.py --out "$OUT" --sweep ;;
-    layer) run layer 240 python3 benchmarks/bench_layer.py --out "$OUT" ;;
-    prefill) run prefill 240 python3 benchmarks/bench_prefill.py --out "$OUT" ;;
-    tp) run tp 400 python3 benchmarks/bench_tp.py --out "$OUT" --tp 2 ;;  # 2 GPUs (nvidia-h200-x2)
+    concat-bench) run concat-bench 180 python3 -m mla bench concat --out "$OUT" ;;
+    sanitize) run sanitize 240 bash -c 'compute-sanitizer --tool memcheck python3 benchmarks/lab/sanitize_concat.py && compute-sanitizer --tool memcheck python3 benchmarks/lab/sanitize_decode.py' ;;
+    decode-bench) run decode-bench 540 python3 -m mla bench decode --out "$OUT" ;;
+    variants) run variants 300 python3 benchmarks/lab/tune_decode.py --out "$OUT" --variants --budget-s 240 ;;
+    cuda-probe) run cuda-probe 300 python3 benchmarks/lab/probe_decode_cuda.py --out "$OUT" ;;
+    sm90-probe) run sm90-probe 300 python3 benchmarks/lab/probe_decode_sm90.py --out "$OUT" ;;  # writes h200-decode-sm90-probe.json
+    cuda-timeline) run cuda-timeline 240 python3 benchmarks/lab/timeline_decode_cuda.py --out "$OUT" ;;
+    concat-probe) run concat-probe 200 python3 benchmarks/lab/probe_concat.py --out "$OUT" ;;
+    sanitize-decode) run sanitize-decode 200 compute-sanitizer --tool memcheck python3 benchmarks/lab/sanitize_decode.py ;;
+    sweep) run sweep 330 python3 benchmarks/lab/tune_decode.py --out "$OUT" --sweep ;;
+    layer) run layer 240 python3 -m mla bench layer --out "$OUT" ;;
+    prefill) run prefill 540 python3 -m mla bench prefill --out "$OUT" ;;
+    tp) run tp 400 python3 -m mla bench tp --out "$OUT" --tp 2 ;;  # 2 GPUs (nvidia-h200-x2)
     *) echo "unknown part $part" ;;
   esac
 done

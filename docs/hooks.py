@@ -305,12 +305,9 @@ def crossover_table(presets=("deepseek-v2", "deepseek-v3"), contexts=(0, 1024, 4
 
 
 def _decode_results() -> Path | None:
-    """benchmarks/results/h200-decode.json, else the newest h200-decode-vN.json (not a sweep)."""
-    if (RESULTS / "h200-decode.json").is_file():
-        return RESULTS / "h200-decode.json"
-    versions = [p for p in RESULTS.glob("h200-decode-v*.json")] if RESULTS.is_dir() else []
-    versions.sort(key=lambda p: int(re.sub(r"\D", "", p.stem.rsplit("-v", 1)[1]) or 0))
-    return versions[-1] if versions else None
+    """benchmarks/results/h200-decode.json, or None when it is not committed."""
+    path = RESULTS / "h200-decode.json"
+    return path if path.is_file() else None
 
 
 def measured(key: str):
@@ -505,8 +502,9 @@ def _figure(panels: int):
 
 
 def _plot_decode(data: dict):
-    """Time against the floor, and the share of the floor, for each (b, t) shape and head count."""
-    rows = data["rows"]
+    """Time against the floor, and the share of the floor, for each (b, t) shape and head count:
+    the rows of one query token a sequence that were timed."""
+    rows = [r for r in data["rows"] if r.get("s_q", 1) == 1 and r.get("time_us")]
     shapes = sorted({(r["b"], r["t"]) for r in rows}, key=lambda bt: (bt[0] * bt[1], bt[0]))
     heads = sorted({r["h"] for r in rows})
     fig, (ax_time, ax_share) = _figure(2)

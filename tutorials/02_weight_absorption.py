@@ -295,7 +295,7 @@ plt.show()
 # extend row, under the default `prefill="auto"`, attends absorbed while it has fewer than
 # `prefill_crossover` new tokens and is up-projected from there on. That threshold
 # (`PREFILL_CROSSOVER` in mla/paged/layer.py) was timed on an H200 at V3 sizes over 4096 cached
-# tokens (benchmarks/bench_prefill.py) and does not depend on the context; the FLOP count
+# tokens (benchmarks/lab/prefill_crossover.py) and does not depend on the context; the FLOP count
 # leaves out that the absorbed path's float32 scores over $c + r$-wide rows cost more than
 # their FLOPs, and the up-projection (one GEMM) less:
 

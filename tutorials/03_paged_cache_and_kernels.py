@@ -350,7 +350,7 @@ for b_, h_, t_ in [(4, 16, 22), (1, 16, 32768), (1, 128, 32768), (8, 16, 4096),
 # `mla_decode` with $W^{UK}$ absorbed into the query and $W^{UV}$ into the output. Prefill rows (more
 # than one new token) go the way `paged.prefill_path(new_len, context_len)` says: under the
 # default `prefill="auto"`, a row with fewer than `prefill_crossover` new tokens (a threshold
-# measured on an H200 by benchmarks/bench_prefill.py) attends absorbed over the gathered pages
+# measured on an H200 by benchmarks/lab/prefill_crossover.py) attends absorbed over the gathered pages
 # too, and a longer one is up-projected over them (keys and values of the whole context, as in
 # notebook 1). `prefill="absorbed"` or `"up-project"` forces one path for every row.
 #

@@ -159,7 +159,7 @@ for context in (256, 1024, 4096, 16384):
 # ## The GPU results
 #
 # The benchmarks run on one NVIDIA H200 and commit JSON under `benchmarks/results/`
-# (`benchmarks/NOTES.md` says how each measures). This section plots every file it finds there,
+# (`benchmarks/lab/NOTES.md` says how each measures). This section plots every file it finds there,
 # by the kind of rows it holds; if the folder is empty it says so.
 
 # %%
@@ -195,15 +195,15 @@ def rows_with(*keys):
 # %% [markdown]
 # ### Decode kernel against its floor
 #
-# Files of the decode benchmark (`bench_decode.py`: `h200-decode.json`, and earlier versions
-# kept under other names) hold one row per shape ($b$ sequences of $t$ tokens, $h$ heads, DeepSeek-V3's
+# The decode benchmark's file (`bench_decode.py`: `h200-decode.json`; earlier runs are in
+# `benchmarks/lab/results/`) holds one row per shape ($b$ sequences of $t$ tokens, $h$ heads, DeepSeek-V3's
 # 576-wide bf16 cache in pages of 64) with the kernel's time and the shape's *floor*,
 # $\max(\text{bytes}/\text{copy bandwidth},\ \text{FLOPs}/\text{matmul rate})$, both ceilings
 # measured in the same run. `share_of_floor` = floor / time: 1.0 would be the hardware's limit.
 # Few heads are memory bound, many heads compute bound. Each call is timed with a cold L2: in
 # `h200-decode.json` after a read of a 256 MiB buffer; in the files before it after that buffer
 # was zeroed (`triton.testing.do_bench`'s way), which leaves dirty lines in L2 for the kernel to
-# write back: up to ~8 us slower at 16 heads (`dirty_l2_time_us`; `benchmarks/NOTES.md` row 44).
+# write back: up to ~8 us slower at 16 heads (`dirty_l2_time_us`; `benchmarks/lab/NOTES.md` row 44).
 
 # %%
 decode = {name: data for name, data in rows_with("b", "t", "h", "time_us", "floor_us").items()}
@@ -215,7 +215,7 @@ else:
               f"matmul {data.get('matmul_TFLOPs', float('nan')):.0f} TFLOP/s, "
               f"{data.get('device', '?')}, triton {data.get('triton', '?')}")
         print(f"  {'b':>4s} {'t':>7s} {'h':>4s} {'floor us':>9s} {'bound':>7s} {'time us':>9s} "
-              f"{'share':>6s} {'torch us':>9s} {'splits':>6s}")
+              f"{'share':>6s} {'torch us':>9s} {'splits':>6s} {'FlashMLA us':>11s} {'FM / mla':>8s}")
         for row in data["rows"]:
             time_us = row.get("time_us")
             torch_us = row.get("torch_us")
@@ -224,7 +224,9 @@ else:
                   + (f"{time_us:>9.1f} {row['floor_us'] / time_us:>6.2f} " if time_us else
                      f"{'error':>9s} {'':>6s} ")
                   + (f"{torch_us:>9.1f}" if torch_us else f"{'-':>9s}")
-                  + f" {row.get('config', {}).get('num_kv_splits', ''):>6}")
+                  + f" {row.get('config', {}).get('num_kv_splits', ''):>6}"
+                  + (f" {row['flashmla_us']:>11.1f} {row['flashmla_over_mla']:>8.2f}"
+                     if row.get("flashmla_us") and row.get("flashmla_over_mla") else f" {'n/a':>11s} {'n/a':>8s}"))
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     shapes = sorted({(row["h"], row["b"], row["t"]) for data in decode.values()
@@ -356,7 +358,7 @@ for name, data in layer.items():
     plt.show()
 
 # %% [markdown]
-# Any other result file (config sweeps, kernel variants) is listed with what it holds:
+# Any other result file is listed with what it holds:
 
 # %%
 shown = set(decode) | set(concat) | set(prefill) | set(layer)
@@ -378,8 +380,7 @@ if not others:
 # `benchmarks/`; extra arguments pass through):
 #
 # ```
-# python -m mla bench decode  --out benchmarks/results          # h200-decode.json, ~2-4 min
-# python -m mla bench decode  --out benchmarks/results --sweep  # h200-decode-sweep.json
+# python -m mla bench decode  --out benchmarks/results          # h200-decode.json and .png, ~3-5 min
 # python -m mla bench concat  --out /tmp/mla-gpu                # concat.json
 # python -m mla bench layer   --out /tmp/mla-gpu                # layer.json
 # python -m mla bench prefill --out /tmp/mla-gpu                # prefill.json
@@ -391,9 +392,12 @@ if not others:
 # the committed ones are named for the H200 they ran on (`benchmarks/results/h200-concat.json`,
 # `h200-layer.json`, `h200-prefill.json`), hence the copy.
 #
-# `benchmarks/gpu_suite.sh` runs them time-boxed with logs, e.g.
+# The decode run times FlashMLA beside `mla_decode` where `import flash_mla` works
+# (`flashmla_us`, `flashmla_over_mla`; null where it does not). `benchmarks/gpu_suite.sh` runs
+# them time-boxed with logs, e.g.
 # `OUT=/tmp/mla-gpu bash benchmarks/gpu_suite.sh tests decode-bench concat-bench`. Each script
-# prints a table and writes JSON; none asserts a time. Commit the JSON under `benchmarks/results/`
+# prints a table and writes JSON; none asserts a time. The kernel lab (probes, timelines, A/B
+# builds, the config sweep, the tuning log and their results) is in `benchmarks/lab/`. Commit the JSON under `benchmarks/results/`
 # and execute this notebook again to plot it:
 #
 # ```

@@ -1,20 +1,20 @@
 """Where the CUDA decode's time goes, on the GPU.
 
-    PYTHONPATH=. python3 benchmarks/probe_decode_cuda.py --out benchmarks/results
-    PYTHONPATH=. python3 benchmarks/probe_decode_cuda.py --out benchmarks/results --env NAME=0,1 --tag T
+    PYTHONPATH=. python3 benchmarks/lab/probe_decode_cuda.py --out benchmarks/lab/results
+    PYTHONPATH=. python3 benchmarks/lab/probe_decode_cuda.py --out DIR --env NAME=0,1 --tag T
 
 The CUDA stage 1 (``csrc/mla_decode_sm80.cu``, op ``torch.ops.mla.mla_decode_sm80``) is what
 ``mla_decode`` runs at <= 16 heads; its merge is the Triton one. At the 16-head shapes of the
 decode benchmark, each piece in its own CUDA graph and timed as ``bench_decode.py``'s
 ``time_us``: a 1-element add (what the timing method itself costs), stage 1 alone, the merge
-alone on stage 1's partials, the two together (``mla_decode(_backend="cuda")``), and the Triton
+alone on stage 1's partials, the two together (``mla_decode(_backend="cuda-sm80")``), and the Triton
 ``mla_decode``; each pair's output against Triton's. (Correctness against the reference is the
 GPU tests' job: ``tests/test_kernels_decode.py``.)
 
 ``--env NAME=v1,v2,...`` is the A/B harness for a kernel change under trial: the change's host
 code reads NAME from the environment at each call while it is tried (never in a commit that
 keeps it), and this times stage 1 and the pair at each value, as single calls and in steady
-timing (``bench_decode.steady_us``), writing ``h200-decode-cuda-TAG.json``. Runs so far: bulk
+timing (``timing.steady_us``), writing ``h200-decode-cuda-TAG.json``. Runs so far: bulk
 copies (``-bulk``, NOTES row 38) and, on this harness's first version (``--l2``: rows with
 ``ahead`` and ``same_as_ahead0``), the L2 prefetch (``-l2``, row 37); both taken out.
 
@@ -24,7 +24,7 @@ launch (PDL: it waited in ``griddepcontrol.wait`` for stage 1's writes), columns
 ``merge_cuda_us``, ``pair_cuda_us``, ``pair_cuda-pdl_us``: both were slower than the Triton merge
 (NOTES row 35), and were removed. (``h200-decode-cuda-probe.json`` and ``-v0.json`` came from
 this script's first version, which built the kernel on its own in four launch shapes:
-``benchmarks/NOTES.md`` rows 33-34.)
+NOTES.md rows 33-34.)
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ BREAKDOWN = ((64, 4096, 4), (128, 8192, 2), (64, 16384, 4), (1, 32768, 256), (1,
 
 
 def breakdown(rows):
-    from benchmarks.bench_decode import SCALE, bench_us, graphed, make_inputs
+    from benchmarks.bench_decode import SCALE, make_inputs
+    from benchmarks.timing import bench_us, graphed
     from mla.kernels.decode import _merge, choose_num_kv_splits, mla_decode
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -70,7 +71,7 @@ def breakdown(rows):
                    triton_us=bench_us(graphed(triton_call, [cache])), triton_splits=auto)
         row["merge_triton_us"] = bench_us(graphed(lambda c: _merge(part_out, part_lse, out, lse), [cache]))
         pair = lambda c: mla_decode(  # noqa: E731  (stage 1 + the merge, as mla_decode runs them)
-            q, c, table, lens, kv_lora_rank=C, softmax_scale=SCALE, num_kv_splits=splits, _backend="cuda")
+            q, c, table, lens, kv_lora_rank=C, softmax_scale=SCALE, num_kv_splits=splits, _backend="cuda-sm80")
         got, _ = pair(cache)
         row["pair_triton_us"] = bench_us(graphed(pair, [cache]))
         row["pair_triton_max_rel_diff_vs_triton"] = (
@@ -88,12 +89,13 @@ def env_ab(rows, name, values):
     with the first value's. Rows of kind "env_ab"."""
     import os
 
-    from benchmarks.bench_decode import SCALE, bench_us, graphed, make_inputs, rotation_copies, steady_us
+    from benchmarks.bench_decode import SCALE, cache_copies, make_inputs
+    from benchmarks.timing import bench_us, graphed, steady_us
     from mla.kernels.decode import _CUDA_HEADS, _CUDA_TILE, choose_num_kv_splits, mla_decode
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for b, t in ((64, 4096), (128, 8192), (64, 16384), (1, 32768), (2, 65536), (4, 131072)):
-        copies = rotation_copies(b, t)
+        copies = cache_copies(b, t)
         q, caches, table, lens = make_inputs(b, t, 16, copies=copies)
         splits = choose_num_kv_splits(b, 16, t, num_sms, block_h=_CUDA_HEADS, block_n=_CUDA_TILE)
         part_out = torch.empty((b, 16, splits, C), dtype=torch.float32, device="cuda")
@@ -103,7 +105,7 @@ def env_ab(rows, name, values):
             torch.ops.mla.mla_decode_sm80(q, c, table, lens, part_out, part_lse, float(SCALE), splits)
 
         pair = lambda c: mla_decode(  # noqa: E731
-            q, c, table, lens, kv_lora_rank=C, softmax_scale=SCALE, num_kv_splits=splits, _backend="cuda")
+            q, c, table, lens, kv_lora_rank=C, softmax_scale=SCALE, num_kv_splits=splits, _backend="cuda-sm80")
         os.environ[name] = str(values[0])
         want, _ = pair(caches[0])
         for value in values:
@@ -121,11 +123,11 @@ def env_ab(rows, name, values):
 
 
 def main(argv=None):
-    from benchmarks.bench_decode import write_json
+    from benchmarks.timing import write_json
     from mla.kernels.concat_cache import load_extension
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default="benchmarks/lab/results")
     parser.add_argument("--env", help="NAME=v1,v2,...: an A/B experiment the op reads from the environment")
     parser.add_argument("--tag", default="ab", help="the JSON's name: h200-decode-cuda-TAG.json")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """Layouts of the concat-and-cache scatter, timed side by side on the GPU (bf16, c = 512, r = 64).
 
-    PYTHONPATH=. python3 benchmarks/probe_concat.py --out benchmarks/results
+    PYTHONPATH=. python3 benchmarks/lab/probe_concat.py --out benchmarks/lab/results
 
 The op moves T rows of 576 bf16 values (72 vectors of 16 bytes) from two strided inputs to
 cache rows picked by slot_mapping. ``ext`` is the kernel in csrc/; when this probe first ran
@@ -23,9 +23,7 @@ Writes ``h200-concat-probe.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 
 import torch
 
@@ -90,12 +88,12 @@ CPP = "void rows(torch::Tensor kv_c, torch::Tensor k_pe, torch::Tensor cache, to
 def main(argv=None):
     from torch.utils.cpp_extension import load_inline
 
-    from benchmarks.bench_concat import bench_us, copy_bandwidth_GBps, torch_write
-    from benchmarks.bench_decode import write_json
+    from benchmarks.bench_concat import torch_write
+    from benchmarks.timing import bench_us, copy_bandwidth_GBps, write_json
     from mla.kernels import concat_cache as cc
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default="benchmarks/lab/results")
     args = parser.parse_args(argv)
     mod = load_inline("mla_concat_probe", CPP, cuda_sources=SOURCE, functions=["rows"],
                       extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"], verbose=False)

@@ -41,11 +41,11 @@ def main() -> None:
         runs = {"triton": lambda: mla_decode(q, cache, table, lens, kv_lora_rank=c, softmax_scale=0.1,
                                              num_kv_splits=splits, _backend="triton")}
         if heads <= 16:
-            runs["cuda"] = lambda: mla_decode(q, cache, table, lens, kv_lora_rank=c, softmax_scale=0.1,
-                                              num_kv_splits=splits, _backend="cuda")
+            runs["cuda-sm80"] = lambda: mla_decode(q, cache, table, lens, kv_lora_rank=c, softmax_scale=0.1,
+                                              num_kv_splits=splits, _backend="cuda-sm80")
         if torch.cuda.get_device_capability() == (9, 0):  # the wgmma kernel, any heads
-            runs["sm90"] = lambda: mla_decode(q, cache, table, lens, kv_lora_rank=c, softmax_scale=0.1,
-                                              num_kv_splits=splits, _backend="sm90")
+            runs["cuda-sm90"] = lambda: mla_decode(q, cache, table, lens, kv_lora_rank=c, softmax_scale=0.1,
+                                              num_kv_splits=splits, _backend="cuda-sm90")
         for name, run in runs.items():
             out, lse = run()
             torch.cuda.synchronize()

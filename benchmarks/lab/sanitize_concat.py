@@ -1,6 +1,6 @@
 """Run the CUDA concat_and_cache kernel a few times on small inputs, for compute-sanitizer.
 
-    PYTHONPATH=. compute-sanitizer --tool memcheck python3 benchmarks/sanitize_concat.py
+    PYTHONPATH=. compute-sanitizer --tool memcheck python3 benchmarks/lab/sanitize_concat.py
 
 Covers the vector path (16-byte aligned rows) and the scalar path (odd row stride, c % 8 != 0),
 every input dtype, the "auto" and "fp8" caches, -1 slots, the last slot of the cache, and a

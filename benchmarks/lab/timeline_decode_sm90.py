@@ -1,6 +1,6 @@
 """Where each warpgroup of the wgmma decode stage 1 spends its cycles: per-CTA counters, on the GPU.
 
-    PYTHONPATH=. python3 benchmarks/timeline_decode_sm90.py --out benchmarks/results   # ~1.5 min, JIT build included
+    PYTHONPATH=. python3 benchmarks/lab/timeline_decode_sm90.py --out benchmarks/lab/results   # ~1.5 min, JIT build included
 
 Builds a copy of ``csrc/mla_decode_sm90.cu`` with counters added (the source is edited as text
 here, so the package's kernel stays as it is; an edit that no longer applies fails loudly), as
@@ -41,9 +41,9 @@ import time
 
 import torch
 
-from benchmarks.timeline_decode_cuda import stamp_code, stamped_runs
+from benchmarks.lab.timeline_decode_cuda import stamp_code, stamped_runs
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # (b, t, h): 128 heads at four of the benchmark's shapes, the splits mla_decode picks
 SHAPES = ((1, 32768, 128), (64, 4096, 128), (2, 65536, 128), (4, 131072, 128))
 PARTS = ("issue", "load_wait", "wg_wait", "mma_wait")
@@ -119,7 +119,7 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean"):
 
     q, (cache,), table, lens = make_inputs(b, t, h)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    _, _, splits, _ = kernel_and_splits(q, cache, table, lens, 512, t, num_sms)
+    _, _, splits = kernel_and_splits(q, cache, table, lens, 512, t, num_sms)
     if splits == 1:  # the kernel writes the answer itself (q's dtype)
         part_out = torch.empty((b, h, 1, 512), dtype=q.dtype, device="cuda")
     else:
@@ -152,10 +152,10 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean"):
 
 
 def main(argv=None):
-    from benchmarks.bench_decode import write_json
+    from benchmarks.timing import write_json
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default="benchmarks/lab/results")
     parser.add_argument("--out-name", default="h200-decode-sm90-timeline-rows.json")
     args = parser.parse_args(argv)
     t0 = time.time()

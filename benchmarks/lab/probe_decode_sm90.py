@@ -1,6 +1,6 @@
 """The wgmma decode stage 1 (``csrc/mla_decode_sm90.cu``) across split counts, on the GPU.
 
-    PYTHONPATH=. python3 benchmarks/probe_decode_sm90.py --out benchmarks/results   # ~1 min, JIT build included
+    PYTHONPATH=. python3 benchmarks/lab/probe_decode_sm90.py --out benchmarks/lab/results   # ~1 min, JIT build included
 
 At the decode benchmark's (b, t) and 128, 64 and 16 heads (``--heads``), times stage 1 and the
 merge (``torch.ops.mla.mla_decode_sm90`` then the Triton merge) in a CUDA graph as
@@ -45,10 +45,8 @@ def stage1_and_merge(q, cache, table, lens, splits, scale):
 
 
 def main(argv=None) -> None:
-    from benchmarks.bench_decode import (
-        SCALE, bench_us, copy_bandwidth_GBps, floor_us, graphed, kernel_and_splits, make_inputs, matmul_TFLOPs,
-        rotation_copies, write_json,
-    )
+    from benchmarks.bench_decode import SCALE, cache_copies, floor_us, kernel_and_splits, make_inputs, triton_splits
+    from benchmarks.timing import bench_us, copy_bandwidth_GBps, graphed, matmul_TFLOPs, write_json
     from mla.kernels.concat_cache import load_extension
     from mla.kernels.decode import mla_decode
 
@@ -66,9 +64,9 @@ def main(argv=None) -> None:
     rows = []
     for h in (int(x) for x in args.heads.split(",")):
         for b, t in SHAPES:
-            q, caches, table, lens = make_inputs(b, t, h, copies=rotation_copies(b, t))
+            q, caches, table, lens = make_inputs(b, t, h, copies=cache_copies(b, t))
             floor, bound = floor_us(b, t, h, copy, mm)
-            kernel, _, splits, triton_splits = kernel_and_splits(q, caches[0], table, lens, C, t, num_sms)
+            kernel, _, splits = kernel_and_splits(q, caches[0], table, lens, C, t, num_sms)
             row = dict(b=b, t=t, h=h, floor_us=round(floor, 1), bound=bound, default_kernel=kernel,
                        default_splits=splits)
 
@@ -78,7 +76,7 @@ def main(argv=None) -> None:
 
             row["default_us"] = round(bench_us(graphed(default, caches)), 1)
             row["triton_us"] = round(bench_us(graphed(
-                lambda cache: default(cache, "triton", triton_splits), caches)), 1)
+                lambda cache: default(cache, "triton", triton_splits(q, t, num_sms)), caches)), 1)
             want, _ = default(caches[0])
             head_blocks = -(-h // 64)
             scan = {1, 2, 3, 4, 6, 8, splits, max(1, round(num_sms / (head_blocks * b))),

@@ -1,8 +1,8 @@
 """Versions of a CUDA decode stage 1 (``csrc/mla_decode_sm90.cu``, or with ``--kernel sm80``
 ``csrc/mla_decode_sm80.cu``) timed side by side, on the GPU.
 
-    PYTHONPATH=. python3 benchmarks/ab_decode_sm90.py --out DIR old=PATH.cu new=csrc/mla_decode_sm90.cu
-    PYTHONPATH=. python3 benchmarks/ab_decode_sm90.py --out DIR --kernel sm80 --shapes 1x32768,4x4096 \
+    PYTHONPATH=. python3 benchmarks/lab/ab_decode_sm90.py --out DIR old=PATH.cu new=csrc/mla_decode_sm90.cu
+    PYTHONPATH=. python3 benchmarks/lab/ab_decode_sm90.py --out DIR --kernel sm80 --shapes 1x32768,4x4096 \
         old=PATH.cu new=csrc/mla_decode_sm80.cu
 
 Each ``NAME=PATH`` is a version of the kernel's source (e.g. ``git show HEAD:csrc/... > old.cu``
@@ -14,7 +14,7 @@ side; ``csrc``'s headers are shared), the builds in parallel processes. At each 
 ``--heads``; the split count ``mla_decode`` takes) each version's stage 1, and at more than one
 split the Triton merge, is captured in one CUDA graph, as ``bench_decode.py``'s ``time_us`` is;
 with one split the kernel writes the answer in q's dtype itself, as ``mla_decode`` has it do.
-The versions are timed in turn ``--rounds`` times (``bench_decode.bench_us``, L2 cleared by a
+The versions are timed in turn ``--rounds`` times (``timing.bench_us``, L2 cleared by a
 read) and each one's minimum kept, so a drift of the clock over the run falls on all of them.
 ``NAME_diff`` is max |out - first's out| / max |first's out|: the versions are meant to compute
 the same thing.
@@ -38,7 +38,7 @@ import time
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 C = 512
 SHAPES = ((64, 4096), (128, 8192), (64, 16384), (1, 32768), (2, 65536), (4, 131072))
 ARCH = "-gencode=arch=compute_90a,code=sm_90a"
@@ -90,10 +90,8 @@ def stage1(op, q, cache, table, lens, splits, scale):
 
 
 def main(argv=None) -> None:
-    from benchmarks.bench_decode import (
-        SCALE, bench_us, copy_bandwidth_GBps, floor_us, graphed, make_inputs, matmul_TFLOPs, rotation_copies,
-        write_json,
-    )
+    from benchmarks.bench_decode import SCALE, cache_copies, floor_us, make_inputs
+    from benchmarks.timing import bench_us, copy_bandwidth_GBps, graphed, matmul_TFLOPs, write_json
     from mla.kernels.decode import _CUDA_HEADS, _CUDA_TILE, _SM90_HEADS, _SM90_TILE, choose_num_kv_splits
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -142,7 +140,7 @@ def main(argv=None) -> None:
     rows = []
     for h in heads:
         for b, t in shapes:
-            q, caches, table, lens = make_inputs(b, t, h, copies=rotation_copies(b, t))
+            q, caches, table, lens = make_inputs(b, t, h, copies=cache_copies(b, t))
             splits = choose_num_kv_splits(b, h, t, num_sms, block_h=block_h, block_n=block_n,
                                           one_wave=args.kernel == "sm90")
             floor, _ = floor_us(b, t, h, copy, mm)

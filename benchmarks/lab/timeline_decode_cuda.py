@@ -1,6 +1,6 @@
 """Where each CTA of the CUDA decode stage 1 spends its time: per-CTA timestamps, on the GPU.
 
-    PYTHONPATH=. python3 benchmarks/timeline_decode_cuda.py --out benchmarks/results   # ~1.5 min, JIT build included
+    PYTHONPATH=. python3 benchmarks/lab/timeline_decode_cuda.py --out benchmarks/lab/results   # ~1.5 min, JIT build included
 
 Builds a copy of ``csrc/mla_decode_sm80.cu`` with timestamps added (the source is edited as
 text here, so the package's kernel stays as it is; an edit that no longer applies fails loudly)
@@ -38,7 +38,7 @@ import time
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # (b, t, splits): 16 heads; b = 1 at the rule's 128 splits, and 256 (two CTAs an SM) and 64
 SHAPES = ((1, 32768, 128), (1, 32768, 256), (1, 32768, 64), (64, 4096, 4), (4, 131072, 66))
 SECTIONS = ("issue", "scores", "softmax", "pv")  # the loop body between its barriers
@@ -162,7 +162,7 @@ def stamped_runs(launch, timing, clear, repeats=5):
     (on the CPU; columns 0-9 the five (globaltimer, clock64) stamps), each CTA's start and end (us
     from the first start), the SM clock (GHz, from the two timers), and us(a, z): each CTA's time
     from stamp a to stamp z (us, from its cycles)."""
-    from benchmarks.bench_decode import clear_l2
+    from benchmarks.timing import clear_l2
 
     for rep in range(repeats + 2):
         clear_l2(clear)
@@ -210,10 +210,10 @@ def one_shape(mod, b, t, splits, repeats=5, clear="dirty"):
 
 
 def main(argv=None):
-    from benchmarks.bench_decode import write_json
+    from benchmarks.timing import write_json
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default="benchmarks/lab/results")
     parser.add_argument("--clear", choices=("dirty", "clean", "both"), default="dirty",
                         help="L2 before each run: a buffer zeroed (dirty lines, do_bench's way), read (clean "
                              "lines), or both in turn (one build; writes runs = {clean: rows, dirty: rows})")

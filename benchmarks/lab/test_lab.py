@@ -1,0 +1,44 @@
+"""CPU checks of the lab's scripts that edit csrc/ as text (built and run on a GPU only): an edit
+of a kernel that breaks one of their text patches fails here rather than on the next GPU run.
+
+    PYTHONPATH=. python3 -m pytest -q benchmarks/lab/test_lab.py
+"""
+
+
+def test_timeline_benchmark_still_fits_the_kernel():
+    """benchmarks/lab/timeline_decode_cuda.py edits csrc/mla_decode_sm80.cu as text to add its
+    timestamps (built and run on a GPU only); an edit of the kernel that breaks one of its text
+    patches fails here, on the CPU, rather than on the next GPU run."""
+    from benchmarks.lab.timeline_decode_cuda import SECTIONS, instrumented_source
+
+    src = instrumented_source()
+    assert src.count("stamp(") == 5  # its five points
+    assert "TORCH_LIBRARY_IMPL" not in src and "check_mla_decode" not in src
+    assert "PYBIND11_MODULE" in src and "at::Tensor& timing" in src
+    assert src.count("section[") == len(SECTIONS) + 2  # declared, four sums, written out
+
+
+def test_sm90_timeline_benchmark_still_fits_the_kernel():
+    """benchmarks/lab/timeline_decode_sm90.py edits csrc/mla_decode_sm90.cu the same way (counters
+    around the pair loop's copies, waits and barriers): its patches must still apply."""
+    from benchmarks.lab.timeline_decode_sm90 import PARTS, instrumented_source
+
+    src = instrumented_source()  # asserts the counts of what it wraps: 4 barriers, 6 waits, 4 loads
+    assert src.count("stamp(") == 5  # its five points
+    assert "TORCH_LIBRARY_IMPL" not in src and "check_mla_decode" not in src
+    assert "PYBIND11_MODULE" in src and "at::Tensor& timing" in src
+    for part in range(len(PARTS)):
+        assert f"acc[{part}] += clock64() - c_;" in src
+
+
+def test_sm90_ab_benchmark_renames_each_versions_library(tmp_path):
+    """benchmarks/lab/ab_decode_sm90.py builds versions of csrc/mla_decode_sm90.cu side by side, each
+    with binding.cpp, the op library renamed: both sources must still name the library once."""
+    from benchmarks.lab.ab_decode_sm90 import ROOT, variant_sources
+
+    kernel = (ROOT / "csrc" / "mla_decode_sm90.cu").read_text()
+    binding, renamed = (p.read_text() for p in variant_sources("new", kernel, tmp_path))
+    assert "TORCH_LIBRARY(mla_ab_new, m)" in binding and "TORCH_LIBRARY(mla, m)" not in binding
+    assert "TORCH_LIBRARY_IMPL(mla_ab_new, CUDA, m)" in renamed and "TORCH_LIBRARY_IMPL(mla," not in renamed
+    assert renamed.replace("mla_ab_new", "mla") == kernel  # nothing else changed
+
