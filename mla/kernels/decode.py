@@ -76,9 +76,9 @@ def mla_decode(
         check_block_table: whether seq_lens and the block-table entries a row reads are checked
             (a ValueError naming the row and entry; a read past the cache would return garbage
             or crash). The CPU always checks. On a GPU, True checks at the cost of one host sync
-            (not allowed in a CUDA graph capture), False trusts the values, and None checks
-            where it costs no extra sync: when ``num_kv_splits`` is None (seq_lens are read on
-            the host anyway) and no graph is being captured.
+            (not allowed in a CUDA graph capture), False trusts the block-table entries, and
+            None checks where it costs no extra sync: when ``num_kv_splits`` is None (seq_lens
+            are read on the host anyway) and no graph is being captured.
         _config, _backend: private hooks for benchmarks and tests: ``_config`` overrides keys of
             ``default_config`` and selects the Triton kernel; ``_backend`` forces one of
             ``mla.kernels.backends.DECODE_BACKENDS`` (a ValueError if it cannot run the arguments).
@@ -101,7 +101,12 @@ def mla_decode(
     if capturing and (num_kv_splits is None or check_block_table):
         why = "num_kv_splits=None" if num_kv_splits is None else "check_block_table=True"
         raise ValueError(f"mla_decode: {why} reads seq_lens on the host, which a CUDA graph capture cannot do")
-    check = on_cpu or (num_kv_splits is None and not capturing if check_block_table is None else check_block_table)
+    if on_cpu:
+        check = True  # an interpreted read past the cache crashes the process
+    elif check_block_table is None:
+        check = num_kv_splits is None and not capturing  # seq_lens go to the host anyway
+    else:
+        check = check_block_table
     if num_kv_splits is None or check:
         max_seq_len = _check_seq_lens(seq_lens, block_table, kv_cache, check_block_table=check)
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
@@ -435,12 +440,12 @@ def _check_seq_lens(seq_lens, block_table, kv_cache, *, check_block_table: bool)
     if seq_lens.numel() == 0:
         return 0
     num_blocks, block_size = kv_cache.shape[:2]
-    stats = [seq_lens.min(), seq_lens.max()]
+    stats = list(torch.aminmax(seq_lens))
     if check_block_table:
-        # entry j of row i is read iff j * block_size < seq_lens[i]
-        cols = torch.arange(block_table.shape[1], device=seq_lens.device)
-        read = cols[None, :] * block_size < seq_lens[:, None]  # (b, max_blocks)
-        bad = read & ((block_table < 0) | (block_table >= num_blocks))
+        # entry j of row i is read iff j * block_size < seq_lens[i]; a few small kernels, no sync
+        first_tokens = torch.arange(0, block_table.shape[1] * block_size, block_size, device=seq_lens.device)
+        read = first_tokens[None, :] < seq_lens[:, None]  # (b, max_blocks)
+        bad = read & (block_table.clamp(0, num_blocks - 1) != block_table)
         stats.append(bad.any())
     lo, hi, *any_bad = torch.stack([s.to(torch.int64) for s in stats]).tolist()
     if lo < 0:
