@@ -127,7 +127,7 @@ TORCH_LIBRARY(mla, m) {
   m.def(
       "concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "str kv_cache_dtype, Tensor? scale) -> ()");
-  // Stage 1 of split-KV decode for <= 16 heads (mla/kernels/decode.py calls it): each split's
+  // Stage 1 of split-KV decode for <= 16 heads (mla/kernels/decode.py calls it as "cuda-sm80"): each split's
   // fp32 partial output and log-sum-exp, which the Triton merge combines into out and lse; with
   // num_splits = 1, part_out may be out itself (b, h, 1, c) in q's dtype and part_lse lse (b, h, 1).
   m.def(

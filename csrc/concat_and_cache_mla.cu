@@ -16,13 +16,11 @@
 //     if slot < 0 or slot >= num_slots: done                            (-1 = skip)
 //     kv_cache_flat[slot * (c + r) + j*VEC : ... + VEC] = q(x)
 //
-// Measured on an H200 (bf16, random slots; benchmarks/probe_concat.py and bench_concat.py,
-// results/h200-concat-probe.json and h200-concat.json): the first kernel (one flat index split
-// into token and vector by a 64-bit division, and the input load sunk below the slot test by the
-// compiler) ran at 0.72 / 0.78 of copy bandwidth at 64k / 256k tokens; this layout with both
-// loads in flight at 0.82 / 0.87 in the probe. Moving 2, 4 or 8 rows a thread (more loads in
-// flight before the first store) changed nothing (within 1%); streaming cache hints
-// (ld/st.global.cs) cost 5%.
+// On an H200 (bf16, random slots) this layout, with both loads in flight, runs at 0.82 / 0.87 of
+// copy bandwidth at 64k / 256k tokens, where one flat index split by a 64-bit division, with the
+// input load after the slot test, runs at 0.72 / 0.78; 2, 4 or 8 rows a thread run within 1% of
+// one, and streaming cache hints (ld/st.global.cs) cost 5%
+// (benchmarks/results/h200-concat-probe.json, h200-concat.json).
 //
 // q is a bit copy (kv_cache_dtype "auto") or e4m3(clamp(x / scale, -448, 448)) ("fp8"): the
 // division is IEEE (no fast-math), and __NV_SATFINITE clamps to +-448 while keeping NaN as NaN,
@@ -100,9 +98,9 @@ __global__ void concat_and_cache_mla_kernel(
 
   // ---- load the input and the slot together, then test the slot. Written this way (both loads
   // in one block, the slot -1 otherwise) the compiler issues the two loads back to back; with
-  // the slot test between them it sank the input load below the test, so each thread waited
-  // for slot_mapping before asking for its input: two round trips to memory in a row (SASS of
-  // the first kernel; 0.72 of copy bandwidth at 64k tokens against 0.82).
+  // the slot test between them it sinks the input load below the test, so each thread waits
+  // for slot_mapping before asking for its input: two round trips to memory in a row (0.72 of
+  // copy bandwidth at 64k tokens against 0.82).
   in_vec x;
   int64_t slot = -1;
   Q q;  // fp8: the scale is a third load, issued with the other two

@@ -2,30 +2,29 @@
 // one GPU's share of DeepSeek-V3's 128 heads at tensor parallelism 8), with warp-level
 // tensor-core instructions (mma.sync m16n8k16, ldmatrix, cp.async: sm_80 and later).
 //
-// The same computation as the Triton kernel in mla/kernels/decode.py (see its docstring), for
-// DeepSeek's sizes only: a cache row is [kv_c (c = 512) | k_pe (r = 64)] in bf16 or fp16, the
+// The same computation as the Triton kernel in mla/kernels/triton_decode.py (see its docstring),
+// for DeepSeek's sizes only: a cache row is [kv_c (c = 512) | k_pe (r = 64)] in bf16 or fp16, the
 // key is the whole row, the value its first c values, and the (up to) 16 heads of a sequence
 // share each tile as one mma M. It writes fp32 partial outputs and log-sum-exps in the layout
 // of the Triton merge kernel, which combines the splits; with one split it writes the answer
-// itself (out in q's dtype, lse) and there is nothing to merge. (A CUDA merge, launched early by
-// programmatic dependent launch, was measured and lost: NOTES row 35.)
-// mla_decode (mla/kernels/decode.py) calls it for q of <= 16 heads in bf16 / fp16 with c = 512,
-// r = 64 and pages of a multiple of 32 rows, on a GPU of compute capability >= 8.0.
+// itself (out in q's dtype, lse) and there is nothing to merge.
+// mla_decode (mla/kernels/decode.py, backend "cuda-sm80") calls it for q of <= 16 heads in
+// bf16 / fp16 with c = 512, r = 64 and pages of a multiple of 32 rows, on a GPU of compute
+// capability >= 8.0.
 //
 // Why a second kernel: at 16 heads the Triton program holds 255 registers and spills (each warp
 // keeps the whole (16, 576) query and a full tile's operand fragments) and keeps one tile in
-// flight (benchmarks/NOTES.md rows 30-31). Here the fragments are loaded a k-step at a time
-// (229-236 registers on sm_90 by nvcc version, 254 on sm_80, no spills), the query's fragments
-// stay in registers, and on an H100/H200 (228 KiB of shared memory an SM) two CTAs share an SM,
-// each with a tile in flight while it computes the other (an A100 fits one; GPUs with less than
-// the 103 KiB a block needs, sm_86/89/120, run the Triton kernel). Measured on an H200:
-// benchmarks/NOTES.md rows 33-40.
+// flight. Here the fragments are loaded a k-step at a time (229-236 registers on sm_90 by nvcc
+// version, 254 on sm_80, no spills), the query's fragments stay in registers, and on an
+// H100/H200 (228 KiB of shared memory an SM) two CTAs share an SM, each with a tile in flight
+// while it computes the other (an A100 fits one; GPUs with less than the 103 KiB a block needs,
+// sm_86/89/120, run the Triton kernel). Times on an H200: benchmarks/results/h200-decode.json.
 //
 // One CTA per (head block of 16, sequence, split); kWarps = 4 warps; tiles of kTile = 32
 // tokens, kStages = 2 deep in shared memory (rows padded to 584 values so ldmatrix is free of
 // bank conflicts), two CTAs an SM. When the grid fits on the SMs one CTA each (one sequence, or a
 // few short ones), kStages = 4 instead, one CTA an SM: a CTA alone on its SM then has 3 tiles in
-// flight rather than 1 (NOTES rows 40 and 52):
+// flight rather than 1:
 //
 //   q (16, 576) -> shared -> each warp's fragments of its quarter of the 576 dims (registers)
 //   for each tile of 32 tokens of this split (cp.async, kStages - 1 tiles ahead):
@@ -36,8 +35,7 @@
 //   part_out = acc / l, part_lse = (m + log2 l) * ln 2  (zeros and -inf for an empty split);
 //   with one split these are out (in q's dtype) and lse themselves
 //
-// The template keeps the launch shape a choice (tile, stages, warps, CTAs an SM): NOTES row 34
-// has the four measured; git history (commit 5eaf170, benchmarks/cuda/) has them built.
+// The template keeps the launch shape a choice (tile, stages, warps, CTAs an SM).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -368,16 +366,16 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
   }
 }
 
-// The shapes built. Mostly 4 warps, 2 tiles of 32 tokens, ~103 KiB of shared memory, two CTAs an SM.
-// (Measured against it on an H200, NOTES row 34: 8 warps x 4 tiles of 32, one CTA an SM, 7-19%
-// slower from b = 4 up; 8 warps x 2 tiles of 64 and 4 warps x 4 tiles of 16, 2-17% slower.)
+// The shapes built. Mostly 4 warps, 2 tiles of 32 tokens, ~103 KiB of shared memory, two CTAs an SM:
+// on an H200, 8 warps x 4 tiles of 32 (one CTA an SM) run 7-19% slower from b = 4 up, and
+// 8 warps x 2 tiles of 64 or 4 warps x 4 tiles of 16 run 2-17% slower.
 using DecodeShape = Shape<32, 2, 4, 2>;
 static_assert(DecodeShape::kSmemBytes == 105088,
-              "mla/kernels/decode.py's _CUDA_SMEM_BYTES must equal DecodeShape::kSmemBytes");
-// One wave of CTAs (b x splits <= SMs), one CTA an SM: 4 tiles of 32, ~176 KiB (NOTES row 52:
-// 5-9% faster at one sequence of 32k-128k tokens, 0.6 us slower at 4k, where a split has 4 tiles).
+              "mla/kernels/backends.py's CUDA_SMEM_BYTES[\"cuda-sm80\"] must equal DecodeShape::kSmemBytes");
+// One wave of CTAs (b x splits <= SMs), one CTA an SM: 4 tiles of 32, ~176 KiB (on an H200 5-9%
+// faster at one sequence of 32k-128k tokens, 0.6 us slower at 4k, where a split has 4 tiles).
 using WaveShape = Shape<32, 4, 4, 1>;
-static_assert(WaveShape::kSmemBytes == 179840, "the one-wave shape's shared memory (NOTES row 52)");
+static_assert(WaveShape::kSmemBytes == 179840, "the one-wave shape's shared memory");
 
 // ---------------------------------------------------------------------------------------------
 // Host side: the check (binding.cpp), then the launch on the current stream

@@ -30,8 +30,8 @@
 // first. P_A lives in buffer 0's rope block
 // (free once S_A is computed), P_B in a block of its own.
 //
-// At 128 heads the instructions the warps issue bound the time as much as the MMAs do (NOTES rows
-// 42-43), so: the loops over column blocks unroll (descriptors and copy addresses are a base plus
+// At 128 heads the instructions the warps issue bound the time as much as the MMAs do, so: the
+// loops over column blocks unroll (descriptors and copy addresses are a base plus
 // a constant), a positive scale is applied after the row max, inside the exponent's FFMA (a scale
 // <= 0 scales first), and O is rescaled only when some row of the warp changed its max.
 #include <ATen/ATen.h>
@@ -77,7 +77,7 @@ constexpr size_t kSmemBytes = size_t(3) * kMatBytes + kBlockBytes + 5 * kM * 4 +
 static_assert(64 * (4 * kC + 32) <= 2 * kMatBytes && 2 * kThreads == kC,
               "the epilogue's rows fit in q's and buffer 0's bytes, a row's 512 values two a thread");
 static_assert(kSmemBytes == 231712,
-              "mla/kernels/decode.py's _SM90_SMEM_BYTES must equal kSmemBytes");
+              "mla/kernels/backends.py's CUDA_SMEM_BYTES[\"cuda-sm90\"] must equal kSmemBytes");
 // named barriers between the warpgroups (0 is __syncthreads): one arrives, the other waits
 enum : int { kBarScaleA = 1, kBarScaleB = 2, kBarPA = 3, kBarPB = 4 };
 // named barrier of one warpgroup (128 threads; 5 and 6): a partial tile's copies all issued
@@ -615,7 +615,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   // through shared memory (q's and buffer 0's bytes, free now): written straight from the
   // accumulators, a warp's store covers 8 rows of 32 or 16 bytes each, half of each 32-byte
   // sector in T; from shared memory it covers 256 or 128 bytes of one row (the answer in bf16
-  // at 64,4096: 6.1 -> 2.3 us, NOTES row 47).
+  // at 64,4096: 2.3 us against 6.1 us).
 #pragma unroll
   for (int x = 1; x <= 2; x <<= 1) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, x);

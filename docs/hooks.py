@@ -81,9 +81,10 @@ def _namespace() -> dict:
         "mib": lambda n: n / 1024**2,
     }
     try:
-        from mla.kernels import decode
+        from mla.kernels import backends, decode
 
         ns["decode"] = decode
+        ns["backends"] = backends
     except Exception:  # noqa: BLE001 - the kernels may not import on every machine
         pass
     from mla import parallel
@@ -105,13 +106,15 @@ def split_table(batches=(1, 4, 16, 64, 132), contexts=(1024, 4096, 32768, 131072
     32) and the Triton one, and at 128 heads for the Triton one and the wgmma one (what runs on
     an H100 / H200: its one-wave rule)."""
     from mla.kernels import decode
+    from mla.kernels.backends import CUDA_TILES
 
     sms = decode._CPU_NUM_SMS
+    sm80, sm90 = CUDA_TILES["cuda-sm80"], CUDA_TILES["cuda-sm90"]
     columns = {  # header: keyword arguments beyond (batch, heads, t, SMs)
-        "h = 16, CUDA": (16, dict(block_h=decode._CUDA_HEADS, block_n=decode._CUDA_TILE)),
+        "h = 16, CUDA": (16, dict(block_h=sm80[0], block_n=sm80[1])),
         "h = 16, Triton": (16, {}),
         "h = 128, Triton": (128, {}),
-        "h = 128, wgmma": (128, dict(block_h=decode._SM90_HEADS, block_n=decode._SM90_TILE, one_wave=True)),
+        "h = 128, wgmma": (128, dict(block_h=sm90[0], block_n=sm90[1], one_wave=True)),
     }
     head = "| " + " | ".join(columns) + " |"
     rule = "|---:|" + "---:|" * len(columns)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mla.kernels import concat_cache as cc
+from mla.kernels import extension
 from mla.kernels import concat_and_cache, concat_and_cache_reference
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -22,7 +23,7 @@ FP8 = torch.float8_e4m3fn
 @pytest.fixture(scope="module")
 def ext():
     """Build and load the extension once for this module (~25-50 s the first time on a machine)."""
-    state = cc.load_extension()
+    state = extension.load_extension()
     if not state["loaded"]:
         if shutil.which("c++") and shutil.which("ninja"):
             pytest.fail(f"a compiler is present but the extension did not load: {state['error']}")
@@ -100,14 +101,14 @@ def check_fp8_error(kv_c, k_pe, cache, slots, scale):
 
 
 def test_extension_is_used_when_a_compiler_is_present(ext):
-    assert cc.active_backend("cpu") == "extension"
+    assert extension.concat_backend("cpu") == "extension"
     if torch.cuda.is_available():
         assert ext["cuda"], "a GPU and nvcc are present but the CUDA kernel was not built"
-        assert cc.active_backend("cuda") == "extension"
+        assert extension.concat_backend("cuda") == "extension"
 
 
 def test_fallback_warns_once_and_uses_the_reference(monkeypatch):
-    monkeypatch.setattr(cc, "_ext_state", {"loaded": False, "cuda": False,
+    monkeypatch.setattr(extension, "_ext_state", {"loaded": False, "cuda": False,
                                            "error": "RuntimeError: no compiler (test)"})
     monkeypatch.setattr(cc, "_warned_fallback", False)
     kv_c, k_pe = make_rows(6, 8, 4, torch.float32, "cpu")

@@ -2,7 +2,8 @@
 
 On a machine without a GPU the kernel runs in Triton's interpreter (mla.kernels sets
 TRITON_INTERPRET=1), so the CPU tests keep shapes small: b <= 4, h in {1, 3, 16, 20}, c + r <= 80,
-lengths <= 200. bf16 is tested on the GPU only (the interpreter's tl.dot on bf16 is wrong).
+lengths <= 200. bf16 on the CPU runs in float32 inside mla_decode (the interpreter's bf16 dot is
+wrong); test_bf16_matches_reference checks that path.
 
 Every case is built hostile: pages in random order, unused pages and the tails of partial pages
 filled with NaN, unused block-table entries out of range (10**6, -7), so any read outside a
@@ -16,6 +17,7 @@ import torch
 
 import mla.kernels  # noqa: F401  (sets TRITON_INTERPRET before triton is imported on a CPU machine)
 from mla.kernels import decode
+from mla.kernels.backends import choose_decode_backend
 from mla.kernels.decode import choose_num_kv_splits, mla_decode, mla_decode_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -293,12 +295,13 @@ BAD_INPUTS = {
     "splits-past-grid": (lambda a: a.update(num_kv_splits=65536), ValueError, r"num_kv_splits must be in \[1, 65535\]"),
     "splits-float": (lambda a: a.update(num_kv_splits=2.5), TypeError, "num_kv_splits must be an int"),
     "config-key": (lambda a: a.update(_config={"BLOCK_M": 16}), ValueError, "unknown _config keys"),
-    "backend-name": (lambda a: a.update(_backend="cutlass"), ValueError, "_backend must be None, 'triton', 'cuda' or 'sm90'"),
+    "backend-name": (lambda a: a.update(_backend="cutlass"), ValueError, "_backend must be None or one of"),
+    "backend-old-name": (lambda a: a.update(_backend="sm90"), ValueError, "_backend must be None or one of"),
     # c = 32, r = 8 here (and on a CPU machine, q on the CPU): the CUDA stage 1 says why it cannot
-    "backend-cuda-unfit": (lambda a: a.update(_backend="cuda"), ValueError, "_backend='cuda' cannot run"),
-    "backend-sm90-unfit": (lambda a: a.update(_backend="sm90"), ValueError, "_backend='sm90' cannot run"),
-    "backend-with-config": (lambda a: a.update(_backend="cuda", _config={"num_warps": 4}), ValueError,
-                            "_config tunes the Triton kernel; it cannot go with _backend='cuda'"),
+    "backend-sm80-unfit": (lambda a: a.update(_backend="cuda-sm80"), ValueError, "_backend='cuda-sm80' cannot run"),
+    "backend-sm90-unfit": (lambda a: a.update(_backend="cuda-sm90"), ValueError, "_backend='cuda-sm90' cannot run"),
+    "backend-with-config": (lambda a: a.update(_backend="cuda-sm80", _config={"num_warps": 4}), ValueError,
+                            "_config tunes the Triton kernel; it cannot go with _backend='cuda-sm80'"),
 }
 
 
@@ -316,6 +319,68 @@ def test_bad_input(name):
         args.pop("_config", None)
         with pytest.raises(error, match=message):
             mla_decode_reference(**args)
+
+
+# Block-table values: a row reads entries 0 .. ceil(seq_len / block_size) - 1, and each must name a
+# block of kv_cache. make_case([5, 40], block_size=16): row 0 reads entry 0, row 1 entries 0..2;
+# the entries past those hold 10**6 and -7, which must pass.
+BAD_ENTRIES = {
+    "past-the-cache": (1, 2, "num_blocks"),
+    "far-past-the-cache": (0, 0, 1_000_000),
+    "minus-one-inside-seq-len": (1, 1, -1),
+}
+
+
+def set_bad_entry(args, name):
+    """Write BAD_ENTRIES[name] into args' block table; return the error message expected."""
+    i, j, value = BAD_ENTRIES[name]
+    value = args["kv_cache"].shape[0] if value == "num_blocks" else value
+    args["block_table"][i, j] = value
+    return rf"block_table\[{i}, {j}\] = {value} is not a block of kv_cache"
+
+
+@pytest.mark.parametrize("check_block_table", [None, True, False], ids=["default", "checked", "unchecked"])
+@pytest.mark.parametrize("num_kv_splits", [None, 2], ids=["auto-splits", "fixed-splits"])
+@pytest.mark.parametrize("name", list(BAD_ENTRIES))
+def test_bad_block_table_entry_on_the_cpu(name, num_kv_splits, check_block_table):
+    # the CPU checks whatever check_block_table says: an interpreted read past the cache crashes
+    args = make_case([5, 40], heads=3, c=32, r=8, block_size=16, seed=9, device="cpu")
+    message = set_bad_entry(args, name)
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=message):
+        mla_decode(**args, num_kv_splits=num_kv_splits, check_block_table=check_block_table)
+    with pytest.raises(ValueError, match=message):
+        mla_decode_reference(**args)  # no wrapping of -1 to the last block either
+    for k, v in before.items():
+        torch.testing.assert_close(args[k], v, rtol=0, atol=0, equal_nan=True)
+
+
+def test_empty_cache_is_refused():
+    args = make_case([5, 40], heads=3, c=32, r=8, block_size=16, seed=9)
+    args["kv_cache"] = args["kv_cache"][:0]
+    for fn in (mla_decode, mla_decode_reference):
+        with pytest.raises(ValueError, match="kv_cache has no blocks"):
+            fn(**args)
+
+
+def test_check_block_table_takes_a_bool():
+    args = make_case([5, 40], heads=3, c=32, r=8, block_size=16, seed=9)
+    with pytest.raises(TypeError, match="check_block_table must be True, False or None"):
+        mla_decode(**args, check_block_table="yes")
+
+
+@pytest.mark.parametrize("num_kv_splits", [None, 3])
+def test_bf16_matches_reference(num_kv_splits):
+    # on the CPU the interpreter's bf16 dot is wrong, so mla_decode runs fp32 copies there
+    case = make_case([0, 1, 37, 200, 16], heads=3, c=32, r=8, block_size=16, dtype=torch.bfloat16, seed=12)
+    before = {k: v.clone() for k, v in case.items() if isinstance(v, torch.Tensor)}
+    out, lse = mla_decode(**case, num_kv_splits=num_kv_splits)
+    ref_out, ref_lse = mla_decode_reference(**case)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    # bf16 inputs are exact in both; out is rounded to bf16 (2^-9 relative) at the end
+    assert_matches(out.float(), lse, ref_out.float(), ref_lse, case["seq_lens"], 1e-2)
+    for k, v in before.items():
+        torch.testing.assert_close(case[k], v, rtol=0, atol=0, equal_nan=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,6 +508,47 @@ def test_gpu_cuda_graph_capture(heads, backend):
     torch.testing.assert_close(lse, expected[1], rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "triton"], ids=["default", "triton"])
+@pytest.mark.parametrize("name", list(BAD_ENTRIES))
+def test_gpu_bad_block_table_entry_is_caught_where_checked(name, backend):
+    # checked by default when num_kv_splits is None (seq_lens are read on the host anyway), and
+    # with check_block_table=True when it is given; the unchecked fast path is not run here
+    case = _gpu_case([70, 300], 16)
+    message = set_bad_entry(case, name)
+    before = {k: v.clone() for k, v in case.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=message):
+        mla_decode(**case, _backend=backend)
+    with pytest.raises(ValueError, match=message):
+        mla_decode(**case, num_kv_splits=3, check_block_table=True, _backend=backend)
+    for k, v in before.items():
+        torch.testing.assert_close(case[k], v, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+def test_gpu_checked_and_unchecked_calls_agree():
+    case = _gpu_case([70, 300, 0], 16, seed=5)
+    out1, lse1 = mla_decode(**case, num_kv_splits=3, check_block_table=True)
+    out2, lse2 = mla_decode(**case, num_kv_splits=3, check_block_table=False)
+    torch.testing.assert_close(out1, out2, rtol=0, atol=0)
+    torch.testing.assert_close(lse1, lse2, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_no_host_read_inside_a_graph_capture():
+    # a check or a split choice would read seq_lens on the host: refused with a clear error
+    case = _gpu_case([100, 3000], heads=16, seed=3)
+    mla_decode(**case, num_kv_splits=4)  # compiles outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for options in (dict(num_kv_splits=4, check_block_table=True), dict(num_kv_splits=None)):
+            with pytest.raises(ValueError, match="CUDA graph capture"):
+                with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                    mla_decode(**case, **options)
+    torch.cuda.current_stream().wait_stream(stream)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the CUDA stage-1 kernels mla_decode picks: csrc/mla_decode_sm80.cu for <= 16 heads,
 # csrc/mla_decode_sm90.cu (compute capability 9.0) for more; the Triton one beside them
@@ -458,14 +564,14 @@ def _skip_unless_sm90():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cuda", "sm90", "triton"])
+@pytest.mark.parametrize("backend", ["cuda-sm80", "cuda-sm90", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("heads", [1, 3, 16, 20, 64, 100, 128])
 @pytest.mark.parametrize("block_size", [32, 64, 128])
 def test_gpu_backends_match_reference(backend, dtype, heads, block_size):
-    if backend == "cuda" and heads > 16:
+    if backend == "cuda-sm80" and heads > 16:
         pytest.skip("the sm_80 CUDA stage 1 takes <= 16 heads")
-    if backend == "sm90":
+    if backend == "cuda-sm90":
         _skip_unless_sm90()
         if block_size % 64:
             pytest.skip("the wgmma stage 1 takes pages of a multiple of 64")
@@ -478,14 +584,14 @@ def test_gpu_backends_match_reference(backend, dtype, heads, block_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cuda", "sm90", "triton"])
+@pytest.mark.parametrize("backend", ["cuda-sm80", "cuda-sm90", "triton"])
 @pytest.mark.parametrize("scale", [-0.3, 0.0, 2.0])
 def test_gpu_backends_take_any_softmax_scale(backend, scale):
     # the wgmma kernel takes the row max before scaling when the scale is positive, and scales
     # first otherwise: a negative scale turns the max into a min, a zero one makes every weight equal
-    if backend == "sm90":
+    if backend == "cuda-sm90":
         _skip_unless_sm90()
-    heads = 16 if backend == "cuda" else 64
+    heads = 16 if backend == "cuda-sm80" else 64
     case = dict(_gpu_case([1, 70, 300, 1000], heads, seed=7), softmax_scale=scale * 192**-0.5)
     ref_out, ref_lse = mla_decode_reference(**case, compute_dtype=torch.float32)
     for splits in (None, 3):
@@ -499,7 +605,7 @@ def test_gpu_sm80_kernel_both_launch_shapes():
     # (and the GPU allows its 176 KiB of shared memory a block: an H100 / H200 does, an A100 not),
     # and 2 deep, two CTAs an SM, above that: split counts on both sides of the line, partial
     # buffers NaN-filled so that a slot left unwritten shows
-    from mla.kernels.concat_cache import load_extension
+    from mla.kernels.extension import load_extension
 
     assert load_extension()["decode"]
     heads, b = 16, len(CUDA_LENGTHS)
@@ -523,31 +629,31 @@ def test_gpu_sm80_kernel_both_launch_shapes():
 @pytest.mark.gpu
 def test_gpu_cuda_backend_is_the_default_where_it_applies():
     case = _gpu_case([70, 300], 16)
-    pick = lambda **kw: decode._pick_backend(  # noqa: E731
+    pick = lambda **kw: choose_decode_backend(  # noqa: E731
         kw.get("q", case["q"]), kw.get("kv_cache", case["kv_cache"]), kw.get("block_table", case["block_table"]),
-        case["seq_lens"], 512, kw.get("backend"), kw.get("config", False),
+        case["seq_lens"], kv_lora_rank=512, backend=kw.get("backend"), tuned=kw.get("config", False),
     )
-    assert pick() == "cuda"
-    assert pick(q=case["q"].half(), kv_cache=case["kv_cache"].half()) == "cuda"
+    assert pick() == "cuda-sm80"
+    assert pick(q=case["q"].half(), kv_cache=case["kv_cache"].half()) == "cuda-sm80"
     assert pick(config=True) == "triton"  # a _config tunes the Triton kernel
     assert pick(backend="triton") == "triton"
     wide = _gpu_case([70, 300], 20)
     hopper = torch.cuda.get_device_capability() == (9, 0)
-    assert pick(q=wide["q"]) == ("sm90" if hopper else "triton")  # more than 16 heads: the wgmma kernel
+    assert pick(q=wide["q"]) == ("cuda-sm90" if hopper else "triton")  # more than 16 heads: the wgmma kernel
     with pytest.raises(ValueError, match="20 heads, more than 16"):
-        pick(q=wide["q"], backend="cuda")
+        pick(q=wide["q"], backend="cuda-sm80")
     if hopper:
-        assert pick(backend="sm90") == "sm90"  # it runs 16 heads too (padded), when asked
+        assert pick(backend="cuda-sm90") == "cuda-sm90"  # it runs 16 heads too (padded), when asked
         assert pick(q=wide["q"], kv_cache=_gpu_case([70, 300], 20, block_size=32)["kv_cache"]) == "triton"
         with pytest.raises(ValueError, match="block size 32 is not a multiple of 64"):
-            pick(kv_cache=_gpu_case([70, 300], 16, block_size=32)["kv_cache"], backend="sm90")
+            pick(kv_cache=_gpu_case([70, 300], 16, block_size=32)["kv_cache"], backend="cuda-sm90")
     else:
         with pytest.raises(ValueError, match="not 9.0"):
-            pick(q=wide["q"], backend="sm90")
+            pick(q=wide["q"], backend="cuda-sm90")
     small_pages = _gpu_case([70, 300], 16, block_size=16)
     assert pick(kv_cache=small_pages["kv_cache"]) == "triton"
     with pytest.raises(ValueError, match="block size 16 is not a multiple of 32"):
-        pick(kv_cache=small_pages["kv_cache"], backend="cuda")
+        pick(kv_cache=small_pages["kv_cache"], backend="cuda-sm80")
     assert pick(q=case["q"].float(), kv_cache=case["kv_cache"].float()) == "triton"
     strided_table = torch.cat([case["block_table"], case["block_table"]], dim=1)[:, ::2]
     assert pick(block_table=strided_table) == "triton"  # the kernel reads block-table rows contiguously
@@ -562,7 +668,7 @@ def test_gpu_cuda_backend_is_the_default_where_it_applies():
 # there fails this test, and the rest of the GPU suite still runs.
 _OPS_REJECT_CHILD = """
 import torch
-from mla.kernels.concat_cache import load_extension
+from mla.kernels.extension import load_extension
 from tests.test_kernels_decode import _gpu_case
 
 state = load_extension()

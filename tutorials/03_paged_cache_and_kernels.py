@@ -35,8 +35,8 @@ from matplotlib.colors import ListedColormap
 import mla
 from mla.kernels import (concat_and_cache, concat_and_cache_reference, mla_decode,
                          mla_decode_reference)
-from mla.kernels.concat_cache import active_backend
 from mla.kernels.decode import choose_num_kv_splits, default_config
+from mla.kernels.extension import concat_backend
 from mla.paged import OutOfBlocksError, PagedLatentCache
 
 torch.manual_seed(0)
@@ -185,7 +185,7 @@ print("row 1 gathered:", tuple(kv_c_1.shape), tuple(k_pe_1.shape))
 # compiler is around, the call falls back to the torch reference with a warning. Here:
 
 # %%
-print("backend on the CPU:", active_backend("cpu"))
+print("backend on the CPU:", concat_backend("cpu"))
 
 T = 10
 kv_c, k_pe = tokens(T)                                   # row-strided views, as from one matmul

@@ -1,4 +1,9 @@
-"""The paged tier's kernels: concat_and_cache (CUDA / C++ / torch) and the Triton split-KV decode.
+"""The paged tier's kernels: concat_and_cache (CUDA / C++ / torch) and the split-KV decode (Triton,
+and CUDA stage 1s for DeepSeek's sizes).
+
+One module a piece: ``triton_decode`` (the Triton kernels), ``decode`` (the op, its reference,
+checks and split policy), ``backends`` (which stage 1 runs), ``extension`` (the compiled csrc
+extension), ``concat_cache`` (the concat-and-cache op and its reference).
 
 On a machine without a CUDA GPU the Triton kernels run in Triton's interpreter; TRITON_INTERPRET
 must be set before triton is first imported, so this package sets it when no GPU is visible.

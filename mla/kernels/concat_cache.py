@@ -18,125 +18,28 @@ Three implementations of the same op:
 - the CUDA kernel ``csrc/concat_and_cache_mla.cu``, one thread per 16-byte vector;
 - its C++ CPU twin ``csrc/concat_and_cache_mla_cpu.cpp``, so that CI runs the extension path.
 
-The two compiled ones form one extension (op ``torch.ops.mla.concat_and_cache_mla``) that is
-built by JIT on first use, cached on disk by torch (``TORCH_EXTENSIONS_DIR`` or
-``~/.cache/torch_extensions``) and loaded once per process. If no compiler is available or the
-build fails, ``concat_and_cache`` falls back to the reference with one warning. A CUDA build
-also holds the decode stage 1 of ``csrc/mla_decode_sm80.cu`` (op ``torch.ops.mla.mla_decode_sm80``),
-which ``mla.kernels.mla_decode`` uses for few heads, and on an H100 / H200 the wgmma one of
-``csrc/mla_decode_sm90.cu`` (op ``torch.ops.mla.mla_decode_sm90``) for more.
+The two compiled ones are the op ``torch.ops.mla.concat_and_cache_mla`` of the package's
+extension (``mla.kernels.extension``). Where it does not load, ``concat_and_cache`` falls back to
+the reference with one warning.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import warnings
-from pathlib import Path
 
 import torch
 
-__all__ = [
-    "concat_and_cache",
-    "concat_and_cache_reference",
-    "load_extension",
-    "active_backend",
-]
+from .extension import extension_available, load_extension
 
-_CSRC = Path(__file__).resolve().parents[2] / "csrc"
+__all__ = ["concat_and_cache", "concat_and_cache_reference"]
+
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_NAMES = ("fp8", "fp8_e4m3")
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
-# The extension, loaded at most once per process: None = not tried yet.
-_ext_state: dict | None = None
-
-
 # ----------------------------------------------------------------------------------------------
-# Building and loading the extension
-
-
-def _cuda_build_possible() -> bool:
-    """CUDA sources are compiled only with a visible GPU, a CUDA torch and nvcc on the path."""
-    if not torch.cuda.is_available() or torch.version.cuda is None:
-        return False
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    nvcc = Path(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else None
-    return (nvcc is not None and nvcc.exists()) or shutil.which("nvcc") is not None
-
-
-def _cuda_arch_flags() -> list[str]:
-    """Code for this device only: sm_90a on an H100/H200 (wgmma, for mla_decode_sm90), else the
-    device's own capability."""
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
-    return [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
-
-
-def load_extension() -> dict:
-    """Build (first time on this machine) and load the extension; at most once per process.
-
-    Returns a dict: ``loaded`` (bool), ``cuda`` (whether the CUDA concat kernel is in it),
-    ``decode`` (whether the CUDA decode stage 1 is: built for GPUs of compute capability >= 8.0),
-    ``decode_sm90`` (whether the wgmma one is: built for compute capability 9.0, as sm_90a),
-    ``error`` (why not, when not loaded). Never raises: a failed build is reported once by
-    ``concat_and_cache`` and the reference is used instead.
-    """
-    global _ext_state
-    if _ext_state is not None:
-        return _ext_state
-    try:
-        from torch.utils.cpp_extension import is_ninja_available, load
-
-        cxx = os.environ.get("CXX", "c++")
-        if shutil.which(cxx) is None:
-            raise RuntimeError(f"no C++ compiler ({cxx!r} not found)")
-        if not is_ninja_available():
-            raise RuntimeError("ninja is not installed")
-        with_cuda = _cuda_build_possible()
-        # the decode stage 1 uses sm_80 instructions (mma.sync on bf16, cp.async)
-        with_decode = with_cuda and torch.cuda.get_device_capability() >= (8, 0)
-        # and the wgmma one is Hopper's (sm_90a)
-        with_sm90 = with_cuda and torch.cuda.get_device_capability() == (9, 0)
-        sources = [_CSRC / "binding.cpp", _CSRC / "concat_and_cache_mla_cpu.cpp"]
-        if with_cuda:
-            sources.append(_CSRC / "concat_and_cache_mla.cu")
-        if with_decode:
-            sources.append(_CSRC / "mla_decode_sm80.cu")
-        if with_sm90:
-            sources.append(_CSRC / "mla_decode_sm90.cu")
-        load(
-            # Different names keep the CPU-only and the CUDA builds apart in the cache dir.
-            name="mla_C_cuda" if with_cuda else "mla_C_cpu",
-            sources=[str(s) for s in sources],
-            extra_include_paths=[str(_CSRC)],
-            extra_cflags=["-O3"],
-            extra_cuda_cflags=(["-O3", *_cuda_arch_flags()] if with_cuda else None),
-            is_python_module=False,  # the library registers torch.ops.mla.* when loaded
-            verbose=False,
-        )
-        _ext_state = {"loaded": True, "cuda": with_cuda, "decode": with_decode, "decode_sm90": with_sm90,
-                      "error": None}
-    except Exception as exc:  # noqa: BLE001 - any failure means "use the reference"
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        error = f"{type(exc).__name__}: {first_line}"
-        _ext_state = {"loaded": False, "cuda": False, "decode": False, "decode_sm90": False, "error": error}
-    return _ext_state
-
-
-def _extension_serves(device: torch.device) -> bool:
-    state = load_extension()
-    return state["loaded"] and (device.type == "cpu" or (device.type == "cuda" and state["cuda"]))
-
-
-def active_backend(device: torch.device | str = "cpu") -> str:
-    """``"extension"`` or ``"reference"``: what ``concat_and_cache`` uses by default on ``device``.
-
-    Builds and loads the extension if that has not happened yet in this process.
-    """
-    return "extension" if _extension_serves(torch.device(device)) else "reference"
+# The fallback when the extension does not serve the device
 
 
 _warned_fallback = False
@@ -329,7 +232,7 @@ def concat_and_cache(
         return concat_and_cache_reference(kv_c, k_pe, kv_cache, slot_mapping,
                                           kv_cache_dtype=kv_cache_dtype, scale=scale)
     device = kv_cache.device if isinstance(kv_cache, torch.Tensor) else torch.device("cpu")
-    if not _extension_serves(device):
+    if not extension_available(device):
         if backend == "extension":
             state = load_extension()
             raise RuntimeError(

@@ -42,7 +42,7 @@ import torch
 
 from ..absorbed import PREFILL_MODES, attend_absorbed
 from ..kernels import concat_and_cache, mla_decode, mla_decode_reference
-from ..kernels import concat_cache as _concat_cache
+from ..kernels.extension import extension_available
 from ..base import MLAAttention
 from ..naive import (attend_up_projected, causal_mask, latent, query_latent, query_nope,
                      query_rope)
@@ -395,7 +395,7 @@ class PagedMLA(MLAAttention):
         q_pe = query_rope(w, c_q, cos, sin)[0]                      # (b, h, r)
         kv_c_normed, k_pe = latent(w, x1, cos, sin)                 # (1, b, c), (1, b, r)
         kv_cache = cache.kv_cache
-        if _concat_cache._extension_serves(kv_cache.device):
+        if extension_available(kv_cache.device):
             torch.ops.mla.concat_and_cache_mla(kv_c_normed[0], k_pe[0], kv_cache,
                                                slot_mapping, "auto", None)
         else:

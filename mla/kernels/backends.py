@@ -1,0 +1,118 @@
+"""Which stage-1 kernel runs a ``mla_decode`` call: Triton, or a CUDA one for DeepSeek's sizes.
+
+The three kernels compute the same split-KV stage 1 (``mla.kernels.triton_decode``) and write the
+same partials, which the Triton merge combines (with one split, each writes the answer itself):
+
+- ``"triton"``: ``mla/kernels/triton_decode.py``. Any heads, c, r, dtype and page size; on the
+  CPU it runs in Triton's interpreter.
+- ``"cuda-sm80"``: ``csrc/mla_decode_sm80.cu``, warp-level tensor-core instructions (sm_80 and
+  later). Up to 16 heads (one GPU's share of 128 at tensor parallelism 8, the memory-bound
+  case), c = 512, r = 64, bf16 / fp16, pages of a multiple of 32 rows. Its fragments are loaded
+  a k-step at a time, so nothing spills and two programs share an H100 / H200 SM.
+- ``"cuda-sm90"``: ``csrc/mla_decode_sm90.cu``, Hopper's warpgroup MMA (compute capability 9.0).
+  Any heads, 64 a program (the compute-bound case), c = 512, r = 64, bf16 / fp16, pages of a
+  multiple of 64 rows; one 64-token tile load serves both products.
+
+By default a GPU runs ``"cuda-sm80"`` for <= 16 heads and ``"cuda-sm90"`` for more where each
+applies (the extension is built, the GPU and the arguments fit), else ``"triton"``. The times of
+each on an H200 are in ``benchmarks/results/h200-decode.json``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .extension import load_extension
+
+__all__ = ["DECODE_BACKENDS", "CUDA_TILES", "choose_decode_backend", "why_backend_cannot_run"]
+
+DECODE_BACKENDS = ("triton", "cuda-sm80", "cuda-sm90")
+
+# (heads a program, tokens a tile) of each CUDA stage 1: what the split rule plans with
+CUDA_TILES = {"cuda-sm80": (16, 32), "cuda-sm90": (64, 64)}
+SM80_MAX_HEADS = 16  # the sm_80 kernel holds all heads of a sequence in one mma M of 16
+CUDA_LATENT = (512, 64)  # (c, r) both CUDA kernels are built for
+# shared memory a CTA (kSmemBytes in each .cu file, fixed by a static_assert there)
+CUDA_SMEM_BYTES = {"cuda-sm80": 105_088, "cuda-sm90": 231_712}
+_EXTENSION_KEY = {"cuda-sm80": "decode", "cuda-sm90": "decode_sm90"}
+
+
+def why_backend_cannot_run(backend, q, kv_cache, block_table, seq_lens, kv_lora_rank) -> str | None:
+    """None if the CUDA stage 1 ``backend`` can run these (checked) arguments, else why not."""
+    b, h, d = q.shape
+    sm90 = backend == "cuda-sm90"
+    if q.device.type != "cuda":
+        return f"q is on {q.device.type}, not a GPU"
+    capability = torch.cuda.get_device_capability(q.device)
+    if sm90 and capability != (9, 0):
+        return f"the GPU's compute capability is {capability[0]}.{capability[1]}, not 9.0 (wgmma)"
+    if capability < (8, 0):
+        return "the GPU's compute capability is below 8.0 (mma.sync, cp.async)"
+    props = torch.cuda.get_device_properties(q.device)
+    smem = getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
+    need = CUDA_SMEM_BYTES[backend]
+    if smem < need:
+        return f"the GPU allows {smem} bytes of shared memory a block, the kernel needs {need}"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"q is {q.dtype}, not bfloat16 or float16"
+    if not sm90 and h > SM80_MAX_HEADS:
+        return f"q has {h} heads, more than {SM80_MAX_HEADS}"
+    if (kv_lora_rank, d - kv_lora_rank) != CUDA_LATENT:
+        return f"c, r = {kv_lora_rank}, {d - kv_lora_rank}, not {CUDA_LATENT[0]}, {CUDA_LATENT[1]}"
+    tile = CUDA_TILES[backend][1]
+    if kv_cache.shape[1] % tile:
+        return f"the block size {kv_cache.shape[1]} is not a multiple of {tile}"
+    rows_aligned = all(st % 8 == 0 for st in (q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1)))
+    if not rows_aligned or q.data_ptr() % 16 or kv_cache.data_ptr() % 16:
+        return "q's or kv_cache's rows are not 16-byte aligned"
+    if block_table.stride(1) != 1 or seq_lens.stride(0) != 1:
+        return "block_table's rows or seq_lens are not contiguous"
+    state = load_extension()
+    if not state[_EXTENSION_KEY[backend]]:
+        why = state["error"] or (
+            "built without it (no nvcc, or a GPU other than compute capability 9.0 at build time)"
+            if sm90 else "built without it (no nvcc, or a GPU below sm_80 at build time)"
+        )
+        return f"the compiled extension has no {backend} decode kernel ({why})"
+    return None
+
+
+_warned_cuda_fallback = False
+
+
+def choose_decode_backend(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    backend: str | None = None,
+    tuned: bool = False,
+) -> str:
+    """The stage-1 kernel a ``mla_decode`` call with these (checked) arguments runs.
+
+    ``backend`` forces one of ``DECODE_BACKENDS`` (a ValueError saying why when a CUDA one cannot
+    run the arguments); None picks ``"cuda-sm80"`` for <= 16 heads and ``"cuda-sm90"`` for more
+    where each applies, else ``"triton"`` (with one warning when only the missing extension
+    stands in the way). ``tuned``: a Triton launch configuration was given, so Triton runs.
+    """
+    global _warned_cuda_fallback
+    if backend is not None and backend not in DECODE_BACKENDS:
+        raise ValueError(f"mla_decode: _backend must be None or one of {DECODE_BACKENDS}, got {backend!r}")
+    if backend == "triton" or (backend is None and (tuned or q.device.type != "cuda")):
+        return "triton"
+    if backend is not None and tuned:
+        raise ValueError(f"mla_decode: _config tunes the Triton kernel; it cannot go with _backend={backend!r}")
+    kernel = backend or ("cuda-sm80" if q.shape[1] <= SM80_MAX_HEADS else "cuda-sm90")
+    why_not = why_backend_cannot_run(kernel, q, kv_cache, block_table, seq_lens, kv_lora_rank)
+    if why_not is None:
+        return kernel
+    if backend is not None:
+        raise ValueError(f"mla_decode: _backend={backend!r} cannot run these arguments: {why_not}")
+    if why_not.startswith("the compiled extension") and not _warned_cuda_fallback:
+        _warned_cuda_fallback = True
+        warnings.warn(f"mla.kernels.mla_decode: using the Triton kernel: {why_not}", RuntimeWarning, stacklevel=3)
+    return "triton"
