@@ -11,28 +11,8 @@ no per-head key is ever built. Likewise the output of head i,
 
 so the probabilities weight the latent itself and W^{UV} is applied once per new token. What
 remains is multi-query attention: h query heads of width c + r against one shared key/value
-head of width c + r (the value is the first c dims of the same cached row).
-
-Decode rows attend this way and prefill rows, by default, up-project: the class docstring of
-`AbsorbedMLA` gives the FLOPs per token of both paths.
-
-`precompute=True` multiplies the factors once, W_UQ·W_UK (h, q, c) and W_UV·W_O (h, c, hidden),
-so that the query and the output take one matmul each instead of two. This is the paper's
-literal reading of absorption, but it does not save FLOPs: the products are wider than the
-factors. Per decode token, all heads (`absorption_flops` computes these; V3: h 128, q 1536,
-c 512, d 128, v 128, hidden 7168):
-
-                  factors                              product
-    query    2·h·q·d + 2·h·d·c      = 50.3M + 16.8M =  67M    2·h·q·c      = 201M
-    output   2·h·c·v + 2·h·v·hidden = 16.8M + 235M  = 252M    2·h·c·hidden = 940M
-
-and the products hold 101M + 470M values against the factors' 34M + 126M, all read once per
-decode step, so they cost bytes too. A product is cheaper only when the head width passes
-q·c/(q+c) (query; 384 at V3) or c·hidden/(c+hidden) (output; 478), far above DeepSeek's 128.
-What precomputing buys is one GEMM a side instead of two (fewer kernel launches, no (b, s, h, d)
-or (b, s, h, v) intermediate), which can pay only in small layers where launches dominate; here
-it shows (and the tests check) that the folded matrices give the same outputs. DeepSeek's
-inference code applies the factors per call (`precompute=False`, our default).
+head of width c + r (the value is the first c dims of the same cached row). The FLOPs of each
+path and option are worked out in docs/derivations/absorption.md.
 """
 
 from __future__ import annotations
@@ -41,7 +21,7 @@ import torch
 
 from .cache import LatentCache
 from .config import MLAConfig
-from .base import MLAAttention
+from .base import MLAAttention, check_bool, check_choice
 from .naive import (attend_up_projected, causal_mask, latent, padding_mask, positions_and_rope,
                     query_latent, query_nope, query_rope)
 from .weights import MLAWeights
@@ -91,31 +71,20 @@ def attend_absorbed(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
 class AbsorbedMLA(MLAAttention):
     """MLA with weight absorption for decode rows; prefill rows up-project (or absorb, by option).
 
-    Why each path where it is: FLOPs of the attention beyond the projections both paths share,
-    for one new token over t cached ones, per head (`mla.memory.attention_flops` counts them
-    exactly; c kv_lora_rank, d nope, r rope, v value width):
-
-        up-projected  2·t·c·(d+v)     kv_b_proj over the whole cache, every call
-                      + 2·t·(d+r+v)   MHA scores and values
-        absorbed      2·c·(d+v)       W_UK into the query and W_UV on the output, once a token
-                      + 2·t·(2c+r)    MQA over the (c + r)-wide latent, value = its first c
-
-    Decode (one new token) pays the up-projection of all t cached tokens for a single query:
-    at V3 sizes and t = 4096 that is 137.8 GFLOPs a token up-projected against 1.17 GFLOPs
-    absorbed (117x fewer). A prefill of s tokens shares the up-projection among its s queries,
-    and then the per-score cost decides: 2c + r = 1088 against d + r + v = 320, 3.4x. A
-    4096-token prefill costs 201M FLOPs a token up-projected against 604M absorbed (3x more),
-    so `prefill="up-project"` (the default) sends every row with more than one new token down
-    the naive dataflow. By this count up-projection wins from about 168 new tokens over a
-    4096-token context (`mla.memory.prefill_crossover`); the paged tier measures its own
-    threshold. For the `precompute` option's FLOPs see the module docstring.
+    A decode row absorbs: up-projecting would rebuild every cached token's keys and values for a
+    single query (117x the FLOPs at V3 sizes over 4096 cached tokens). A long prefill row shares
+    that up-projection among its queries, and each score is then 3.4x cheaper up-projected
+    (d + r + v = 320 multiply-adds against 2c + r = 1088), so by default rows with more than one
+    new token take the naive dataflow (`mla.memory.prefill_crossover` gives the break-even).
 
     Args:
         weights: the layer's MLAWeights (shared, not copied).
-        precompute: multiply W_UQ·W_UK and W_UV·W_O once (refreshed when the weights change)
-            instead of applying the factors per call.
-        prefill: "up-project" (rows with more than one new token take the naive dataflow,
-            cheaper for long chunks) or "absorbed" (every row attends over the latent).
+        precompute: True multiplies W_UQ·W_UK (h, q, c) and W_UV·W_O (h, c, hidden) once per
+            call, so the query and the output take one matmul each instead of two. The products
+            are never kept across calls, so they always follow the weights, however those are
+            written, and gradients flow through them.
+        prefill: "up-project" (rows with more than one new token take the naive dataflow) or
+            "absorbed" (every row attends over the latent).
         process_group: tensor parallelism (see `mla.base.MLAAttention`).
     """
 
@@ -124,23 +93,21 @@ class AbsorbedMLA(MLAAttention):
     def __init__(self, weights: MLAWeights, *, precompute: bool = False,
                  prefill: str = "up-project", process_group=None):
         super().__init__(weights, process_group=process_group)
-        if prefill not in PREFILL_MODES:
-            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
-        self.precompute = bool(precompute)
-        self.prefill = prefill
-        self._products: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+        self.precompute = check_bool("precompute", precompute)
+        self.prefill = check_choice("prefill", prefill, PREFILL_MODES)
 
     # --8<-- [start:absorbed_products]
     def absorbed_products(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UQ·W_UK (h, q, c) and W_UV·W_O (h, c, hidden), recomputed after any weight update."""
+        """W_UQ·W_UK (h, q, c) and W_UV·W_O (h, c, hidden), from the current weights.
+
+        Computed on every call, never cached: a cache could not see weights written through
+        `param.data`, which no version counter records, and it would hold one call's autograd
+        graph. The cost is the products' FLOPs once per call, whatever the batch.
+        """
         w = self.weights
-        sources = (w._q_heads, w.kv_b_proj.weight, w.o_proj.weight)
-        stamp = tuple((t.data_ptr(), t._version) for t in sources)
-        if self._products is None or self._products[0] != stamp:
-            W_UQ_UK = torch.einsum("hdq,hdc->hqc", w.W_UQ, w.W_UK)   # (h, q, c)
-            W_UV_O = torch.einsum("hvc,xhv->hcx", w.W_UV, w.W_O)     # (h, c, hidden)
-            self._products = (stamp, W_UQ_UK, W_UV_O)
-        return self._products[1], self._products[2]
+        W_UQ_UK = torch.einsum("hdq,hdc->hqc", w.W_UQ, w.W_UK)   # (h, q, c)
+        W_UV_O = torch.einsum("hvc,xhv->hcx", w.W_UV, w.W_O)     # (h, c, hidden)
+        return W_UQ_UK, W_UV_O
     # --8<-- [end:absorbed_products]
 
     def forward(self, x: torch.Tensor, cache: LatentCache, lengths=None) -> torch.Tensor:

@@ -15,6 +15,7 @@ zeros. Bad input raises before anything is written, so the cache is unchanged.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -51,6 +52,8 @@ class MLAAttention(nn.Module):
     # ---- the cache ----------------------------------------------------------------------
     def new_cache(self, batch_size: int, max_seq_len: int) -> LatentCache:
         """An empty latent cache for `batch_size` sequences of up to `max_seq_len` tokens."""
+        batch_size = check_int("batch_size", batch_size, minimum=1)
+        max_seq_len = check_int("max_seq_len", max_seq_len, minimum=1)
         cfg = self.config
         return LatentCache.empty(batch_size, max_seq_len, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
                                  dtype=self.weights.dtype, device=self.weights.device)
@@ -103,6 +106,46 @@ class MLAAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"tier={self.tier!r}, config={self.config.name!r}"
+
+
+# ---- options of the tiers: refused when of the wrong type, never converted -------------------
+def check_bool(name: str, value: Any) -> bool:
+    """`value` if it is True or False; a TypeError naming option `name` otherwise (bool("no") is
+    True, so converting would turn a refusal into its opposite)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
+    """`value` as a Python int: ints, numpy integers and 0-d integer tensors pass; bools,
+    floats and strings raise a TypeError naming `name` (True is not a count, 1.7 not an index).
+    Below `minimum`: ValueError."""
+    n = None
+    if isinstance(value, torch.Tensor):
+        ok = value.dim() == 0 and not value.dtype.is_floating_point and value.dtype != torch.bool
+    else:
+        ok = not isinstance(value, bool)
+    if ok:
+        try:
+            n = operator.index(value)
+        except TypeError:
+            pass
+    if n is None:
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if minimum is not None and n < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {n}")
+    return n
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """`value` if it is one of the strings `choices`; TypeError or ValueError naming `name`."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {choices}, got {value!r} "
+                        f"({type(value).__name__})")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
 
 
 def _check_process_group(group: Any, weights: MLAWeights) -> None:

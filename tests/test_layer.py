@@ -4,6 +4,8 @@ the cache's fit).
 (The paged tier's own bad-input tests live in tests/test_paged.py.)
 """
 
+import re
+
 import pytest
 import torch
 
@@ -59,7 +61,7 @@ def test_past_max_seq_len_and_wrong_cache(layer):
     assert _unchanged(cache, snap)
     with pytest.raises(TypeError, match="LatentCache"):
         layer(torch.randn(2, 1, 64), {"kv_c": None})
-    with pytest.raises(ValueError, match="max_seq_len must be a positive int"):
+    with pytest.raises(ValueError, match="max_seq_len must be an int >= 1, got 0"):
         layer.new_cache(2, 0)
 
 
@@ -147,3 +149,42 @@ def test_hand_made_latent_cache_is_checked():
     with pytest.raises(ValueError, match=r"append: k_pe must have shape \(b=2, s=1, r=8\)"):
         good.append(torch.ones(2, 1, 32), torch.ones(2, 1, 6), torch.tensor([1, 1]))
     assert torch.all(good.kv_c == 0) and good.seq_lens.tolist() == [0, 0]
+
+
+# ---- options of the wrong type are refused, never converted ----------------------------------
+BAD_OPTIONS = [
+    ("absorbed", dict(precompute="no"), TypeError, "precompute must be True or False, got 'no'"),
+    ("absorbed", dict(precompute=1), TypeError, "precompute must be True or False, got 1"),
+    ("absorbed", dict(precompute=None), TypeError, "precompute must be True or False"),
+    ("absorbed", dict(prefill=True), TypeError, "prefill must be a str"),
+    ("absorbed", dict(prefill="sometimes"), ValueError, "prefill must be one of"),
+    ("naive", dict(precompute=True), TypeError,
+     r"build\(\.\.\., 'naive'\) got unknown option\(s\) 'precompute'; the naive tier takes "
+     r"process_group"),
+    ("absorbed", dict(prefil="absorbed", block_size=4), TypeError,
+     r"unknown option\(s\) 'block_size', 'prefil'; the absorbed tier takes precompute, prefill, "
+     r"process_group"),
+    ("paged", dict(precompute=True), TypeError, r"unknown option\(s\) 'precompute'; .*block_size"),
+]
+
+
+@pytest.mark.parametrize("tier,options,exc,match", BAD_OPTIONS,
+                         ids=[f"{t}-{'-'.join(o)}" for t, o, _, _ in BAD_OPTIONS])
+def test_bad_option_raises_naming_it(tier, options, exc, match):
+    with pytest.raises(exc, match=match):
+        mla.build(MLAWeights(TINY), tier, **options)
+
+
+def test_tier_that_is_not_a_name():
+    with pytest.raises(ValueError, match=r"unknown tier \['naive'\]"):
+        mla.build(MLAWeights(TINY), ["naive"])
+
+
+def test_new_cache_sizes(layer):
+    import numpy as np
+
+    cache = layer.new_cache(np.int64(2), torch.tensor(8))  # integers of numpy and torch pass
+    assert (cache.batch_size, cache.max_seq_len) == (2, 8) and isinstance(cache.max_seq_len, int)
+    for bad in (True, 8.0, "8", torch.tensor([8])):
+        with pytest.raises(TypeError, match=f"max_seq_len must be an int, got {re.escape(repr(bad))}"):
+            layer.new_cache(2, bad)

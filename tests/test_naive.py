@@ -1,4 +1,5 @@
-"""The naive tier against transformers' DeepseekV2Attention / DeepseekV3Attention (outside references).
+"""The naive tier against transformers' DeepseekV2Attention / DeepseekV3Attention (outside
+references), and its causal mask against a per-prefix loop (no outside dependency).
 
 HF is built offline from a small config with random weights; both sides share one state dict.
 HF computes the full sequence in one causal pass; we feed the same tokens through prefill,
@@ -11,10 +12,6 @@ import torch
 import mla
 from mla.naive import NaiveMLA
 
-transformers = pytest.importorskip("transformers")
-from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2  # noqa: E402
-from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3  # noqa: E402
-
 SMALL = dict(hidden_size=48, num_heads=3, kv_lora_rank=20, qk_nope_head_dim=12,
              qk_rope_head_dim=8, v_head_dim=10, rope_theta=10000.0, rms_norm_eps=1e-6)
 YARN = dict(factor=4.0, original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
@@ -23,6 +20,10 @@ YARN_V3 = dict(YARN, mscale=1.0, mscale_all_dim=1.0)
 
 
 def hf_attention(cfg: mla.MLAConfig, version: int):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
+
     fields = cfg.to_hf_dict()
     fields.update(vocab_size=32, num_hidden_layers=1, intermediate_size=32,
                   moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
@@ -58,8 +59,12 @@ CASES = [
 ]
 
 
-def _rel(a, b):
-    return float((a - b).norm() / b.norm())
+def assert_rel_close(actual, expected, tol=1e-6):
+    """Relative error in the Frobenius norm below tol; NaN or inf on either side fails."""
+    assert torch.isfinite(actual).all(), "non-finite values in the tier's output"
+    assert torch.isfinite(expected).all(), "non-finite values in the reference"
+    err = float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+    assert err < tol, f"relative error {err:.3g} >= {tol}"
 
 
 @pytest.mark.parametrize("version,q_lora_rank,yarn", CASES)
@@ -87,12 +92,12 @@ def test_naive_matches_transformers(version, q_lora_rank, yarn):
         ref = hf_forward(hf_attn, hf_rope, x)
         # one prefill
         cache = naive.new_cache(b, s)
-        assert _rel(naive(x, cache), ref) < 1e-6
+        assert_rel_close(naive(x, cache), ref)
         # chunked prefill (13 + 15) then 12 decode steps
         cache = naive.new_cache(b, s)
         pieces = [naive(x[:, :13], cache), naive(x[:, 13:28], cache)]
         pieces += [naive(x[:, j:j + 1], cache) for j in range(28, s)]
-        assert _rel(torch.cat(pieces, dim=1), ref) < 1e-6
+        assert_rel_close(torch.cat(pieces, dim=1), ref)
         assert cache.seq_lens.tolist() == [s, s]
 
 
@@ -114,7 +119,7 @@ def test_naive_ragged_batch_matches_transformers_per_row():
             x[i, :n] = xs[i][0, :n]
         y = naive(x, cache, torch.tensor(first))
         for i, n in enumerate(first):
-            assert _rel(y[i, :n], refs[i][:n]) < 1e-6 if n else True
+            assert_rel_close(y[i, :n], refs[i][:n])
             assert torch.all(y[i, n:] == 0)  # padded positions are zeros
         # then everything that is left, ragged again
         rest = [f - n for f, n in zip(full, first)]
@@ -124,6 +129,27 @@ def test_naive_ragged_batch_matches_transformers_per_row():
             x[i, :n] = xs[i][0, first[i]:]
         y = naive(x, cache, torch.tensor(rest))
         for i, n in enumerate(rest):
-            assert _rel(y[i, :n], refs[i][first[i]:]) < 1e-6
+            assert_rel_close(y[i, :n], refs[i][first[i]:])
             assert torch.all(y[i, n:] == 0)
         assert cache.seq_lens.tolist() == full
+
+
+def test_prefill_and_extend_see_exactly_the_past():
+    """Query position p attends to cached positions 0..p, no more, no fewer: a ragged prefill
+    and an extend over it against the last output of a fresh call on each prefix x[:p+1]."""
+    cfg = mla.MLAConfig.from_preset("tiny")
+    naive = NaiveMLA(mla.MLAWeights(cfg, dtype=torch.float64, seed=4))
+    full, first = [12, 7], [5, 0]
+    x = torch.randn(2, 12, cfg.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        cache = naive.new_cache(2, 12)
+        y_first = naive(x[:, :5], cache, first)
+        rest = torch.zeros_like(x[:, :7])
+        for i, (f, n) in enumerate(zip(full, first)):
+            rest[i, :f - n] = x[i, n:f]
+        y_rest = naive(rest, cache, [f - n for f, n in zip(full, first)])
+        for i, (f, n) in enumerate(zip(full, first)):
+            ref = torch.cat([naive(x[i:i + 1, :p + 1], naive.new_cache(1, 12))[0, -1:]
+                             for p in range(f)])  # (f, hidden)
+            assert_rel_close(y_first[i, :n], ref[:n])
+            assert_rel_close(y_rest[i, :f - n], ref[n:])
