@@ -77,15 +77,16 @@ def _check_cu_seqlens_values(fn, name, cu, total) -> list[int]:
 
 
 def _check_prefill_inputs(fn, q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
-                          causal, max_seqlen_q, max_seqlen_k, check_values) -> tuple[int, int]:
+                          causal, max_seqlen_q, max_seqlen_k, check_values, dtypes=_DTYPES) -> tuple[int, int]:
     """Raise a TypeError/ValueError naming the argument at fault; read-only.
 
     Returns (max_seqlen_q, max_seqlen_k): the given ones, or (with ``check_values``, which also
     checks the offsets' values: one host sync) the largest lengths in the offsets.
     """
     _check_tensor(fn, "q_nope", q_nope, ("total_q", "h", "d"))
-    if q_nope.dtype not in _DTYPES:
-        raise TypeError(f"{fn}: q_nope must be bfloat16, float16 or float32, got {q_nope.dtype}")
+    if q_nope.dtype not in dtypes:
+        names = ", ".join(str(t).removeprefix("torch.") for t in dtypes)
+        raise TypeError(f"{fn}: q_nope must be one of {names}, got {q_nope.dtype}")
     total_q, h, d = q_nope.shape
     _check_tensor(fn, "q_pe", q_pe, ("total_q", "h", "r"), q_nope.dtype)
     _check_tensor(fn, "k_nope", k_nope, ("total_k", "h", "d"), q_nope.dtype)
@@ -292,11 +293,12 @@ def mla_prefill_reference(
     """``mla_prefill``'s arguments and results, with each sequence's scores materialised.
 
     ``compute_dtype`` (float32 by default; float64 for the tightest tests) is what the scores and
-    softmax are computed in. Returns out in q's dtype and lse in float32, like the op.
+    softmax are computed in; float64 inputs are accepted too. Returns out in q's dtype and lse in
+    float32, like the op.
     """
     _check_prefill_inputs(
         "mla_prefill_reference", q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k,
-        softmax_scale, causal, max_seqlen_q, max_seqlen_k, True,
+        softmax_scale, causal, max_seqlen_q, max_seqlen_k, True, dtypes=(*_DTYPES, torch.float64),
     )
     total_q, h, _ = q_nope.shape
     out = torch.zeros((total_q, h, v.shape[2]), dtype=compute_dtype, device=q_nope.device)
