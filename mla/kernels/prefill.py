@@ -211,7 +211,7 @@ def mla_prefill(
     """
     fn = "mla_prefill"
     check_values = max_seqlen_q is None or max_seqlen_k is None or q_nope.device.type == "cpu"
-    max_seqlen_q, _ = _check_prefill_inputs(
+    max_seqlen_q, max_seqlen_k = _check_prefill_inputs(
         fn, q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
         max_seqlen_q, max_seqlen_k, check_values,
     )
@@ -235,7 +235,7 @@ def mla_prefill(
     q_nope_c, q_pe_c, k_nope_c, k_pe_c, v_c = compute
     out_c = out if out.dtype == q_nope_c.dtype else torch.empty_like(out, dtype=q_nope_c.dtype)
 
-    config = default_prefill_config(d + r, q_nope_c.element_size(), max_seqlen_q,
+    config = default_prefill_config(d + r, q_nope_c.element_size(), max_seqlen_q, max_seqlen_k,
                                     interpreter=_interpreted(q_nope.device))
     if _config:
         unknown = set(_config) - set(config)

@@ -113,11 +113,9 @@ def _attend_tile(
             visible = visible & (offs_n[None, :] <= last_key[:, None])
         s = tl.where(visible, s, float("-inf"))
 
-    # -- online softmax update. In a masked tile a query may see none of the keys; while it has
-    #    seen none at all (m_new = -inf) the update uses 0 as its max, so p = 0 and no NaN
+    # -- online softmax update. A query may see none of a diagonal tile's keys, but never of
+    #    the first tile it visits (key 0 is visible to every query, s_i <= t_i), so m_new is finite
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MASK:
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -249,7 +247,8 @@ def mla_prefill_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def default_prefill_config(head_dim: int, element_size: int, max_seqlen_q: int, *, interpreter: bool) -> dict:
+def default_prefill_config(head_dim: int, element_size: int, max_seqlen_q: int, max_seqlen_k: int, *,
+                           interpreter: bool) -> dict:
     """``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages`` for ``mla_prefill_kernel``.
 
     ``head_dim`` is d + r (the key), ``element_size`` the inputs' bytes a value. On a GPU, with
@@ -257,13 +256,14 @@ def default_prefill_config(head_dim: int, element_size: int, max_seqlen_q: int, 
     step, 8 warps, 3 stages (FlashAttention-2's tile for head dims 128-256; the shared memory,
     3 x 64 x (192 + 128) x 2 B of keys and values plus 128 x 192 x 2 B of queries, is 168 KiB,
     inside an H100/H200 block's 227); smaller keys or few queries 64 queries, 4 warps; fp32
-    inputs half the key tile and 2 stages. In Triton's interpreter (numpy, no GPU) each
-    operation costs a fixed overhead and larger tiles are cheaper, so the tiles grow with the
-    queries, up to 64 x 64.
+    inputs half the key tile and 2 stages. In Triton's interpreter (numpy, no GPU) every
+    operation costs a fixed overhead whatever its size, so the tiles grow with the sequences,
+    up to 64 queries and 512 keys (at least 16 each, tl.dot's smallest, as on a GPU).
     """
     if interpreter:
         block_m = min(64, max(16, triton.next_power_of_2(max_seqlen_q)))
-        return {"BLOCK_M": block_m, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
+        block_n = min(512, max(16, triton.next_power_of_2(max_seqlen_k)))
+        return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 1}
     if element_size > 2:
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     if head_dim >= 128 and max_seqlen_q > 64:
