@@ -513,6 +513,7 @@ def chunked_context_prefill(
         return out, lse
     out = out.float()
 
+    # --8<-- [start:context_chunks]
     # ---- 2. the contexts, one after the other, in chunks of at most workspace_tokens tokens
     cu_context = torch.zeros(len(lens) + 1, dtype=torch.int64, device=device)
     cu_context[1:] = torch.cumsum(context_lens.to(torch.int64), 0)              # (b + 1,)
@@ -534,4 +535,5 @@ def chunked_context_prefill(
         del latent, k_nope, v
         # ---- 3. merge this chunk into the running result
         out, lse = merge_attention_states(out, lse, out_chunk, lse_chunk)
+    # --8<-- [end:context_chunks]
     return out.to(q_nope.dtype), lse

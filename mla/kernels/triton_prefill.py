@@ -65,6 +65,7 @@ __all__ = ["mla_prefill_kernel", "default_prefill_config"]
 # ---------------------------------------------------------------------------------------------
 
 
+# --8<-- [start:attend_tile]
 @triton.jit
 def _attend_tile(
     q_nope, q_pe, m_i, l_i, acc,
@@ -121,6 +122,7 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+# --8<-- [end:attend_tile]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,6 +196,7 @@ def mla_prefill_kernel(
         mask=mask_m[:, None] & (offs_r < rope_dim)[None, :], other=0.0,
     )
 
+    # --8<-- [start:key_ranges]
     # ---- which keys: query i sees keys 0 .. seqlen_k - seqlen_q + i (causal, bottom-right)
     #      [0, full_end): tiles every query of the block sees whole, no masks
     #      [full_end, end): the diagonal tiles and the sequence's partial last tile, masked
@@ -208,6 +211,7 @@ def mla_prefill_kernel(
         end = seqlen_k
         full_end = (seqlen_k // BLOCK_N) * BLOCK_N
     full_end = tl.maximum(full_end, 0)
+    # --8<-- [end:key_ranges]
 
     k_nope_rows = k_nope_ptr + k_start.to(tl.int64) * stride_knt + pid_h * stride_knh
     k_pe_rows = k_pe_ptr + k_start.to(tl.int64) * stride_kpt
