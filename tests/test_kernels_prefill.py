@@ -87,6 +87,19 @@ def test_ragged_causal_matches_reference(config):
     check_against_reference(make_varlen(lens_q, lens_k, h=3), _config=config)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_random_ragged_batches(seed):
+    """Random lengths (a query count <= its key count), random tiles: diagonals at every offset."""
+    gen = torch.Generator().manual_seed(seed)
+    b = int(torch.randint(1, 5, (1,), generator=gen))
+    lens_q = torch.randint(1, 40, (b,), generator=gen).tolist()
+    lens_k = [s + int(torch.randint(0, 50, (1,), generator=gen)) for s in lens_q]
+    config = [{"BLOCK_M": 16, "BLOCK_N": 16}, {"BLOCK_M": 16, "BLOCK_N": 32}, {"BLOCK_M": 32, "BLOCK_N": 16},
+              None][seed]
+    causal = seed % 2 == 0
+    check_against_reference(make_varlen(lens_q, lens_k, h=2, seed=seed), causal=causal, _config=config)
+
+
 def test_long_rows_match_reference():
     """300-token rows: several query blocks and key tiles, the diagonal crossing tiles."""
     check_against_reference(make_varlen([300, 129], [300, 200], h=1))
@@ -239,7 +252,8 @@ def make_context_case(news, contexts, *, page, h=2, d=16, r=8, dv=16, c=24, dtyp
     tq = sum(news)
     new = dict(q_nope=torch.randn(tq, h, d, generator=gen), q_pe=torch.randn(tq, h, r, generator=gen),
                kv_c=torch.randn(tq, c, generator=gen), k_pe=torch.randn(tq, r, generator=gen))
-    weights = dict(W_UK=torch.randn(h, d, c, generator=gen) / c**0.5, W_UV=torch.randn(h, dv, c, generator=gen) / c**0.5)
+    weights = dict(W_UK=torch.randn(h, d, c, generator=gen) / c**0.5,
+                   W_UV=torch.randn(h, dv, c, generator=gen) / c**0.5)
     case = dict(
         **{k: t.to(dtype).to(device) for k, t in new.items()},
         cu_seqlens_q=offsets(news, device),

@@ -102,7 +102,9 @@ def _check_prefill_inputs(fn, q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_se
     }
     for name, (t, shape) in expected.items():
         if tuple(t.shape) != shape:
-            raise ValueError(f"{fn}: {name} must have shape {shape} (from q_nope, q_pe, k_nope, v), got {tuple(t.shape)}")
+            raise ValueError(
+                f"{fn}: {name} must have shape {shape} (from q_nope, q_pe, k_nope, v), got {tuple(t.shape)}"
+            )
     if min(d, r, dv) < 1:
         raise ValueError(f"{fn}: d, r and v must be >= 1, got d={d}, r={r}, v={dv}")
     if h > _MAX_GRID_YZ:
@@ -313,7 +315,8 @@ def mla_prefill_reference(
         # scores_{hij} = scale * (q_nope_{ihd} k_nope_{jhd} + q_pe_{ihr} k_pe_{jr})
         scores = (torch.einsum("ihd,jhd->hij", qn, kn) + torch.einsum("ihr,jr->hij", qp, kp)) * softmax_scale
         if causal:  # query i sits at key position t - s + i
-            visible = torch.arange(t, device=q_nope.device)[None, :] <= (t - s + torch.arange(s, device=q_nope.device))[:, None]
+            keys, queries = torch.arange(t, device=q_nope.device), torch.arange(s, device=q_nope.device)
+            visible = keys[None, :] <= (t - s + queries)[:, None]                         # (s, t)
             scores = scores.masked_fill(~visible, float("-inf"))
         lse[q0:q1] = torch.logsumexp(scores, dim=-1).transpose(0, 1)                  # (s, h)
         # out_{ihv} = sum_j softmax(scores)_{hij} v_{jhv}

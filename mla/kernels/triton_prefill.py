@@ -210,7 +210,6 @@ def mla_prefill_kernel(
         last_key = offs_m  # unused without CAUSAL
         end = seqlen_k
         full_end = (seqlen_k // BLOCK_N) * BLOCK_N
-    full_end = tl.maximum(full_end, 0)
     # --8<-- [end:key_ranges]
 
     k_nope_rows = k_nope_ptr + k_start.to(tl.int64) * stride_knt + pid_h * stride_knh
