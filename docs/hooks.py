@@ -106,9 +106,9 @@ def split_table(batches=(1, 4, 16, 64, 132), contexts=(1024, 4096, 32768, 131072
     32) and the Triton one, and at 128 heads for the Triton one and the wgmma one (what runs on
     an H100 / H200: its one-wave rule)."""
     from mla.kernels import decode
-    from mla.kernels.backends import CUDA_TILES
+    from mla.kernels.backends import CUDA_TILES, sm_count
 
-    sms = decode._CPU_NUM_SMS
+    sms = sm_count("cpu")
     sm80, sm90 = CUDA_TILES["cuda-sm80"], CUDA_TILES["cuda-sm90"]
     columns = {  # header: keyword arguments beyond (batch, heads, t, SMs)
         "h = 16, CUDA": (16, dict(block_h=sm80[0], block_n=sm80[1])),
@@ -155,6 +155,7 @@ def split_rule():
     from types import SimpleNamespace
 
     from mla.kernels import decode
+    from mla.kernels.backends import sm_count
 
     choose = decode.choose_num_kv_splits
     defaults = {k: v.default for k, v in inspect.signature(choose).parameters.items()}
@@ -169,7 +170,7 @@ def split_rule():
     return SimpleNamespace(max_splits=defaults["max_splits"],
                            min_tiles_per_split=defaults["min_tiles_per_split"],
                            programs_per_sm=programs_per_sm, busy=busy, big_block_h=big,
-                           small_block_h=small, cpu_sms=decode._CPU_NUM_SMS)
+                           small_block_h=small, cpu_sms=sm_count("cpu"))
 
 
 def source(dotted: str) -> str:

@@ -12,6 +12,7 @@ import mla.kernels  # noqa: F401  (sets TRITON_INTERPRET before triton is import
 from benchmarks import bench_decode as bd
 from benchmarks import timing
 from mla.kernels import decode
+from mla.kernels.backends import sm_count
 from mla.kernels.decode import choose_num_kv_splits, mla_decode_reference
 
 # ---- timing.py ------------------------------------------------------------------------------
@@ -64,9 +65,23 @@ def test_layer_splits_is_what_mla_decode_picks_for_the_cache():
     kernel, splits = bd.layer_splits(paged.config, cache)
     h = paged.config.num_heads
     config = decode.default_config(h)
-    want = choose_num_kv_splits(3, h, 2001, decode._num_sms(cache.kv_cache.device),
+    want = choose_num_kv_splits(3, h, 2001, sm_count(cache.kv_cache.device),
                                 block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
     assert (kernel, splits) == ("triton", want)  # on the CPU mla_decode runs the Triton kernel
+
+
+@pytest.mark.parametrize("kernel, block_h, block_n", [("cuda-sm80", 16, 32), ("cuda-sm90", 64, 64)])
+def test_kernel_and_splits_plans_a_cuda_kernel_with_its_tile(kernel, block_h, block_n, monkeypatch):
+    # on a GPU mla_decode plans a CUDA stage 1's splits with that kernel's tile (and the wgmma one
+    # within one wave); the CPU never picks a CUDA kernel, so the choice is forced here
+    from mla.kernels import backends
+
+    monkeypatch.setattr(backends, "choose_decode_backend", lambda *args, **kwargs: kernel)
+    q, (cache,), table, lens = bd.make_inputs(2, 4096, 16, s_q=2, device="cpu")
+    got, config, splits = bd.kernel_and_splits(q, cache, table, lens, bd.C, 4096, 132)
+    want = choose_num_kv_splits(2, 32, 4096, 132, block_h=block_h, block_n=block_n, one_wave=kernel == "cuda-sm90")
+    assert got == kernel and (config["BLOCK_H"], config["BLOCK_N"]) == (block_h, block_n)
+    assert splits == want
 
 
 # ---- bench_decode.py: arguments -----------------------------------------------------------------
