@@ -45,9 +45,10 @@ def torch_write(kv_c, k_pe, kv_cache, slots, kv_cache_dtype, scale_t):
 def run(out_dir: Path) -> dict:
     from benchmarks.timing import bench_us, copy_bandwidth_GBps
     from mla.kernels import concat_cache as cc
+    from mla.kernels.extension import load_extension
 
     t0 = time.time()
-    state = cc.load_extension()
+    state = load_extension()
     if not (state["loaded"] and state["cuda"]):
         raise SystemExit(f"the CUDA extension is not available: {state}")
     print(f"extension ready in {time.time() - t0:.0f} s (JIT build, or the cached one)")

@@ -153,25 +153,28 @@ def torch_decode(q, kv_cache, block_table, seq_lens):
 # The kernel mla_decode picks, and the split count a captured call fixes
 # ---------------------------------------------------------------------------------------------
 
+# warps a CTA of each CUDA stage 1: kWarps of csrc/mla_decode_sm80.cu, kThreads / 32 of
+# csrc/mla_decode_sm90.cu (two warpgroups)
+CUDA_WARPS = {"cuda-sm80": 4, "cuda-sm90": 8}
+
 
 def kernel_and_splits(q, kv_cache, block_table, seq_lens, kv_lora_rank, t, num_sms):
     """The stage-1 kernel mla_decode picks for these arguments, its tile, and the split count a
     call that fixes it (a captured one) should pass for sequences of up to t tokens:
     (kernel, config, splits). A q of s_q > 1 tokens is planned as the s_q·h query rows the
     kernels pack into their head tile."""
-    from mla.kernels.decode import (
-        _CUDA_HEADS, _CUDA_TILE, _SM90_HEADS, _SM90_TILE, _pick_backend, choose_num_kv_splits, default_config,
-    )
+    from mla.kernels.backends import CUDA_TILES, choose_decode_backend
+    from mla.kernels.decode import choose_num_kv_splits, default_config
 
     rows = q.flatten(1, 2) if q.dim() == 4 else q  # (b, s_q·h, c + r)
     b, h, _ = rows.shape
-    kernel = _pick_backend(rows, kv_cache, block_table, seq_lens, kv_lora_rank, None, False)
+    kernel = choose_decode_backend(rows, kv_cache, block_table, seq_lens, kv_lora_rank=kv_lora_rank)
     if kernel == "triton":
         config = dict(default_config(h), kernel=kernel)
         block_h, block_n = config["BLOCK_H"], config["BLOCK_N"]
-    else:  # csrc/mla_decode_sm80.cu (16 heads a CTA, tiles of 32), csrc/mla_decode_sm90.cu (64, 64)
-        block_h, block_n, warps = (_CUDA_HEADS, _CUDA_TILE, 4) if kernel == "cuda-sm80" else (_SM90_HEADS, _SM90_TILE, 8)
-        config = dict(kernel=kernel, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps)
+    else:
+        block_h, block_n = CUDA_TILES[kernel]
+        config = dict(kernel=kernel, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=CUDA_WARPS[kernel])
     splits = choose_num_kv_splits(b, h, t, num_sms, block_h=block_h, block_n=block_n, one_wave=kernel == "cuda-sm90")
     return kernel, config, splits
 
@@ -189,14 +192,14 @@ def layer_splits(config, cache) -> tuple[str, int]:
     """The stage-1 kernel and the split count a paged layer's captured decode step should fix for
     this cache (its heads, its longest sequence plus the token the step appends), as
     ``kernel_and_splits`` picks them: used by bench_layer.py and bench_tp.py."""
-    from mla.kernels.decode import _num_sms
+    from mla.kernels.backends import sm_count
 
     b = cache.batch_size
     q = torch.empty(b, config.num_heads, config.kv_lora_rank + config.qk_rope_head_dim,
                     dtype=cache.kv_cache.dtype, device=cache.kv_cache.device)  # the step's absorbed query
     t = int(cache.seq_lens.max()) + 1
     kernel, _, splits = kernel_and_splits(q, cache.kv_cache, cache.block_table, cache.seq_lens,
-                                          config.kv_lora_rank, t, _num_sms(q.device))
+                                          config.kv_lora_rank, t, sm_count(q.device))
     return kernel, splits
 
 

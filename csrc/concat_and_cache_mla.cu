@@ -20,7 +20,7 @@
 // copy bandwidth at 64k / 256k tokens, where one flat index split by a 64-bit division, with the
 // input load after the slot test, runs at 0.72 / 0.78; 2, 4 or 8 rows a thread run within 1% of
 // one, and streaming cache hints (ld/st.global.cs) cost 5%
-// (benchmarks/results/h200-concat-probe.json, h200-concat.json).
+// (benchmarks/lab/results/h200-concat-probe.json, benchmarks/results/h200-concat.json).
 //
 // q is a bit copy (kv_cache_dtype "auto") or e4m3(clamp(x / scale, -448, 448)) ("fp8"): the
 // division is IEEE (no fast-math), and __NV_SATFINITE clamps to +-448 while keeping NaN as NaN,

@@ -43,6 +43,7 @@ if str(ROOT) not in sys.path:
 
 TUTORIALS = ROOT / "tutorials"
 RESULTS = ROOT / "benchmarks" / "results"
+LAB_RESULTS = ROOT / "benchmarks" / "lab" / "results"
 
 # ---- the values pages may quote -------------------------------------------------------------
 
@@ -73,6 +74,7 @@ def _namespace() -> dict:
         "crossover_table": crossover_table,
         "measured": measured,
         "measured_section": measured_section,
+        "prefill_file_note": prefill_file_note,
         "split_rule": split_rule,
         "split_table": split_table,
         "default": default,
@@ -106,9 +108,9 @@ def split_table(batches=(1, 4, 16, 64, 132), contexts=(1024, 4096, 32768, 131072
     32) and the Triton one, and at 128 heads for the Triton one and the wgmma one (what runs on
     an H100 / H200: its one-wave rule)."""
     from mla.kernels import decode
-    from mla.kernels.backends import CUDA_TILES
+    from mla.kernels.backends import CUDA_TILES, sm_count
 
-    sms = decode._CPU_NUM_SMS
+    sms = sm_count("cpu")
     sm80, sm90 = CUDA_TILES["cuda-sm80"], CUDA_TILES["cuda-sm90"]
     columns = {  # header: keyword arguments beyond (batch, heads, t, SMs)
         "h = 16, CUDA": (16, dict(block_h=sm80[0], block_n=sm80[1])),
@@ -155,6 +157,7 @@ def split_rule():
     from types import SimpleNamespace
 
     from mla.kernels import decode
+    from mla.kernels.backends import sm_count
 
     choose = decode.choose_num_kv_splits
     defaults = {k: v.default for k, v in inspect.signature(choose).parameters.items()}
@@ -169,7 +172,7 @@ def split_rule():
     return SimpleNamespace(max_splits=defaults["max_splits"],
                            min_tiles_per_split=defaults["min_tiles_per_split"],
                            programs_per_sm=programs_per_sm, busy=busy, big_block_h=big,
-                           small_block_h=small, cpu_sms=decode._CPU_NUM_SMS)
+                           small_block_h=small, cpu_sms=sm_count("cpu"))
 
 
 def source(dotted: str) -> str:
@@ -323,7 +326,7 @@ def measured_section() -> str:
     """The absorption page's "Measured" section: from the committed decode and prefill
     results, or a plain statement that there are none."""
     path = _decode_results()
-    if path is None and not (RESULTS / PREFILL_RESULTS).is_file():
+    if path is None and not (RESULTS / PREFILL_RESULTS).is_file() and _crossover_results() is None:
         return ("**Not yet measured.** The GPU benchmark (`python -m mla bench`) writes "
                 "`benchmarks/results/*.json`; once a result is committed, [Kernels and "
                 "benchmarks](../benchmarks.md) shows it, and this section states the measured "
@@ -349,11 +352,34 @@ def measured_section() -> str:
 
 
 PREFILL_RESULTS = "h200-prefill.json"
+CROSSOVER_RESULTS = "h200-prefill-crossover.json"  # benchmarks/lab/prefill_crossover.py's
+
+
+def _is_crossover_run(data: dict) -> bool:
+    """Whether a prefill result times the paged tier's two prefill paths against each other
+    (benchmarks/lab/prefill_crossover.py: rows of ``up_project_ms``, ``absorbed_ms``) rather
+    than the layer against SDPA and FlexAttention (benchmarks/bench_prefill.py: rows of
+    ``layer_ms``, ``sdpa_*_ms``, ``flex_ms``)."""
+    return any("up_project_ms" in row for row in data.get("rows", []))
+
+
+def _load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _crossover_results() -> tuple[Path, dict] | None:
+    """(path, data) of the committed crossover run of the two prefill paths: the prefill result
+    when it is one, else benchmarks/lab/results/h200-prefill-crossover.json; None without one."""
+    for path in (RESULTS / PREFILL_RESULTS, LAB_RESULTS / CROSSOVER_RESULTS):
+        data = _load(path)
+        if data is not None and _is_crossover_run(data):
+            return path, data
+    return None
 
 
 def _prefill_crossovers(data: dict) -> dict[int, int | None]:
     """{batch: fewest new tokens from which up-projection was faster at every larger s} from a
-    prefill result: its `measured` block ("b1": {"up_project_wins_from": 64}, ...) where it has
+    crossover run: its `measured` block ("b1": {"up_project_wins_from": 64}, ...) where it has
     one, else worked out from its rows. None: up-projection never won for good."""
     found: dict[int, int | None] = {}
     for key, value in (data.get("measured") or {}).items():
@@ -375,18 +401,39 @@ def _prefill_crossovers(data: dict) -> dict[int, int | None]:
     return found
 
 
+def prefill_file_note() -> str:
+    """For the benchmarks page: what the committed prefill result measures when it is a crossover
+    run rather than bench_prefill.py's output ('' otherwise)."""
+    data = _load(RESULTS / PREFILL_RESULTS)
+    if data is None or not _is_crossover_run(data):
+        return ""
+    return (f"The committed `{PREFILL_RESULTS}` is a measurement of the paged tier's two prefill "
+            "paths against each other (`benchmarks/lab/prefill_crossover.py`), not this "
+            "benchmark's output.")
+
+
 def prefill_section() -> str:
-    """What the committed prefill benchmark measured about the crossover, or that it has not
-    been timed (benchmarks/results/h200-prefill.json)."""
-    path = RESULTS / PREFILL_RESULTS
-    if not path.is_file():
+    """What the committed prefill results say: the crossover of the paged tier's two prefill
+    paths (a crossover run) and the layer against SDPA (bench_prefill.py's result), each where
+    it is committed, or that prefill has not been timed."""
+    parts = []
+    crossover = _crossover_results()
+    if crossover is not None:
+        parts.append(_crossover_sentences(*crossover))
+    data = _load(RESULTS / PREFILL_RESULTS)
+    if data is not None and not _is_crossover_run(data):
+        parts.append(_contenders_sentence(RESULTS / PREFILL_RESULTS, data))
+    if not parts:
         return ("The prefill crossover has not been timed (no "
                 f"`benchmarks/results/{PREFILL_RESULTS}` is committed); the FLOP count above is "
                 "the only statement this page makes about it.")
+    return " ".join(parts) + _threshold_sentence(_prefill_crossovers(crossover[1]) if crossover else {})
+
+
+def _crossover_sentences(path: Path, data: dict) -> str:
     from mla import memory
     from mla.config import MLAConfig
 
-    data = json.loads(path.read_text())
     preset = data.get("config", "deepseek-v3")
     cfg = MLAConfig.from_preset(preset)
     context = data.get("context")
@@ -417,21 +464,35 @@ def prefill_section() -> str:
             "dot product and its share of the output), "
             "which costs more than its FLOP count says, while the up-projection is one bf16 "
             "GEMM, which costs less.")
+    return " ".join(out)
+
+
+def _contenders_sentence(path: Path, data: dict) -> str:
+    """bench_prefill.py's result in one sentence: the layer's time over the fastest SDPA
+    backend's at the shapes where both ran."""
+    ratios = [r["layer_over_best_sdpa"] for r in data["rows"] if r.get("layer_over_best_sdpa")]
+    span = ("" if not ratios else
+            f": the layer's whole call (projections included) took {min(ratios):.2f}x to "
+            f"{max(ratios):.2f}x the time of the fastest SDPA backend's attention alone")
+    return (f"The prefill benchmark, `{path.relative_to(ROOT).as_posix()}` "
+            f"({data.get('device', 'GPU')}, {data.get('config', 'deepseek-v3')} sizes, "
+            f"{data.get('dtype', '')}), times the paged layer against torch's SDPA and "
+            f"FlexAttention at {len(data['rows'])} shapes{span}.")
+
+
+def _threshold_sentence(crossovers: dict[int, int | None]) -> str:
     try:
         from mla.paged import layer as paged_layer
     except Exception:  # noqa: BLE001 - the kernels may not import on every machine
-        paged_layer = None
-    if paged_layer is not None:
-        constant = paged_layer.PREFILL_CROSSOVER
-        same = [b for b, s in crossovers.items() if s == constant]
-        who = ("" if not same else "one sequence" if same[0] == 1 else f"a batch of {same[0]}")
-        origin = f", the measured crossover for {who}" if who else ""
-        out.append(
-            f"The paged tier's default threshold is `PREFILL_CROSSOVER` = **{constant:,}** "
+        return ""
+    constant = paged_layer.PREFILL_CROSSOVER
+    same = [b for b, s in crossovers.items() if s == constant]
+    who = ("" if not same else "one sequence" if same[0] == 1 else f"a batch of {same[0]}")
+    origin = f", the measured crossover for {who}" if who else ""
+    return (f" The paged tier's default threshold is `PREFILL_CROSSOVER` = **{constant:,}** "
             f"(`mla/paged/layer.py`){origin}: under its default `prefill=\"auto\"`, rows with "
             "fewer new tokens attend absorbed and longer ones up-project. "
-            "[Kernels and benchmarks](../benchmarks.md#plots) plots both paths' times.")
-    return " ".join(out)
+            "[Kernels and benchmarks](../benchmarks.md#plots) plots the prefill times.")
 
 
 def benchmark_section() -> str:
@@ -504,6 +565,16 @@ def _figure(panels: int):
     return fig, axes
 
 
+# result files written before the decode backends took their names say "cuda" and "sm90"
+_OLD_KERNEL_NAMES = {"cuda": "cuda-sm80", "sm90": "cuda-sm90"}
+
+
+def _kernel(row: dict) -> str | None:
+    """The stage-1 kernel a decode row ran (``config.kernel``), by its ``DECODE_BACKENDS`` name."""
+    kernel = (row.get("config") or {}).get("kernel")
+    return _OLD_KERNEL_NAMES.get(kernel, kernel)
+
+
 def _plot_decode(data: dict):
     """Time against the floor, and the share of the floor, for each (b, t) shape and head count:
     the rows of one query token a sequence that were timed."""
@@ -517,7 +588,9 @@ def _plot_decode(data: dict):
         xs = [i + (k - (len(heads) - 1) / 2) * width for i, bt in enumerate(shapes) if bt in of_h]
         sel = [of_h[bt] for bt in shapes if bt in of_h]
         bounds = {r.get("bound") for r in sel} - {None}
-        label = f"{h} heads" + (f" ({bounds.pop()} bound)" if len(bounds) == 1 else "")
+        kernels = sorted({_kernel(r) for r in sel} - {None})
+        label = (f"{h} heads" + (f", {' / '.join(kernels)}" if kernels else "")
+                 + (f" ({bounds.pop()} bound)" if len(bounds) == 1 else ""))
         color = f"C{k}"
         ax_time.bar(xs, [r["time_us"] for r in sel], width, color=color, label=label)
         ax_time.plot(xs, [r["floor_us"] for r in sel], linestyle="none", marker="_",
@@ -541,7 +614,46 @@ def _plot_decode(data: dict):
 
 
 def _plot_prefill(data: dict):
-    """Both prefill paths' times against the new tokens s, and their ratio, per batch."""
+    """A crossover run's plot or bench_prefill.py's, whichever the result is."""
+    return _plot_prefill_paths(data) if _is_crossover_run(data) else _plot_prefill_contenders(data)
+
+
+def _plot_prefill_contenders(data: dict):
+    """bench_prefill.py's result: each contender's time at each (b, s, t) shape, and its
+    attention TFLOP/s against the matmul rate of the same run."""
+    rows = data["rows"]
+    names = list(dict.fromkeys(k[:-3] for r in rows for k in r if k.endswith("_ms")))
+    if not names:
+        raise ValueError("no *_ms columns")
+    fig, (ax_time, ax_rate) = _figure(2)
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        timed = [(i, r) for i, r in enumerate(rows) if r.get(f"{name}_ms")]
+        xs = [i + (k - (len(names) - 1) / 2) * width for i, _ in timed]
+        label = name.replace("_", " ")
+        ax_time.bar(xs, [r[f"{name}_ms"] for _, r in timed], width, color=f"C{k}", label=label)
+        rated = [(x, r[f"{name}_TFLOPs"]) for x, (_, r) in zip(xs, timed) if r.get(f"{name}_TFLOPs")]
+        ax_rate.bar([x for x, _ in rated], [v for _, v in rated], width, color=f"C{k}", label=label)
+    if data.get("matmul_TFLOPs"):
+        ax_rate.axhline(data["matmul_TFLOPs"], color="black", linestyle="--", label="bf16 matmul")
+    labels = [f"b {r['b']}\ns {_tokens(r['s'])}" + (f"\n+{_tokens(r['t'])}" if r.get("t") else "")
+              for r in rows]
+    for ax in (ax_time, ax_rate):
+        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set_xlabel("batch b, new tokens s (+ cached tokens t)")
+    ax_time.set_yscale("log")
+    ax_time.set_ylabel("prefill (ms), log scale")
+    ax_time.set_title("the layer's whole call; attention alone for the others")
+    ax_rate.set_ylabel("attention TFLOP/s")
+    ax_rate.set_title("attention FLOPs over the time (the layer's projections left out)")
+    ax_time.legend(fontsize=7)
+    ax_rate.legend(fontsize=7)
+    return fig
+
+
+def _plot_prefill_paths(data: dict):
+    """A crossover run: both prefill paths' times against the new tokens s, and their ratio,
+    per batch."""
     rows = data["rows"]
     batches = sorted({r["b"] for r in rows})
     crossovers = _prefill_crossovers(data)
@@ -619,6 +731,23 @@ def _plot_concat(data: dict):
     return fig
 
 
+def _prefill_plot_text() -> tuple[str, str]:
+    """(title, caption) of the prefill plot, for the kind of result committed."""
+    data = _load(RESULTS / PREFILL_RESULTS)
+    if data is not None and _is_crossover_run(data):
+        return ("Prefill: up-projection against absorption",
+                "The two paths of the paged tier's prefill for each number of new tokens s. Top: "
+                "both times. Bottom: absorbed time over up-projected time; above 1 up-projection "
+                "is faster. Dotted lines: where up-projection became faster for good in this run; "
+                "dashed: where the FLOP model puts the crossover.")
+    return ("Prefill: the layer against SDPA and FlexAttention",
+            "For each shape (b sequences of s new tokens over t cached ones): top, the paged "
+            "layer's whole call (projections included) and attention alone in each SDPA backend "
+            "and FlexAttention (log scale); bottom, their attention FLOPs over the time, against "
+            "the bf16 matmul rate of the same run (dashed). A contender missing at a shape did "
+            "not run there (its error is in the table).")
+
+
 def _plot_specs() -> list[tuple[str, Path, object, str, str]]:
     """(name, result file, drawing function, title, caption) of each plot."""
     decode = _decode_results() or RESULTS / "h200-decode.json"
@@ -628,11 +757,7 @@ def _plot_specs() -> list[tuple[str, Path, object, str, str]]:
          "(bars, log scale) and the floor of that shape (black ticks): the larger of bytes over "
          "the measured copy bandwidth and FLOPs over the measured matmul rate. Bottom: "
          "`share_of_floor`, floor over time; 1 would be the ceiling."),
-        ("prefill", RESULTS / PREFILL_RESULTS, _plot_prefill, "Prefill: up-projection against "
-         "absorption", "The two paths of the paged tier's prefill for each number of new tokens "
-         "s. Top: both times. Bottom: absorbed time over up-projected time; above 1 "
-         "up-projection is faster. Dotted lines: where up-projection became faster for good in "
-         "this run; dashed: where the FLOP model puts the crossover."),
+        ("prefill", RESULTS / PREFILL_RESULTS, _plot_prefill, *_prefill_plot_text()),
         ("layer", RESULTS / "h200-layer.json", _plot_layer, "One layer's decode step",
          "A whole decode step of one layer, projections included, for each batch: the absorbed "
          "tier and the paged tier called eagerly, and the paged tier's `decode_step` eagerly "

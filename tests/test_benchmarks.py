@@ -12,6 +12,7 @@ import mla.kernels  # noqa: F401  (sets TRITON_INTERPRET before triton is import
 from benchmarks import bench_decode as bd
 from benchmarks import timing
 from mla.kernels import decode
+from mla.kernels.backends import sm_count
 from mla.kernels.decode import choose_num_kv_splits, mla_decode_reference
 
 # ---- timing.py ------------------------------------------------------------------------------
@@ -64,9 +65,23 @@ def test_layer_splits_is_what_mla_decode_picks_for_the_cache():
     kernel, splits = bd.layer_splits(paged.config, cache)
     h = paged.config.num_heads
     config = decode.default_config(h)
-    want = choose_num_kv_splits(3, h, 2001, decode._num_sms(cache.kv_cache.device),
+    want = choose_num_kv_splits(3, h, 2001, sm_count(cache.kv_cache.device),
                                 block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
     assert (kernel, splits) == ("triton", want)  # on the CPU mla_decode runs the Triton kernel
+
+
+@pytest.mark.parametrize("kernel, block_h, block_n", [("cuda-sm80", 16, 32), ("cuda-sm90", 64, 64)])
+def test_kernel_and_splits_plans_a_cuda_kernel_with_its_tile(kernel, block_h, block_n, monkeypatch):
+    # on a GPU mla_decode plans a CUDA stage 1's splits with that kernel's tile (and the wgmma one
+    # within one wave); the CPU never picks a CUDA kernel, so the choice is forced here
+    from mla.kernels import backends
+
+    monkeypatch.setattr(backends, "choose_decode_backend", lambda *args, **kwargs: kernel)
+    q, (cache,), table, lens = bd.make_inputs(2, 4096, 16, s_q=2, device="cpu")
+    got, config, splits = bd.kernel_and_splits(q, cache, table, lens, bd.C, 4096, 132)
+    want = choose_num_kv_splits(2, 32, 4096, 132, block_h=block_h, block_n=block_n, one_wave=kernel == "cuda-sm90")
+    assert got == kernel and (config["BLOCK_H"], config["BLOCK_N"]) == (block_h, block_n)
+    assert splits == want
 
 
 # ---- bench_decode.py: arguments -----------------------------------------------------------------
@@ -242,3 +257,31 @@ def test_prefill_table_and_rates_from_fake_timings():
     assert row["sdpa_flash_TFLOPs"] is None and row["layer_over_best_sdpa"] == pytest.approx(2.0)
     line = bp.format_row(row)
     assert "4.00 (250)" in line and "2.00 (500)" in line and line.count("error") == 2 and line.endswith("2.00")
+
+
+def test_docs_read_the_prefill_results_bench_prefill_writes():
+    # the docs' hooks draw and describe benchmarks/results/h200-prefill.json: they must read the
+    # fields bench_prefill.py writes (a contender that failed has no time), and still the
+    # crossover runs of the two prefill paths committed before it
+    import importlib.util
+    from pathlib import Path
+
+    from benchmarks import bench_prefill as bp
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", Path(__file__).parents[1] / "docs" / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    rows = [bp.add_rates(dict(b=1, s=4096, t=0, layer_ms=4.0, sdpa_cudnn_ms=2.0, sdpa_efficient_ms=5.0,
+                              sdpa_flash_ms=3.0, flex_error="compile failed"), 10**12),
+            bp.add_rates(dict(b=1, s=4096, t=32768, layer_ms=30.0, sdpa_cudnn_ms=20.0, sdpa_efficient_ms=40.0,
+                              sdpa_flash_ms=25.0, flex_ms=35.0), 10**13)]
+    result = dict(device="NVIDIA H200", config="deepseek-v3", dtype="bfloat16", matmul_TFLOPs=700.0, rows=rows)
+    assert not hooks._is_crossover_run(result)
+    fig = hooks._plot_prefill(result)
+    assert [len(ax.patches) for ax in fig.axes] == [9, 9]  # the bars of the timed contenders
+    text = hooks._contenders_sentence(hooks.RESULTS / "h200-prefill.json", result)
+    assert "at 2 shapes" in text and "1.50x to 2.00x" in text
+    crossover = dict(rows=[dict(b=1, s=s, t=4096, up_project_ms=up, absorbed_ms=ab)
+                           for s, up, ab in ((32, 1.9, 1.7), (64, 2.4, 2.8), (128, 2.5, 3.9))])
+    assert hooks._is_crossover_run(crossover) and hooks._prefill_crossovers(crossover) == {1: 64}
+    assert len(hooks._plot_prefill(crossover).axes) == 2

@@ -1,8 +1,8 @@
-"""Versions of a CUDA decode stage 1 (``csrc/mla_decode_sm90.cu``, or with ``--kernel sm80``
+"""Versions of a CUDA decode stage 1 (``csrc/mla_decode_sm90.cu``, or with ``--kernel cuda-sm80``
 ``csrc/mla_decode_sm80.cu``) timed side by side, on the GPU.
 
     PYTHONPATH=. python3 benchmarks/lab/ab_decode_sm90.py --out DIR old=PATH.cu new=csrc/mla_decode_sm90.cu
-    PYTHONPATH=. python3 benchmarks/lab/ab_decode_sm90.py --out DIR --kernel sm80 --shapes 1x32768,4x4096 \
+    PYTHONPATH=. python3 benchmarks/lab/ab_decode_sm90.py --out DIR --kernel cuda-sm80 --shapes 1x32768,4x4096 \
         old=PATH.cu new=csrc/mla_decode_sm80.cu
 
 Each ``NAME=PATH`` is a version of the kernel's source (e.g. ``git show HEAD:csrc/... > old.cu``
@@ -10,7 +10,7 @@ beforehand: the GPU machine's copy has no git history). Each is built for sm_90a
 on a Hopper GPU) as an extension of its own (the sources copied with ``binding.cpp``, the op
 library renamed ``mla_ab_NAME`` and the C++ namespace with it, so the versions load side by
 side; ``csrc``'s headers are shared), the builds in parallel processes. At each shape
-(``--shapes``, default the six of ``SHAPES``; 128 heads for sm90 and 16 for sm80 unless
+(``--shapes``, default the six of ``SHAPES``; 128 heads for cuda-sm90 and 16 for cuda-sm80 unless
 ``--heads``; the split count ``mla_decode`` takes) each version's stage 1, and at more than one
 split the Triton merge, is captured in one CUDA graph, as ``bench_decode.py``'s ``time_us`` is;
 with one split the kernel writes the answer in q's dtype itself, as ``mla_decode`` has it do.
@@ -20,7 +20,7 @@ read) and each one's minimum kept, so a drift of the clock over the run falls on
 the same thing.
 Correctness is the GPU tests' job (``tests/test_kernels_decode.py``); this only times.
 
-Writes ``--out-name`` (``h200-decode-KERNEL-ab-rows.json``); the committed A/B files gather runs
+Writes ``--out-name`` (``h200-decode-sm90-ab-rows.json``, ``-sm80-`` for cuda-sm80); the committed A/B files gather runs
 of it by hand under ``runs``.
 """
 
@@ -92,14 +92,15 @@ def stage1(op, q, cache, table, lens, splits, scale):
 def main(argv=None) -> None:
     from benchmarks.bench_decode import SCALE, cache_copies, floor_us, make_inputs
     from benchmarks.timing import bench_us, copy_bandwidth_GBps, graphed, matmul_TFLOPs, write_json
-    from mla.kernels.decode import _CUDA_HEADS, _CUDA_TILE, _SM90_HEADS, _SM90_TILE, choose_num_kv_splits
+    from mla.kernels.backends import CUDA_TILES, SM80_MAX_HEADS
+    from mla.kernels.decode import choose_num_kv_splits
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("versions", nargs="+", metavar="NAME=PATH")
     parser.add_argument("--out", type=pathlib.Path, required=True)
-    parser.add_argument("--out-name", default=None, help="default h200-decode-KERNEL-ab-rows.json")
-    parser.add_argument("--kernel", choices=("sm90", "sm80"), default="sm90")
-    parser.add_argument("--heads", default=None, help="comma-separated; default 128 (sm90) or 16 (sm80)")
+    parser.add_argument("--out-name", default=None, help="default h200-decode-sm90-ab-rows.json (sm80 for cuda-sm80)")
+    parser.add_argument("--kernel", choices=("cuda-sm90", "cuda-sm80"), default="cuda-sm90")
+    parser.add_argument("--heads", default=None, help="comma-separated; default 128 (cuda-sm90) or 16 (cuda-sm80)")
     parser.add_argument("--shapes", default=None, help="comma-separated BxT (e.g. 1x32768); default SHAPES")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
@@ -109,9 +110,10 @@ def main(argv=None) -> None:
         if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) or not pathlib.Path(path).is_file():
             parser.error(f"a version is NAME=PATH with NAME an identifier and PATH a file, got {item!r}")
         versions[name] = path
-    heads = [int(x) for x in (args.heads or ("128" if args.kernel == "sm90" else "16")).split(",")]
-    if args.kernel == "sm80" and max(heads) > 16:
-        parser.error(f"--kernel sm80 takes at most 16 heads, got --heads {args.heads}")
+    sm = args.kernel.removeprefix("cuda-")  # the op's and the result file's name: sm90 or sm80
+    heads = [int(x) for x in (args.heads or ("128" if sm == "sm90" else "16")).split(",")]
+    if sm == "sm80" and max(heads) > SM80_MAX_HEADS:
+        parser.error(f"--kernel cuda-sm80 takes at most {SM80_MAX_HEADS} heads, got --heads {args.heads}")
     shapes = SHAPES
     if args.shapes:
         try:
@@ -129,8 +131,8 @@ def main(argv=None) -> None:
     ops = {}
     for name, path in versions.items():  # up to date: this only loads
         build(name, path, folders[name])
-        ops[name] = getattr(getattr(torch.ops, f"mla_ab_{name}"), f"mla_decode_{args.kernel}")
-    block_h, block_n = (_SM90_HEADS, _SM90_TILE) if args.kernel == "sm90" else (_CUDA_HEADS, _CUDA_TILE)
+        ops[name] = getattr(getattr(torch.ops, f"mla_ab_{name}"), f"mla_decode_{sm}")
+    block_h, block_n = CUDA_TILES[args.kernel]
     print(f"built {len(ops)} versions in {time.time() - t0:.0f} s", flush=True)
 
     copy, mm = copy_bandwidth_GBps(), matmul_TFLOPs()
@@ -142,7 +144,7 @@ def main(argv=None) -> None:
         for b, t in shapes:
             q, caches, table, lens = make_inputs(b, t, h, copies=cache_copies(b, t))
             splits = choose_num_kv_splits(b, h, t, num_sms, block_h=block_h, block_n=block_n,
-                                          one_wave=args.kernel == "sm90")
+                                          one_wave=sm == "sm90")
             floor, _ = floor_us(b, t, h, copy, mm)
             row = dict(b=b, t=t, h=h, splits=splits, floor_us=round(floor, 1))
             want = stage1(ops[first], q, caches[0], table, lens, splits, SCALE).float()
@@ -164,7 +166,7 @@ def main(argv=None) -> None:
             torch.cuda.empty_cache()
     sources = {name: dict(path=path, sha256=hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()[:16])
                for name, path in versions.items()}
-    write_json(args.out, args.out_name or f"h200-decode-{args.kernel}-ab-rows.json",
+    write_json(args.out, args.out_name or f"h200-decode-{sm}-ab-rows.json",
                dict(device=torch.cuda.get_device_name(0), copy_GBps=copy, matmul_TFLOPs=mm, rounds=args.rounds,
                     kernel=args.kernel, versions=sources, wall_s=round(time.time() - t0), rows=rows))
 

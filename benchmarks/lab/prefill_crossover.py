@@ -13,17 +13,16 @@ past the GPU's memory beyond that).
 
 The measured crossover is the smallest s from which up-projection is faster at every larger s
 measured (and the first s where it is faster at all), reported next to
-``mla.memory.prefill_crossover``, the FLOP model's value. Writes ``prefill.json`` into
-``--out``; the run behind ``PREFILL_CROSSOVER`` is ``benchmarks/results/h200-prefill.json``
-(until ``bench_prefill.py``'s next run replaces it). It calls the layer's private
+``mla.memory.prefill_crossover``, the FLOP model's value. Writes ``DEVICE-prefill-crossover.json``
+(``h200-prefill-crossover.json`` on an H200) into ``--out``; the docs state the crossover from
+``benchmarks/results/h200-prefill.json`` where that file is such a run, else from
+``benchmarks/lab/results/h200-prefill-crossover.json``. It calls the layer's private
 ``_prefill(path, ...)``: a layer without it needs this script rewritten.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import time
 
@@ -103,6 +102,7 @@ def main() -> None:
     import triton
 
     import mla
+    from benchmarks.timing import device_prefix, write_json
     from mla.memory import prefill_crossover
     from mla.paged.layer import PREFILL_CROSSOVER
 
@@ -129,10 +129,7 @@ def main() -> None:
         "W_UK/W_UV or kv_b_proj); projections and o_proj excluded (shared)",
         model_crossover=model, measured=summary, prefill_crossover_constant=PREFILL_CROSSOVER,
         rows=rows, wall_s=time.time() - t0)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "prefill.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {os.path.join(args.out, 'prefill.json')} in {result['wall_s']:.0f} s")
+    write_json(args.out, f"{device_prefix(result['device'])}-prefill-crossover.json", result)
 
 
 if __name__ == "__main__":

@@ -90,14 +90,14 @@ def main(argv=None):
 
     from benchmarks.bench_concat import torch_write
     from benchmarks.timing import bench_us, copy_bandwidth_GBps, write_json
-    from mla.kernels import concat_cache as cc
+    from mla.kernels.extension import load_extension
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/lab/results")
     args = parser.parse_args(argv)
     mod = load_inline("mla_concat_probe", CPP, cuda_sources=SOURCE, functions=["rows"],
                       extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"], verbose=False)
-    assert cc.load_extension()["cuda"], "the mla extension did not build"
+    assert load_extension()["cuda"], "the mla extension did not build"
     op = torch.ops.mla.concat_and_cache_mla
     copy_GBps = copy_bandwidth_GBps()
     print(f"copy {copy_GBps:.0f} GB/s")

@@ -91,13 +91,15 @@ def env_ab(rows, name, values):
 
     from benchmarks.bench_decode import SCALE, cache_copies, make_inputs
     from benchmarks.timing import bench_us, graphed, steady_us
-    from mla.kernels.decode import _CUDA_HEADS, _CUDA_TILE, choose_num_kv_splits, mla_decode
+    from mla.kernels.backends import CUDA_TILES
+    from mla.kernels.decode import choose_num_kv_splits, mla_decode
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    block_h, block_n = CUDA_TILES["cuda-sm80"]
     for b, t in ((64, 4096), (128, 8192), (64, 16384), (1, 32768), (2, 65536), (4, 131072)):
         copies = cache_copies(b, t)
         q, caches, table, lens = make_inputs(b, t, 16, copies=copies)
-        splits = choose_num_kv_splits(b, 16, t, num_sms, block_h=_CUDA_HEADS, block_n=_CUDA_TILE)
+        splits = choose_num_kv_splits(b, 16, t, num_sms, block_h=block_h, block_n=block_n)
         part_out = torch.empty((b, 16, splits, C), dtype=torch.float32, device="cuda")
         part_lse = torch.empty((b, 16, splits), dtype=torch.float32, device="cuda")
 
@@ -124,7 +126,7 @@ def env_ab(rows, name, values):
 
 def main(argv=None):
     from benchmarks.timing import write_json
-    from mla.kernels.concat_cache import load_extension
+    from mla.kernels.extension import load_extension
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/lab/results")

@@ -47,7 +47,7 @@ def stage1_and_merge(q, cache, table, lens, splits, scale):
 def main(argv=None) -> None:
     from benchmarks.bench_decode import SCALE, cache_copies, floor_us, kernel_and_splits, make_inputs, triton_splits
     from benchmarks.timing import bench_us, copy_bandwidth_GBps, graphed, matmul_TFLOPs, write_json
-    from mla.kernels.concat_cache import load_extension
+    from mla.kernels.extension import load_extension
     from mla.kernels.decode import mla_decode
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

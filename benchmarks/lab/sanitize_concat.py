@@ -14,11 +14,12 @@ import sys
 import torch
 
 from mla.kernels import concat_cache as cc
+from mla.kernels.extension import load_extension
 
 
 def main() -> int:
     assert torch.cuda.is_available(), "needs a CUDA GPU"
-    state = cc.load_extension()
+    state = load_extension()
     assert state["loaded"] and state["cuda"], f"CUDA extension not available: {state}"
     g = torch.Generator(device="cuda").manual_seed(0)
     failures = 0

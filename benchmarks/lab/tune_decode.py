@@ -141,7 +141,8 @@ def kernel_stats(jit_fn, seen: set) -> list[dict]:
 
 
 def run_variants(out_dir, budget_s, variants=VARIANTS, out_name="h200-decode-variants.json"):
-    from mla.kernels.decode import _mla_decode_split_kernel, default_config
+    from mla.kernels.decode import default_config
+    from mla.kernels.triton_decode import _mla_decode_split_kernel
 
     t0 = time.time()
     seen = set()

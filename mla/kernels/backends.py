@@ -26,7 +26,7 @@ import torch
 
 from .extension import load_extension
 
-__all__ = ["DECODE_BACKENDS", "CUDA_TILES", "choose_decode_backend", "why_backend_cannot_run"]
+__all__ = ["DECODE_BACKENDS", "CUDA_TILES", "choose_decode_backend", "sm_count", "why_backend_cannot_run"]
 
 DECODE_BACKENDS = ("triton", "cuda-sm80", "cuda-sm90")
 
@@ -37,6 +37,16 @@ CUDA_LATENT = (512, 64)  # (c, r) both CUDA kernels are built for
 # shared memory a CTA (kSmemBytes in each .cu file, fixed by a static_assert there)
 CUDA_SMEM_BYTES = {"cuda-sm80": 105_088, "cuda-sm90": 231_712}
 _EXTENSION_KEY = {"cuda-sm80": "decode", "cuda-sm90": "decode_sm90"}
+_CPU_SM_COUNT = 132  # an H100/H200's SM count, so CPU runs choose the splits a GPU would
+
+
+def sm_count(device: torch.device | str) -> int:
+    """The SM count the split rule plans with on ``device``: the GPU's own, an H100/H200's 132 on
+    the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _CPU_SM_COUNT
 
 
 def why_backend_cannot_run(backend, q, kv_cache, block_table, seq_lens, kv_lora_rank) -> str | None:

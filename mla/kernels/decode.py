@@ -19,7 +19,7 @@ import os
 import torch
 import triton
 
-from .backends import CUDA_TILES, choose_decode_backend
+from .backends import CUDA_TILES, choose_decode_backend, sm_count
 from .triton_decode import LOG2E, _mla_decode_merge_kernel, _mla_decode_split_kernel
 
 __all__ = [
@@ -31,7 +31,6 @@ __all__ = [
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MERGE_TILE = 4096  # partial-output values one merge program reads (splits x chunk of c)
-_CPU_NUM_SMS = 132  # an H100/H200's SM count, so CPU runs choose the splits a GPU would
 _MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z: sequences and splits
 # an H100/H200 block's most shared memory; 3 stages of 64 x 576 bf16 tiles (216 KiB) fit
 _SHARED_MEMORY_BUDGET = 227 * 1024
@@ -135,7 +134,7 @@ def mla_decode(
     block_h, block_n = CUDA_TILES.get(backend, (config["BLOCK_H"], config["BLOCK_N"]))
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(
-            b, h, max_seq_len, _num_sms(q.device), block_h=block_h, block_n=block_n, one_wave=backend == "cuda-sm90"
+            b, h, max_seq_len, sm_count(q.device), block_h=block_h, block_n=block_n, one_wave=backend == "cuda-sm90"
         )
 
     out = torch.empty((b, h, c), dtype=q.dtype, device=q.device)
@@ -360,12 +359,6 @@ def choose_num_kv_splits(
         if use > best_use:
             best, best_use = splits, use
     return best
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return _CPU_NUM_SMS
 
 
 # ---------------------------------------------------------------------------------------------
