@@ -507,13 +507,13 @@ def test_auto_prefill_picks_by_the_crossover_and_matches_absorbed():
 
     # which path each row took, and the numbers against the absorbed tier
     taken = []
-    original = auto._prefill
+    original = auto.attend_prefill
 
     def spy(path, *args):
         taken.append(path)
         return original(path, *args)
 
-    auto._prefill = spy
+    auto.attend_prefill = spy
     absorbed = mla.build(weights, "absorbed", prefill="absorbed")
     a_cache, p_cache = absorbed.new_cache(2, 48), poisoned(auto, 2, 48)
     check_step(absorbed, auto, a_cache, p_cache, padded_batch([20, 5], 20), [20, 5])
