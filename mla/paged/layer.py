@@ -443,7 +443,6 @@ class PagedMLA(MLAAttention):
             out[plan.token_rows] = y
         return out
 
-    # --8<-- [start:attend_decode]
     def attend_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                       rows: DecodeRows) -> torch.Tensor:
         """One new token a row, already in the pages: q_nope (b, h, d), q_pe (b, h, r) ->
@@ -459,9 +458,7 @@ class PagedMLA(MLAAttention):
                                  num_kv_splits=rows.num_kv_splits)          # (b, h, c)
         # Absorb W_UV on the way out: o_i = W^{UV}_i o_lat,i
         return torch.einsum("bhc,hvc->bhv", o_lat, w.W_UV)                  # (b, h, v)
-    # --8<-- [end:attend_decode]
 
-    # --8<-- [start:attend_prefill]
     def attend_prefill(self, path: str, q_nope: torch.Tensor, q_pe: torch.Tensor,
                        kv_cache: torch.Tensor, rows: PrefillRows) -> torch.Tensor:
         """The new tokens of m rows, packed row after row, over their cached context and
@@ -501,7 +498,6 @@ class PagedMLA(MLAAttention):
                                          output_size=T_p)                     # (T_p,)
         j_of = torch.arange(T_p, device=device) - qsl[row_of]                 # (T_p,)
         return o[row_of, j_of].to(q_nope.dtype)                               # (T_p, h, v)
-    # --8<-- [end:attend_prefill]
 
     # ---- the CUDA-graph decode entry -----------------------------------------------------------
     def decode_inputs(self, cache: PagedLatentCache, out: dict | None = None
