@@ -325,19 +325,18 @@ class PagedMLA(MLAAttention):
                            new_lens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         """x (T, hidden); seq_ids, new_lens, starts (n,) CPU int64, checked, new_lens >= 1;
         sequence k's tokens are rows starts[k] ... starts[k] + new_lens[k] - 1 of x."""
-        plan = self._plan(cache, seq_ids, new_lens, starts, x.shape[0])
+        plan = self._plan(cache, seq_ids, new_lens, starts)
         y = self._run(x, cache, plan)
         cache.seq_lens.index_add_(0, seq_ids, new_lens)
         return y
 
     def _plan(self, cache: PagedLatentCache, seq_ids: torch.Tensor, new_lens: torch.Tensor,
-              starts: torch.Tensor, T: int) -> CallPlan:
+              starts: torch.Tensor) -> CallPlan:
         """The call's metadata, built on the host and moved to the device in one copy.
 
         Asks `prefill_path` for every row with several new tokens first, then takes the pages
         (all-or-nothing): an error from either leaves the cache as it was.
         """
-        n, device = seq_ids.numel(), cache.device
         context_lens = cache.seq_lens[seq_ids]                     # (n,) before this call
         token_seq, offsets = ragged_index(new_lens)                # (N,) each, packed order
         N = token_seq.numel()
@@ -378,7 +377,7 @@ class PagedMLA(MLAAttention):
             host[path + "/context_lens"] = context_lens[ks]
             host[path + "/rows"] = seq_ids[ks]
 
-        dev = to_device(host, device)
+        dev = to_device(host, cache.device)
         if grown.numel():
             cache.block_table[dev["grown"]] = dev["grown_table"].to(torch.int32)
         plan = CallPlan(positions=dev["positions"], slot_mapping=dev["slot_mapping"],
