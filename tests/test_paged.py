@@ -667,6 +667,8 @@ def test_options_of_the_wrong_type_are_refused():
             mla.build(weights, "paged", **bad)
     with pytest.raises(TypeError, match="shuffle must be an integer"):
         mla.build(weights, "paged", shuffle=1.7)
+    with pytest.raises(TypeError, match="shuffle must be an integer"):
+        PagedLatentCache(2, 8, 4, 2, shuffle=True)
     for bad, error, match in ((dict(kv_lora_rank=0), ValueError, "kv_lora_rank must be a positive"),
                               (dict(rope_dim=-2), ValueError, "rope_dim must be a positive"),
                               (dict(kv_lora_rank=True), ValueError, "kv_lora_rank"),

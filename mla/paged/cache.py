@@ -145,7 +145,7 @@ class PagedLatentCache:
         if shuffle is None:
             order = list(range(num_blocks))
         else:
-            gen = torch.Generator().manual_seed(int(shuffle))
+            gen = torch.Generator().manual_seed(as_int("shuffle", shuffle))
             order = torch.randperm(num_blocks, generator=gen).tolist()
         self.free_blocks: list[int] = order[::-1]  # pop() from the end hands out order[0] first
         self._num_pages = [0] * batch_size  # pages held by each row
@@ -404,7 +404,8 @@ class PagedLatentCache:
 # ---- device-side helpers the layer shares ------------------------------------------------------
 def ragged_index(new_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For tokens laid out sequence after sequence: each token's sequence k and offset j (int64)."""
-    token_seq = torch.repeat_interleave(torch.arange(new_lens.numel()), new_lens)
+    token_seq = torch.repeat_interleave(torch.arange(new_lens.numel()), new_lens,
+                                        output_size=int(new_lens.sum()))
     starts = torch.cumsum(new_lens, 0) - new_lens
     offsets = torch.arange(token_seq.numel()) - starts[token_seq]
     return token_seq, offsets

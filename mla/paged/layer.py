@@ -148,6 +148,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
 
 
 def check_num_kv_splits(num_kv_splits, *, allow_none: bool) -> None:
+    """num_kv_splits must be an int in [1, MAX_KV_SPLITS] (or None where `allow_none`); bools
+    and floats raise a ValueError too."""
     if num_kv_splits is None and allow_none:
         return
     if (isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int)
