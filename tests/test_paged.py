@@ -11,6 +11,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import mla
 from mla.cache import LatentCache
@@ -742,3 +744,40 @@ def test_gpu_eager_call_moves_its_metadata_in_one_copy():
         assert sum("HtoD" in n for n in names) == 1, (lengths, names)
         assert sum("DtoH" in n for n in names) == 0, (lengths, names)
         assert torch.isfinite(y).all()
+
+
+# ---- a property: the paged tier is the naive tier, whatever the batch, pages and paths -------
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.integers(1, 3), block_size=st.sampled_from([1, 3, 16]),
+       prefill=st.sampled_from(["auto", "up-project", "absorbed"]),
+       crossover=st.integers(2, 6), ragged=st.booleans(), seed=st.integers(0, 2**16),
+       calls=st.lists(st.lists(st.integers(0, 6), min_size=3, max_size=3), min_size=1,
+                      max_size=3))
+def test_property_paged_equals_naive(batch, block_size, prefill, crossover, ragged, seed, calls):
+    weights = mla.MLAWeights(TINY, dtype=torch.float32, seed=seed % 7)
+    naive = mla.build(weights, "naive")
+    paged = mla.build(weights, "paged", block_size=block_size, prefill=prefill,
+                      prefill_crossover=crossover, shuffle=seed)
+    n_cache, p_cache = naive.new_cache(batch, 24), poisoned(paged, batch, 24)
+    gen = torch.Generator().manual_seed(seed)
+    for call in calls:
+        lengths = call[:batch]
+        s = max(max(lengths), 1)
+        x = torch.randn(batch, s, TINY.hidden_size, generator=gen)
+        with torch.no_grad():
+            ref = naive(x, n_cache, lengths)
+            if ragged:          # the same tokens through the engines' entry, rows reversed
+                order = list(range(batch))[::-1]
+                flat = torch.cat([x[i, :lengths[i]] for i in order])
+                qsl = [0]
+                for i in order:
+                    qsl.append(qsl[-1] + lengths[i])
+                got = paged.forward_ragged(flat, p_cache, qsl, seq_ids=order)
+                out = torch.zeros_like(x)
+                for k, i in enumerate(order):
+                    out[i, :lengths[i]] = got[qsl[k]:qsl[k + 1]]
+            else:
+                out = paged(x, p_cache, lengths)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+        assert p_cache.seq_lens.tolist() == n_cache.seq_lens.tolist()
