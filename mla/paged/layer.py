@@ -246,8 +246,11 @@ class PagedMLA(MLAAttention):
 
         Host-device traffic on a GPU: the lengths and seq_lens live on the host, where the
         call's metadata (positions, slot mapping, seq_lens, block-table growth) is built; it
-        moves to the device in one copy, from pinned memory, with no sync. The only sync is
-        mla_decode's choice of split count when a row decodes and `num_kv_splits` is None.
+        moves to the device in one copy from pinned memory, without a sync. One call: 1
+        host-to-device copy, 0 device-to-host copies, and 1 sync only where a row decodes and
+        `num_kv_splits` is None (mla_decode reads max(seq_lens) to choose the split count).
+        (Without the compiled extension, the torch write that replaces it reads the slot range:
+        one sync more.)
         """
         lengths = self.check_inputs(x, cache, lengths, cache_type=PagedLatentCache)
         b, s, hidden = x.shape
