@@ -62,25 +62,11 @@ class MLAAttention(nn.Module):
     def check_inputs(self, x: torch.Tensor, cache: Any, lengths: Any,
                      cache_type: type = LatentCache) -> torch.Tensor:
         """Validate one call; return lengths as a CPU int64 (b,) tensor. Writes nothing."""
-        cfg, w = self.config, self.weights
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 3 or x.shape[-1] != cfg.hidden_size:
-            raise ValueError(f"x must have shape (batch, tokens, hidden_size={cfg.hidden_size}), "
-                             f"got {tuple(x.shape)}")
+        self.check_x(x)
         b, s, _ = x.shape
         if s == 0:
             raise ValueError("x must hold at least one token per row (shape (b, s>=1, hidden))")
-        if x.dtype != w.dtype:
-            raise TypeError(f"x has dtype {x.dtype} but the weights are {w.dtype}; cast one of them")
-        if x.device != w.device:
-            raise ValueError(f"x is on {x.device} but the weights are on {w.device}")
-        if not isinstance(cache, cache_type):
-            raise TypeError(f"cache must be a {cache_type.__name__} from this tier's new_cache(), "
-                            f"got {type(cache).__name__}")
-        # The cache must fit this layer (c, r, dtype, device, batch) before anything is written.
-        cache.check_fits(batch_size=b, kv_lora_rank=cfg.kv_lora_rank,
-                         rope_dim=cfg.qk_rope_head_dim, dtype=w.dtype, device=w.device)
+        self.check_cache(cache, b, cache_type)
         lengths = _as_lengths(lengths, b, s)
         room = cache.max_seq_len - cache.seq_lens
         over = torch.nonzero(lengths > room).flatten().tolist()
@@ -90,6 +76,33 @@ class MLAAttention(nn.Module):
                 f"appending {int(lengths[i])} tokens to row {i} (holding {int(cache.seq_lens[i])}) "
                 f"would pass max_seq_len={cache.max_seq_len}")
         return lengths
+
+    def check_x(self, x: torch.Tensor, *, ragged: bool = False) -> None:
+        """x must be (b, s, hidden) (or (T, hidden) when `ragged`) in the weights' dtype and
+        device. Reads only metadata."""
+        cfg, w = self.config, self.weights
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        layout = "(tokens, " if ragged else "(batch, tokens, "
+        if x.dim() != (2 if ragged else 3) or x.shape[-1] != cfg.hidden_size:
+            raise ValueError(f"x must have shape {layout}hidden_size={cfg.hidden_size}), "
+                             f"got {tuple(x.shape)}")
+        if x.dtype != w.dtype:
+            raise TypeError(f"x has dtype {x.dtype} but the weights are {w.dtype}; cast one of them")
+        if x.device != w.device:
+            raise ValueError(f"x is on {x.device} but the weights are on {w.device}")
+
+    def check_cache(self, cache: Any, batch_size: int | None,
+                    cache_type: type = LatentCache) -> None:
+        """cache must be a `cache_type` that fits this layer (c, r, dtype, device) for a call of
+        `batch_size` rows (None: any). Writes nothing."""
+        cfg, w = self.config, self.weights
+        if not isinstance(cache, cache_type):
+            raise TypeError(f"cache must be a {cache_type.__name__} from this tier's new_cache(), "
+                            f"got {type(cache).__name__}")
+        batch_size = cache.batch_size if batch_size is None else batch_size
+        cache.check_fits(batch_size=batch_size, kv_lora_rank=cfg.kv_lora_rank,
+                         rope_dim=cfg.qk_rope_head_dim, dtype=w.dtype, device=w.device)
 
     # ---- the output projection, all-reduced under tensor parallelism ---------------------
     def output_projection(self, o: torch.Tensor) -> torch.Tensor:

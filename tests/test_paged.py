@@ -11,6 +11,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import mla
 from mla.cache import LatentCache
@@ -507,13 +509,13 @@ def test_auto_prefill_picks_by_the_crossover_and_matches_absorbed():
 
     # which path each row took, and the numbers against the absorbed tier
     taken = []
-    original = auto._prefill
+    original = auto.attend_prefill
 
     def spy(path, *args):
         taken.append(path)
         return original(path, *args)
 
-    auto._prefill = spy
+    auto.attend_prefill = spy
     absorbed = mla.build(weights, "absorbed", prefill="absorbed")
     a_cache, p_cache = absorbed.new_cache(2, 48), poisoned(auto, 2, 48)
     check_step(absorbed, auto, a_cache, p_cache, padded_batch([20, 5], 20), [20, 5])
@@ -587,3 +589,195 @@ def test_gpu_bf16_v2_lite_matches_absorbed(block_size):
     for _ in range(10):
         step([1, 1, 1, 1], 1)           # decode through the Triton kernel
     assert p_cache.seq_lens.tolist() == a_cache.seq_lens.tolist()
+
+
+# ---- what the tier accepts: dtypes, integers, options; inference only ---------------------
+def test_float64_weights_are_refused_at_construction():
+    weights = mla.MLAWeights(TINY, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"float32, float16 or bfloat16 .*got weights of dtype "
+                                        r"torch.float64"):
+        mla.build(weights, "paged")
+
+
+def test_the_tier_is_inference_only_and_the_docs_say_so():
+    from pathlib import Path
+    weights = mla.MLAWeights(TINY, seed=3)
+    assert all(p.requires_grad for p in weights.parameters())
+    paged = mla.build(weights, "paged", block_size=4)
+    cache = paged.new_cache(2, 24)
+    h = TINY.hidden_size
+    outputs = [paged(torch.randn(2, 5, h, requires_grad=True), cache, [5, 3]),      # prefill
+               paged(torch.randn(2, 1, h, requires_grad=True), cache),              # decode
+               paged.forward_ragged(torch.randn(3, h, requires_grad=True), cache, [0, 2, 3])]
+    outputs.append(paged.decode_step(torch.randn(2, 1, h, requires_grad=True), cache,
+                                     num_kv_splits=1, **paged.decode_inputs(cache)))
+    assert not any(y.requires_grad for y in outputs)
+    assert all(torch.isfinite(y).all() for y in outputs)
+    # the naive and absorbed tiers stay differentiable
+    for tier in ("naive", "absorbed"):
+        layer = mla.build(weights, tier)
+        y = layer(torch.randn(2, 5, h), layer.new_cache(2, 8))
+        assert y.requires_grad
+    page = " ".join((Path(__file__).parent.parent / "docs" / "tiers" / "paged.md").read_text()
+                    .split())
+    assert "inference-only" in page and "naive and absorbed tiers are differentiable" in page
+    assert "Inference only" in PagedMLA.__doc__
+
+
+def test_row_ids_and_counts_must_be_integers():
+    _, paged = pair(4)
+    cache = poisoned(paged, 2, 16)
+    before = snapshot(cache)
+    x = torch.randn(4, TINY.hidden_size)
+    for seq_ids, match in (([True, False], "seq_ids must hold integers, got dtype torch.bool"),
+                           ([0.9, 1.9], "seq_ids must hold integers, got dtype torch.float"),
+                           (torch.tensor([1.0, 0.0]), "seq_ids must hold integers")):
+        with pytest.raises(TypeError, match=match):
+            paged.forward_ragged(x, cache, [0, 2, 4], seq_ids=seq_ids)
+        assert_unchanged(cache, before)
+    for call, match in ((lambda: cache.allocate([0], [1.9]), "new_lens must hold integers"),
+                        (lambda: cache.allocate([True], [1]), "seq_ids must hold integers"),
+                        (lambda: cache.allocate([0], [True]), "new_lens must hold integers"),
+                        (lambda: cache.free(True), r"free\(i\) needs an integer row index"),
+                        (lambda: cache.gather(0.0), r"gather\(i\) needs an integer row index"),
+                        (lambda: cache.free(torch.tensor(1.0)), "integer row index"),
+                        (lambda: cache.gather_padded([True], 4), "seq_ids must hold integers")):
+        with pytest.raises(TypeError, match=match):
+            call()
+        assert_unchanged(cache, before)
+    # numpy integers and 0-d integer tensors are integers
+    np = pytest.importorskip("numpy")
+    for batch, length in ((np.int64(2), np.int32(16)), (torch.tensor(2), torch.tensor(16))):
+        other = paged.new_cache(batch, length, num_blocks=np.int64(9), shuffle=np.int64(3))
+        assert (other.batch_size, other.max_seq_len, other.num_blocks) == (2, 16, 9)
+    with torch.no_grad():
+        paged.forward_ragged(x, cache, np.array([0, 3, 4]), seq_ids=np.array([1, 0]))
+    assert cache.seq_lens.tolist() == [1, 3]
+    cache.allocate(np.array([0]), np.array([2]))
+    kv_c, _ = cache.gather(np.int64(1))
+    assert torch.equal(kv_c, cache.gather(torch.tensor(1))[0]) and kv_c.shape[0] == 3
+    cache.free(np.int64(1))
+    cache.free(torch.tensor(0))
+    assert cache.seq_lens.tolist() == [0, 0] and cache.num_free_blocks == cache.num_blocks
+
+
+def test_options_of_the_wrong_type_are_refused():
+    weights = mla.MLAWeights(TINY)
+    for bad in (dict(num_blocks=True), dict(num_kv_splits=True), dict(num_kv_splits=2.0),
+                dict(block_size=True), dict(num_kv_splits=65536)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            mla.build(weights, "paged", **bad)
+    with pytest.raises(TypeError, match="shuffle must be an integer"):
+        mla.build(weights, "paged", shuffle=1.7)
+    with pytest.raises(TypeError, match="shuffle must be an integer"):
+        PagedLatentCache(2, 8, 4, 2, shuffle=True)
+    for bad, error, match in ((dict(kv_lora_rank=0), ValueError, "kv_lora_rank must be a positive"),
+                              (dict(rope_dim=-2), ValueError, "rope_dim must be a positive"),
+                              (dict(kv_lora_rank=True), ValueError, "kv_lora_rank"),
+                              (dict(dtype=torch.int32), TypeError,
+                               r"dtype must be one of torch.float32, torch.float16, "
+                               r"torch.bfloat16.*got torch.int32"),
+                              (dict(dtype=torch.float64), TypeError, "got torch.float64")):
+        args = dict(kv_lora_rank=4, rope_dim=2) | bad
+        with pytest.raises(error, match=match):
+            PagedLatentCache(2, 8, args.pop("kv_lora_rank"), args.pop("rope_dim"), **args)
+
+
+# ---- every check runs before the first write --------------------------------------------
+def test_a_bad_prefill_path_raises_before_anything_is_written():
+    _, paged = pair(4)
+    cache = poisoned(paged, 2, 16)
+    with torch.no_grad():
+        paged(padded_batch([3, 1], 3), cache, [3, 1])
+    before = snapshot(cache)
+    paged.prefill_path = lambda new_len, context_len: "flash"
+    with pytest.raises(ValueError, match="prefill_path returned 'flash'"):
+        paged(padded_batch([4, 4], 4), cache, [4, 4])
+    assert_unchanged(cache, before)
+    with pytest.raises(ValueError, match="prefill_path returned 'flash'"):
+        paged.forward_ragged(torch.randn(6, TINY.hidden_size), cache, [0, 1, 6])
+    assert_unchanged(cache, before)
+
+
+def test_decode_step_checks_its_arguments_before_the_write():
+    _, paged = pair(4)
+    common, stepped = _twin_caches(paged, 2, 32, [5, 2])
+    inputs = paged.decode_inputs(stepped)
+    before = snapshot(stepped)
+    x = torch.randn(2, 1, TINY.hidden_size)
+    bad = [dict(num_kv_splits=0), dict(num_kv_splits=True), dict(num_kv_splits=None),
+           dict(num_kv_splits=1.0),
+           dict(seq_lens_after=inputs["seq_lens_after"].long()),
+           dict(positions=inputs["positions"][:1]),
+           dict(slot_mapping=inputs["slot_mapping"].int()),
+           dict(block_table=stepped.block_table.long())]
+    for override in bad:
+        with pytest.raises(ValueError, match=next(iter(override))):
+            paged.decode_step(x, stepped, **(dict(inputs, num_kv_splits=1) | override))
+        assert_unchanged(stepped, before)
+    for wrong_x in (torch.randn(2, 2, TINY.hidden_size), torch.randn(3, 1, TINY.hidden_size)):
+        with pytest.raises(ValueError):
+            paged.decode_step(wrong_x, stepped, num_kv_splits=1, **inputs)
+        assert_unchanged(stepped, before)
+    # the same arguments, well formed, give the common call's step
+    with torch.no_grad():
+        out = paged.decode_step(x, stepped, num_kv_splits=1, **inputs)
+        assert rel(out, paged(x, common)) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_eager_call_moves_its_metadata_in_one_copy():
+    from torch.profiler import ProfilerActivity, profile
+    weights = mla.MLAWeights(TINY, dtype=torch.float16, device="cuda", seed=2)
+    paged = mla.build(weights, "paged", block_size=16, shuffle=5, num_kv_splits=2)
+    cache = paged.new_cache(4, 96)
+    h = TINY.hidden_size
+    with torch.no_grad():   # warm up: Triton compiles, the extension loads
+        paged(torch.randn(4, 20, h, dtype=torch.float16, device="cuda"), cache, [20, 3, 1, 0])
+    for lengths, s in (([1, 1, 1, 1], 1), ([5, 1, 0, 17], 17), ([1, 0, 1, 1], 1)):
+        x = torch.randn(4, s, h, dtype=torch.float16, device="cuda")
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            y = paged(x, cache, lengths)
+            torch.cuda.synchronize()
+        names = [event.name for event in prof.events()]
+        assert sum("HtoD" in n for n in names) == 1, (lengths, names)
+        assert sum("DtoH" in n for n in names) == 0, (lengths, names)
+        assert torch.isfinite(y).all()
+
+
+# ---- a property: the paged tier is the naive tier, whatever the batch, pages and paths -------
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.integers(1, 3), block_size=st.sampled_from([1, 3, 16]),
+       prefill=st.sampled_from(["auto", "up-project", "absorbed"]),
+       crossover=st.integers(2, 6), ragged=st.booleans(), seed=st.integers(0, 2**16),
+       calls=st.lists(st.lists(st.integers(0, 6), min_size=3, max_size=3), min_size=1,
+                      max_size=3))
+def test_property_paged_equals_naive(batch, block_size, prefill, crossover, ragged, seed, calls):
+    weights = mla.MLAWeights(TINY, dtype=torch.float32, seed=seed % 7)
+    naive = mla.build(weights, "naive")
+    paged = mla.build(weights, "paged", block_size=block_size, prefill=prefill,
+                      prefill_crossover=crossover, shuffle=seed)
+    n_cache, p_cache = naive.new_cache(batch, 24), poisoned(paged, batch, 24)
+    gen = torch.Generator().manual_seed(seed)
+    for call in calls:
+        lengths = call[:batch]
+        s = max(max(lengths), 1)
+        x = torch.randn(batch, s, TINY.hidden_size, generator=gen)
+        with torch.no_grad():
+            ref = naive(x, n_cache, lengths)
+            if ragged:          # the same tokens through the engines' entry, rows reversed
+                order = list(range(batch))[::-1]
+                flat = torch.cat([x[i, :lengths[i]] for i in order])
+                qsl = [0]
+                for i in order:
+                    qsl.append(qsl[-1] + lengths[i])
+                got = paged.forward_ragged(flat, p_cache, qsl, seq_ids=order)
+                out = torch.zeros_like(x)
+                for k, i in enumerate(order):
+                    out[i, :lengths[i]] = got[qsl[k]:qsl[k + 1]]
+            else:
+                out = paged(x, p_cache, lengths)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+        assert p_cache.seq_lens.tolist() == n_cache.seq_lens.tolist()

@@ -4,7 +4,7 @@
 
 DeepSeek-V3 sizes (one layer, random weights, bf16, page 64). Each row of the batch holds a
 ``--context`` (4096) token prefix plus s new tokens already in the paged cache; both paths run
-the code the layer runs for such a row, ``PagedMLA._prefill(path, ...)``: gather the row's pages,
+the code the layer runs for such a row, ``PagedMLA.attend_prefill(path, ...)``: gather the row's pages,
 build the causal mask, then ``attend_up_projected`` (kv_b_proj over the whole context, MHA) or
 W_UK into the query, ``attend_absorbed`` (MQA over the latent), W_UV out. The projections before
 and o_proj after are the same for both paths and left out. s = 1, 2, 4, ..., 4096 for one
@@ -16,8 +16,7 @@ measured (and the first s where it is faster at all), reported next to
 ``mla.memory.prefill_crossover``, the FLOP model's value. Writes ``DEVICE-prefill-crossover.json``
 (``h200-prefill-crossover.json`` on an H200) into ``--out``; the docs state the crossover from
 ``benchmarks/results/h200-prefill.json`` where that file is such a run, else from
-``benchmarks/lab/results/h200-prefill-crossover.json``. It calls the layer's private
-``_prefill(path, ...)``: a layer without it needs this script rewritten.
+``benchmarks/lab/results/h200-prefill-crossover.json``.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ def crossover(rows: list[dict]) -> tuple[int | None, int | None]:
 
 def bench(paged, b: int, context: int, sizes: list[int], budget_s: float) -> list[dict]:
     from benchmarks.timing import mean_us
+    from mla.paged.layer import PrefillRows
 
     cfg, w = paged.config, paged.weights
     h, d, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
@@ -66,16 +66,18 @@ def bench(paged, b: int, context: int, sizes: list[int], budget_s: float) -> lis
         cache.seq_lens[:] = context + s
         q_nope = torch.randn(b * s, h, d, dtype=dt, device=dev, generator=gen)
         q_pe = torch.randn(b * s, h, r, dtype=dt, device=dev, generator=gen)
-        new_lens = torch.full((b,), s)
-        context_lens = torch.full((b,), context)
-        starts = torch.arange(b) * s
+        prefill_rows = PrefillRows(tokens=torch.arange(b * s, device=dev),
+                                   query_start_loc=torch.arange(b + 1, device=dev) * s,
+                                   context_lens=torch.full((b,), context, device=dev),
+                                   block_table=cache.block_table, max_new_len=s,
+                                   max_seq_len=context + s)
         # work ~ s: fewer repetitions for the long chunks
         reps = max(2, min(20, 4096 // (s * b)))
         for path, key in (("up-project", "up_project_ms"), ("absorbed", "absorbed_ms")):
             try:
                 with torch.no_grad():
-                    row[key] = 1e-3 * mean_us(lambda: paged._prefill(path, q_nope, q_pe, cache, seq_ids,
-                                                                     new_lens, context_lens, starts),
+                    row[key] = 1e-3 * mean_us(lambda: paged.attend_prefill(path, q_nope, q_pe,
+                                                                          cache.kv_cache, prefill_rows),
                                               reps, warmup=1)
             except torch.cuda.OutOfMemoryError:
                 row[key + "_error"] = "out of memory"
@@ -125,7 +127,7 @@ def main() -> None:
     result = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
         python=platform.python_version(), config="deepseek-v3", dtype="bfloat16", block_size=64,
-        context=args.context, timed="PagedMLA._prefill per path (gather + mask + attention + "
+        context=args.context, timed="PagedMLA.attend_prefill per path (gather + mask + attention + "
         "W_UK/W_UV or kv_b_proj); projections and o_proj excluded (shared)",
         model_crossover=model, measured=summary, prefill_crossover_constant=PREFILL_CROSSOVER,
         rows=rows, wall_s=time.time() - t0)

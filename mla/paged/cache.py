@@ -28,12 +28,14 @@ and `block_table_cpu`, the allocator's own copy, from which slot mappings are bu
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
 
 from ..cache import check_cache_fits
-from ..kernels import concat_and_cache
+from ..kernels import concat_and_cache, concat_and_cache_reference
+from ..kernels.extension import extension_available
 
 UNUSED = -1  # block-table entry that holds no page
 
@@ -42,10 +44,54 @@ class OutOfBlocksError(RuntimeError):
     """The free list cannot hold what a call needs; nothing was allocated or written."""
 
 
-def _positive_int(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+# The dtypes the cache's kernels read and write.
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def as_int(name: str, value) -> int:
+    """`value` as a Python int: an int, a numpy integer or a 0-d integer tensor. Bools and floats
+    are refused (TypeError naming `name`): True is not row 1 and 1.9 is not row 1."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not _non_integer(value.dtype):
+        return int(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+
+
+def as_int_tensor(name: str, values) -> torch.Tensor:
+    """`values` (a sequence, numpy array or tensor of integers, or one integer) as a (n,) CPU
+    int64 tensor. Bool and floating-point values are refused (TypeError naming `name`), not
+    converted; more than one dimension is a ValueError."""
+    if not isinstance(values, torch.Tensor):
+        try:
+            values = torch.as_tensor(values)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise TypeError(f"{name} must be a sequence or tensor of integers, got {values!r}") \
+                from err
+        if values.numel() == 0:
+            values = values.to(torch.int64)   # [] is float32 to torch
+    if _non_integer(values.dtype):
+        raise TypeError(f"{name} must hold integers, got dtype {values.dtype}"
+                        f" ({values.flatten()[:4].tolist()}...)")
+    if values.dim() > 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {tuple(values.shape)}")
+    return values.to("cpu", torch.int64).reshape(-1)
+
+
+def _non_integer(dtype: torch.dtype) -> bool:
+    return dtype == torch.bool or dtype.is_floating_point or dtype.is_complex
+
+
+def positive_int(name: str, value) -> int:
+    """`value` as a Python int >= 1 (an int, numpy integer or 0-d integer tensor); else a
+    ValueError naming `name`. Bools and floats are refused, not converted."""
+    try:
+        number = as_int(name, value)
+    except TypeError:
+        number = 0
+    if number <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return number
 
 
 class PagedLatentCache:
@@ -55,11 +101,11 @@ class PagedLatentCache:
         batch_size: sequences (rows) b; a row is reused for a new sequence after `free(i)`.
         max_seq_len: the longest a sequence may grow; sets the block table's width,
             max_blocks = ceil(max_seq_len / block_size).
-        kv_lora_rank: c.  rope_dim: r.
+        kv_lora_rank: c.  rope_dim: r (both >= 1).
         block_size: tokens a page (n), any int >= 1.
         num_blocks: pages in the pool; None = enough for every row at max_seq_len,
             batch_size · max_blocks (fewer is the point of paging: rows rarely all grow long).
-        dtype, device: of kv_cache.
+        dtype, device: of kv_cache; dtype one of CACHE_DTYPES (float32, float16, bfloat16).
         shuffle: None hands pages out in order 0, 1, 2, ...; an int seeds a random order of the
             free list, so block tables are non-contiguous (tests use it to catch code that
             assumes page j of a sequence sits next to page j + 1).
@@ -76,15 +122,20 @@ class PagedLatentCache:
                  block_size: int = 64, num_blocks: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  shuffle: int | None = None):
-        _positive_int("batch_size", batch_size)
-        _positive_int("max_seq_len", max_seq_len)
-        _positive_int("block_size", block_size)
+        batch_size = positive_int("batch_size", batch_size)
+        max_seq_len = positive_int("max_seq_len", max_seq_len)
+        kv_lora_rank = positive_int("kv_lora_rank", kv_lora_rank)
+        rope_dim = positive_int("rope_dim", rope_dim)
+        block_size = positive_int("block_size", block_size)
+        if dtype not in CACHE_DTYPES:
+            raise TypeError(f"dtype must be one of {', '.join(map(str, CACHE_DTYPES))} (what the "
+                            f"cache's kernels read and write), got {dtype!r}")
         self.kv_lora_rank, self.rope_dim, self.block_size = kv_lora_rank, rope_dim, block_size
         self._max_seq_len = max_seq_len
         max_blocks = math.ceil(max_seq_len / block_size)
         if num_blocks is None:
             num_blocks = batch_size * max_blocks
-        _positive_int("num_blocks", num_blocks)
+        num_blocks = positive_int("num_blocks", num_blocks)
         device = torch.device(device)
         self.kv_cache = torch.zeros(num_blocks, block_size, kv_lora_rank + rope_dim,
                                     dtype=dtype, device=device)
@@ -94,7 +145,7 @@ class PagedLatentCache:
         if shuffle is None:
             order = list(range(num_blocks))
         else:
-            gen = torch.Generator().manual_seed(int(shuffle))
+            gen = torch.Generator().manual_seed(as_int("shuffle", shuffle))
             order = torch.randperm(num_blocks, generator=gen).tolist()
         self.free_blocks: list[int] = order[::-1]  # pop() from the end hands out order[0] first
         self._num_pages = [0] * batch_size  # pages held by each row
@@ -155,7 +206,16 @@ class PagedLatentCache:
         All-or-nothing: raises ValueError past max_seq_len and OutOfBlocksError when the free list
         is short, before taking any page. Does not change seq_lens (see `append`).
         """
-        seq_ids, new_lens = self._check_rows(seq_ids, new_lens)
+        seq_ids, new_lens = self.check_rows(seq_ids, new_lens)
+        if self.allocate_on_host(seq_ids, new_lens).numel():
+            self.block_table.copy_(self.block_table_cpu)
+
+    def allocate_on_host(self, seq_ids: torch.Tensor, new_lens: torch.Tensor) -> torch.Tensor:
+        """`allocate`'s host half, for checked rows (`check_rows`): takes the pages and writes
+        them into `block_table_cpu` only. Returns the rows whose table grew, (k,) int64; the
+        caller copies `block_table_cpu[grown]` into `block_table` (one transfer it may pack with
+        others). All-or-nothing, as `allocate`.
+        """
         needed = self.blocks_needed(seq_ids, new_lens)
         total = int(needed.sum())
         if total > len(self.free_blocks):
@@ -163,23 +223,20 @@ class PagedLatentCache:
                 f"out of cache blocks: this call needs {total} more blocks of {self.block_size} "
                 f"tokens but only {len(self.free_blocks)} of {self.num_blocks} are free; free "
                 f"finished sequences (cache.free(i)) or make the cache with more num_blocks")
-        if total == 0:
-            return
         for i, k in zip(seq_ids.tolist(), needed.tolist()):
             if k:
                 start = self._num_pages[i]
                 pages = [self.free_blocks.pop() for _ in range(k)]
                 self.block_table_cpu[i, start:start + k] = torch.tensor(pages, dtype=torch.int32)
                 self._num_pages[i] = start + k
-        self.block_table.copy_(self.block_table_cpu)
+        return seq_ids[needed > 0]
 
     def free(self, i: int) -> None:
         """End sequence i: its pages go back to the free list, its row is empty (seq_len 0).
 
         The pages' contents are left as they are; the next owner overwrites them.
         """
-        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.batch_size:
-            raise ValueError(f"free(i) needs a row index in [0, {self.batch_size}), got {i!r}")
+        i = self._row_index("free(i)", i)
         pages = self.blocks_of(i)
         self.free_blocks.extend(reversed(pages))  # the most recently freed page goes out first
         self.block_table_cpu[i] = UNUSED
@@ -194,9 +251,9 @@ class PagedLatentCache:
         slot = block_table[i, pos // n] · n + pos % n; -1 where token_seq < 0 (padding). The
         pages must be allocated (`allocate`); a position without a page is an error.
         """
-        token_seq = torch.as_tensor(token_seq).to("cpu", torch.int64)
-        positions = torch.as_tensor(positions).to("cpu", torch.int64)
-        if token_seq.dim() != 1 or positions.shape != token_seq.shape:
+        token_seq = as_int_tensor("slot_mapping: token_seq", token_seq)
+        positions = as_int_tensor("slot_mapping: positions", positions)
+        if positions.shape != token_seq.shape:
             raise ValueError(f"slot_mapping: token_seq and positions must be (T,) tensors of one "
                              f"length, got {tuple(token_seq.shape)} and {tuple(positions.shape)}")
         real = token_seq >= 0
@@ -221,7 +278,7 @@ class PagedLatentCache:
 
         Rows must have room allocated for lengths[i] more tokens.
         """
-        lengths = torch.as_tensor(lengths, dtype=torch.int64)
+        lengths = as_int_tensor("lengths", lengths)
         if lengths.shape != (self.batch_size,):
             raise ValueError(f"lengths must have shape ({self.batch_size},), "
                              f"got {tuple(lengths.shape)}")
@@ -243,7 +300,7 @@ class PagedLatentCache:
         All-or-nothing: on any error the cache is as before. Returns the slot mapping (T,) int64
         on the cache's device.
         """
-        seq_ids, new_lens = self._check_rows(seq_ids, new_lens)
+        seq_ids, new_lens = self.check_rows(seq_ids, new_lens)
         c, r = self.kv_lora_rank, self.rope_dim
         # concat_and_cache checks c + r against the page width only; check each part here, so
         # that kv_c and k_pe of other widths with the same sum are not split at the wrong place
@@ -256,7 +313,7 @@ class PagedLatentCache:
         real = int(new_lens.sum())
         if real > T:
             raise ValueError(f"append: new_lens add up to {real} tokens but kv_c holds {T}")
-        token_seq, offsets = _ragged_index(new_lens)
+        token_seq, offsets = ragged_index(new_lens)
         positions = self.seq_lens[seq_ids][token_seq] + offsets
         token_row = torch.full((T,), -1, dtype=torch.int64)
         token_row[:real] = seq_ids[token_seq]
@@ -280,9 +337,7 @@ class PagedLatentCache:
     # ---- reading back -----------------------------------------------------------------------
     def gather(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence i's cached latent, pages put back in order: kv_c (t, c), k_pe (t, r)."""
-        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.batch_size:
-            raise ValueError(f"gather(i) needs a row index i in [0, batch_size={self.batch_size}), "
-                             f"got {i!r}")
+        i = self._row_index("gather(i)", i)
         t = int(self.seq_lens[i])
         pages = self.block_table_cpu[i, : math.ceil(t / self.block_size)].to(self.device,
                                                                               torch.int64)
@@ -290,34 +345,27 @@ class PagedLatentCache:
         return rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank:]
 
     def gather_padded(self, seq_ids: Sequence[int] | torch.Tensor, t: int) -> torch.Tensor:
-        """(n, t, c + r): the first t cached tokens of each listed row; zeros past its seq_len.
-
-        Zeros, not whatever the pages hold: padding keys must stay finite, because a masked
-        score times a NaN value is still NaN.
-        """
-        seq_ids = torch.as_tensor(seq_ids).to("cpu", torch.int64)
-        if seq_ids.dim() != 1:
-            raise ValueError(f"gather_padded: seq_ids must be a (n,) list of rows, got shape "
-                             f"{tuple(seq_ids.shape)}")
+        """(n, t, c + r): the first t cached tokens of each listed row; zeros past its seq_len
+        (see `gather_pages`)."""
+        seq_ids = as_int_tensor("gather_padded: seq_ids", seq_ids)
         if bool(((seq_ids < 0) | (seq_ids >= self.batch_size)).any()):
             raise ValueError(f"gather_padded: seq_ids must lie in [0, batch_size="
                              f"{self.batch_size}), got {seq_ids.tolist()}")
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
             raise ValueError(f"gather_padded: t must be an int >= 0, got {t!r}")
-        n_pages = math.ceil(t / self.block_size)
-        if n_pages > self.max_blocks_per_seq:
+        if math.ceil(t / self.block_size) > self.max_blocks_per_seq:
             raise ValueError(f"gather_padded: t={t} is longer than max_seq_len={self.max_seq_len}")
-        table = self.block_table_cpu[seq_ids, :n_pages].to(torch.int64)     # (n, pages)
-        valid = (torch.arange(t)[None, :] < self.seq_lens[seq_ids][:, None]).to(self.device)
-        rows = self.kv_cache[table.clamp_min(0).to(self.device)]              # (n, pages, n, c+r)
-        rows = rows.flatten(1, 2)[:, :t]                                      # (n, t, c + r)
-        return torch.where(valid[..., None], rows, torch.zeros((), dtype=rows.dtype,
-                                                                device=rows.device))
+        rows = seq_ids.to(self.device)
+        return gather_pages(self.kv_cache, self.block_table[rows],
+                            self.seq_lens[seq_ids].to(self.device), int(t))
 
-    # ---- helpers ------------------------------------------------------------------------------
-    def _check_rows(self, seq_ids, new_lens) -> tuple[torch.Tensor, torch.Tensor]:
-        seq_ids = torch.as_tensor(seq_ids).to("cpu", torch.int64).flatten()
-        new_lens = torch.as_tensor(new_lens).to("cpu", torch.int64).flatten()
+    # ---- checks -------------------------------------------------------------------------------
+    def check_rows(self, seq_ids, new_lens) -> tuple[torch.Tensor, torch.Tensor]:
+        """seq_ids and new_lens, one entry a sequence, as CPU int64 (n,) tensors, checked: rows
+        in range and distinct, counts >= 0 and within max_seq_len. Integers only (bools and
+        floats raise a TypeError naming the argument). Reads and writes nothing else."""
+        seq_ids = as_int_tensor("seq_ids", seq_ids)
+        new_lens = as_int_tensor("new_lens", new_lens)
         if seq_ids.shape != new_lens.shape:
             raise ValueError(f"seq_ids and new_lens must have one entry per sequence, got "
                              f"{tuple(seq_ids.shape)} and {tuple(new_lens.shape)}")
@@ -336,15 +384,58 @@ class PagedLatentCache:
                 f" would pass max_seq_len={self.max_seq_len}")
         return seq_ids, new_lens
 
+    def _row_index(self, what: str, i) -> int:
+        try:
+            i = as_int(what, i)
+        except TypeError as err:
+            raise TypeError(f"{what} needs an integer row index in [0, batch_size="
+                            f"{self.batch_size}), got {i!r}") from err
+        if not 0 <= i < self.batch_size:
+            raise ValueError(f"{what} needs a row index i in [0, batch_size={self.batch_size}), "
+                             f"got {i}")
+        return i
+
     def __repr__(self) -> str:
         return (f"PagedLatentCache(batch_size={self.batch_size}, max_seq_len={self.max_seq_len}, "
                 f"block_size={self.block_size}, num_blocks={self.num_blocks}, "
                 f"free={self.num_free_blocks}, dtype={self.kv_cache.dtype}, device={self.device})")
 
 
-def _ragged_index(new_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+# ---- device-side helpers the layer shares ------------------------------------------------------
+def ragged_index(new_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For tokens laid out sequence after sequence: each token's sequence k and offset j (int64)."""
-    token_seq = torch.repeat_interleave(torch.arange(new_lens.numel()), new_lens)
+    token_seq = torch.repeat_interleave(torch.arange(new_lens.numel()), new_lens,
+                                        output_size=int(new_lens.sum()))
     starts = torch.cumsum(new_lens, 0) - new_lens
     offsets = torch.arange(token_seq.numel()) - starts[token_seq]
     return token_seq, offsets
+
+
+def gather_pages(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 t: int) -> torch.Tensor:
+    """(m, t, c + r): the first t cached rows of m sequences, pages put back in order, zeros past
+    each sequence's seq_len. block_table (m, max_blocks) int32 and seq_lens (m,) on kv_cache's
+    device; reads nothing on the host.
+
+    Zeros, not whatever the pages hold: padding keys must stay finite, because a masked score
+    times a NaN value is still NaN.
+    """
+    n_pages = math.ceil(t / kv_cache.shape[1])
+    table = block_table[:, :n_pages].to(torch.int64).clamp_min(0)          # (m, pages)
+    rows = kv_cache[table].flatten(1, 2)[:, :t]                             # (m, t, c + r)
+    valid = torch.arange(t, device=kv_cache.device)[None, :] < seq_lens[:, None]  # (m, t)
+    return torch.where(valid[..., None], rows, torch.zeros((), dtype=rows.dtype,
+                                                            device=rows.device))
+
+
+def write_slots(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> None:
+    """Write each token's [kv_c | k_pe] row into its slot, trusting the arguments: no checks and
+    no host sync (slot -1 skips a token). The compiled op where the extension serves kv_cache's
+    device (capturable in a CUDA graph); else the torch reference, which checks the slot range
+    (a sync). Callers build the slots from the allocator; `append` is the checked write.
+    """
+    if extension_available(kv_cache.device):
+        torch.ops.mla.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, "auto", None)
+    else:
+        concat_and_cache_reference(kv_c, k_pe, kv_cache, slot_mapping)

@@ -1,73 +1,171 @@
-"""Tier 3, paged: MLA over a paged latent cache, with the two kernels of mla.kernels.
+"""Tier 3, paged: MLA over a paged latent cache, with the kernels of mla.kernels.
 
-The math is the absorbed tier's (mla/absorbed.py); what changes is where the latent lives and who
-computes. One call, for the new tokens of n sequences flattened into T rows:
+The math is the absorbed tier's (mla/absorbed.py) for decode rows and the naive or absorbed
+dataflow for rows with several new tokens; what changes is where the latent lives and who
+computes. One call, for the new tokens of n sequences packed into N rows:
 
-    x (T, hidden) -> c_q, q_nope (T, h, d), q_pe (T, h, r)         naive.query_* (eqs. 37-40)
-                  -> [kv_c_normed | k_pe] (T, c + r)                 naive.latent (eqs. 41, 43)
-    cache.append: pages from the allocator, slot mapping, concat_and_cache writes each row
+    plan (host)   positions, slot mapping, seq_lens, block-table growth: built on the host from
+                  the lengths, moved to the device in one packed copy
+    x (N, hidden) -> q_nope (N, h, d), q_pe (N, h, r)             naive.query_* (eqs. 37-40)
+                  -> [kv_c_normed | k_pe] (N, c + r)               naive.latent (eqs. 41, 43)
+    append        each row into its slot of the pages               concat_and_cache
     decode rows (1 new token):
-        q = [q_nope · W_UK | q_pe] (b, h, c + r)                    W_UK absorbed into the query
-        o_lat (b, h, c) = mla_decode(q, pages)                      split-KV (Triton; CUDA stage 1
-                                                                    at <= 16 heads, wgmma beyond
-                                                                    on Hopper), MQA over the
-                                                                    latent, value = first c dims
-        o = o_lat · W_UV (b, h, v)                                  W_UV absorbed on the way out
+        q = [q_nope · W_UK | q_pe] (b, h, c + r)                   W_UK absorbed into the query
+        o_lat (b, h, c) = mla_decode(q, pages)                     split-KV, MQA over the latent,
+                                                                   value = first c dims
+        o = o_lat · W_UV (b, h, v)                                 W_UV absorbed on the way out
     prefill / extend rows (> 1 new token):
-        gather the row's pages (t, c + r), attend_up_projected      naive (eqs. 42, 44-46)
-    y = W_O o (T, hidden)                                           eq. (47), all-reduced under TP
+        o (T_p, h, v) = attend_prefill(path, q, pages)             up-projected (eqs. 42, 44-46)
+                                                                   or absorbed, over the context
+    y = W_O o (N, hidden)                                          eq. (47), all-reduced under TP
+
+The eager call (`forward`, `forward_ragged`) and the CUDA-graph step (`decode_step`) run the same
+`_run`; they differ only in who builds the metadata: the host plan, or the caller's device
+buffers (`decode_inputs`).
 
 Why prefill up-projects: for s new tokens over t cached ones the up-projection costs
 2·t·c·(d+v) a head once, shared by the s queries, while absorbed attention costs
 (c+r+c)/(d+r+v) = 3.4x more per score (V3 sizes; mla/absorbed.py has the derivation), so long
 chunks are cheaper up-projected and single tokens absorbed. `prefill_path` chooses per row: with
-`prefill="auto"` (default) rows of fewer than `prefill_crossover` new tokens attend absorbed, longer
-ones up-projected; "up-project" / "absorbed" force one path.
+`prefill="auto"` (default) rows of fewer than `prefill_crossover` new tokens attend absorbed,
+longer ones up-projected; "up-project" / "absorbed" force one path.
 
-Where the crossover constant comes from: `PREFILL_CROSSOVER` below, 64 new tokens, measured by
-benchmarks/bench_prefill.py on an H200 (both paths of this layer's `_prefill`, gather included,
-V3 sizes, bf16, 4096 cached tokens; benchmarks/results/h200-prefill.json). The FLOP model,
-mla.memory.prefill_crossover, gives 168 there.
-
-CUDA graphs: `decode_step` is a decode entry without host syncs (device tensors in, the raw
-concat op, `mla_decode` with a fixed split count), so one decode step of a fixed batch can be
-captured and replayed; `decode_inputs` prepares its tensors outside the graph.
+The tier is inference-only: its calls run without autograd (outputs never require grad), because
+the kernels have no backward. The naive and absorbed tiers are differentiable.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from ..absorbed import PREFILL_MODES, attend_absorbed
-from ..kernels import concat_and_cache, mla_decode, mla_decode_reference
-from ..kernels.extension import extension_available
 from ..base import MLAAttention
+from ..kernels import mla_decode
 from ..naive import (attend_up_projected, causal_mask, latent, query_latent, query_nope,
                      query_rope)
 from ..rope import rope_cos_sin
 from ..weights import MLAWeights
-from .cache import PagedLatentCache, _ragged_index
+from .cache import (CACHE_DTYPES, PagedLatentCache, as_int, as_int_tensor, gather_pages,
+                    positive_int, ragged_index, write_slots)
 
 # The options of `PagedMLA(prefill=...)`: "auto" chooses per row by `prefill_crossover`.
 PAGED_PREFILL_MODES = ("auto", *PREFILL_MODES)
 
 # Rows with at least this many new tokens up-project under prefill="auto"; shorter ones absorb.
-# Measured, not modelled: benchmarks/bench_prefill.py on one H200 (2026-12-02, bf16, DeepSeek-V3
-# sizes, 4096 cached tokens, s = 1, 2, 4, ... 4096; benchmarks/results/h200-prefill.json). One
-# sequence: absorbed is faster up to s = 32 (1.74 vs 1.95 ms), up-projection from s = 64 on
-# (2.46 vs 2.79 ms; 1.9x at s = 4096). A batch of 4: absorbed up to 64, up-projection from 128.
+# Measured by benchmarks/bench_prefill.py on one H200 (bf16, DeepSeek-V3 sizes, 4096 cached
+# tokens; benchmarks/results/h200-prefill.json): one sequence attends faster absorbed up to
+# s = 32 (1.74 vs 1.95 ms) and up-projected from s = 64 (2.46 vs 2.79 ms; 1.9x at s = 4096).
 # The FLOP model (mla.memory.prefill_crossover) says 168: the absorbed path's float32 scores
-# over 1088-wide rows cost more than its FLOP count says, the up-projection (one bf16 GEMM) less.
+# over 1088-wide rows cost more than its FLOP count says, the up-projection (one GEMM) less.
 PREFILL_CROSSOVER = 64
+
+# The most pieces a decode row is cut into: CUDA's limit on a grid's y and z dimensions, which
+# mla_decode launches the splits over.
+MAX_KV_SPLITS = 65535
+
+
+# ---- what one call needs on the device -----------------------------------------------------
+@dataclass
+class DecodeRows:
+    """The rows of a call with one new token, decoded by the split-KV kernel over their pages.
+
+    tokens: (b,) int64, the rows' tokens among the call's N; None = all N tokens, in order.
+    block_table: (b, max_blocks) int32.  seq_lens: (b,) int32, cached tokens, the new included.
+    num_kv_splits: mla_decode's split count; None lets it choose (one host sync).
+    """
+
+    tokens: torch.Tensor | None
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    num_kv_splits: int | None
+
+
+@dataclass
+class PrefillRows:
+    """m rows of a call with several new tokens each, all attending one way.
+
+    tokens: (T_p,) int64, the rows' new tokens among the call's N, row after row.
+    query_start_loc: (m + 1,) int64, row k's tokens are tokens[query_start_loc[k]:...[k+1]].
+    context_lens: (m,) int64, tokens each row held before this call.
+    block_table: (m, max_blocks) int32, each row's pages (the new tokens already written).
+    max_new_len, max_seq_len: host ints, max(new tokens) and max(context + new tokens).
+    All tensors on the cache's device.
+    """
+
+    tokens: torch.Tensor
+    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor
+    block_table: torch.Tensor
+    max_new_len: int
+    max_seq_len: int
+
+
+@dataclass
+class CallPlan:
+    """One call's metadata on the device.
+
+    positions, slot_mapping: (N,) int64 for the N real tokens, in the call's packed order.
+    token_rows: (N,) int64, each real token's row of x; None = x's first N rows, in order.
+    decode: the one-token rows (or None); prefill: (path, rows) for each path taken.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    token_rows: torch.Tensor | None
+    decode: DecodeRows | None
+    prefill: list[tuple[str, PrefillRows]] = field(default_factory=list)
+
+
+def to_device(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Move a call's host-built int64 metadata to `device` in one copy: packed into one buffer
+    (pinned on a GPU, so the copy does not wait for the host), split back into views there."""
+    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in host.values()])
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    out, at = {}, 0
+    for key, t in host.items():
+        out[key] = flat[at:at + t.numel()].view(t.shape)
+        at += t.numel()
+    return out
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, *, kv_lora_rank: int, softmax_scale: float,
+                     num_kv_splits: int | None) -> torch.Tensor:
+    """mla_decode's out (b, h, c). The block table comes from the cache's own allocator, so the
+    kernel trusts its entries on a GPU (on the CPU it checks them anyway)."""
+    out, _ = mla_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank=kv_lora_rank,
+                        softmax_scale=softmax_scale, num_kv_splits=num_kv_splits,
+                        check_block_table=False)
+    return out
+
+
+def check_num_kv_splits(num_kv_splits, *, allow_none: bool) -> None:
+    """num_kv_splits must be an int in [1, MAX_KV_SPLITS] (or None where `allow_none`); bools
+    and floats raise a ValueError too."""
+    if num_kv_splits is None and allow_none:
+        return
+    if (isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int)
+            or not 1 <= num_kv_splits <= MAX_KV_SPLITS):
+        allowed = " or None" if allow_none else ""
+        raise ValueError(f"num_kv_splits must be an int in [1, {MAX_KV_SPLITS}]{allowed}, got "
+                         f"{num_kv_splits!r}")
 
 
 class PagedMLA(MLAAttention):
-    """MLA over a paged latent cache: Triton split-KV decode, up-projected prefill.
+    """MLA over a paged latent cache: split-KV decode kernel, prefill over the gathered pages.
+
+    Inference only: every call runs under `torch.no_grad()` and its output never requires grad
+    (the kernels have no backward); train with the naive or absorbed tier.
 
     Args:
-        weights: the layer's MLAWeights (shared, not copied).
+        weights: the layer's MLAWeights (shared, not copied), in float32, float16 or bfloat16
+            (the kernels' dtypes).
         block_size: tokens a cache page (n), any int >= 1; 64 by default (FlashMLA's page).
         num_blocks: pages in a cache from `new_cache`; None = batch_size · ceil(max_seq_len / n),
             room for every row at full length.
@@ -79,19 +177,13 @@ class PagedMLA(MLAAttention):
         prefill_crossover: the "auto" threshold in new tokens a row; None = PREFILL_CROSSOVER
             (this module's measured constant).
         num_kv_splits: passed to `mla.kernels.mla_decode`; None lets it choose from the batch,
-            lengths and SM count (one host sync). Fix it for CUDA-graph capture.
+            lengths and SM count (one host sync a call with decode rows).
         shuffle: default seed of `new_cache`'s random page order (None: pages in order).
         process_group: tensor parallelism over heads (see `mla.base.MLAAttention`).
 
     The common call is every tier's: `y = attn(x, cache, lengths)`, x (b, s, hidden). Engines
-    that batch many sequences without padding call `forward_ragged`.
-
-    Host syncs per call on a GPU (correctness first; a CUDA-graph decode, issue 4, removes them
-    by keeping positions, slots and seq_lens in device buffers and calling the op directly):
-    `lengths`/`query_start_loc` are read on the host; positions, the slot mapping, seq_lens and
-    grown block-table rows are built on the host and copied to the device;
-    `concat_and_cache` reads the slot range (`.item()`); `mla_decode` reads max(seq_lens)
-    unless `num_kv_splits` is given.
+    that batch many sequences without padding call `forward_ragged`; a serving loop that
+    captures its decode step in a CUDA graph calls `decode_inputs` and `decode_step`.
     """
 
     tier = "paged"
@@ -101,10 +193,14 @@ class PagedMLA(MLAAttention):
                  num_kv_splits: int | None = None,
                  shuffle: int | None = None, process_group=None):
         super().__init__(weights, process_group=process_group)
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
-            raise ValueError(f"num_blocks must be a positive int or None, got {num_blocks!r}")
+        if weights.dtype not in CACHE_DTYPES:
+            raise TypeError(
+                f"the paged tier runs on float32, float16 or bfloat16 weights (its kernels' "
+                f"dtypes), got weights of dtype {weights.dtype}; cast them (e.g. "
+                f"weights.to(torch.float32)) or use the naive or absorbed tier")
+        block_size = positive_int("block_size", block_size)
+        if num_blocks is not None:
+            num_blocks = positive_int("num_blocks", num_blocks)
         if prefill not in PAGED_PREFILL_MODES:
             raise ValueError(f"prefill must be one of {PAGED_PREFILL_MODES}, got {prefill!r}")
         if prefill_crossover is None:
@@ -113,8 +209,9 @@ class PagedMLA(MLAAttention):
                 or prefill_crossover < 1):
             raise ValueError(f"prefill_crossover must be an int >= 1 or None, got "
                              f"{prefill_crossover!r}")
-        if num_kv_splits is not None and (not isinstance(num_kv_splits, int) or num_kv_splits < 1):
-            raise ValueError(f"num_kv_splits must be a positive int or None, got {num_kv_splits!r}")
+        check_num_kv_splits(num_kv_splits, allow_none=True)
+        if shuffle is not None:
+            shuffle = as_int("shuffle", shuffle)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.prefill = prefill
@@ -137,42 +234,33 @@ class PagedMLA(MLAAttention):
             dtype=self.weights.dtype, device=self.weights.device,
             shuffle=self.shuffle if shuffle is None else shuffle)
 
-    def _check_cache(self, cache: PagedLatentCache) -> None:
-        cfg, w = self.config, self.weights
-        if not isinstance(cache, PagedLatentCache):
-            raise TypeError("cache must be a PagedLatentCache from this tier's new_cache(), "
-                            f"got {type(cache).__name__}")
-        if (cache.kv_lora_rank, cache.rope_dim) != (cfg.kv_lora_rank, cfg.qk_rope_head_dim):
-            raise ValueError(
-                f"the cache holds rows of c + r = {cache.kv_lora_rank} + {cache.rope_dim}, this "
-                f"layer's latent is {cfg.kv_lora_rank} + {cfg.qk_rope_head_dim}")
-        if cache.kv_cache.dtype != w.dtype or cache.device != w.device:
-            raise ValueError(f"the cache is {cache.kv_cache.dtype} on {cache.device}, the weights "
-                             f"{w.dtype} on {w.device}; make it with this layer's new_cache()")
-
     # ---- the common call ------------------------------------------------------------------
+    @torch.no_grad()
     def forward(self, x: torch.Tensor, cache: PagedLatentCache, lengths=None) -> torch.Tensor:
         """x (b, s, hidden), right-padded by `lengths` (b,) -> y (b, s, hidden); see mla.base.
 
-        Flattens the real tokens row after row and runs them as one ragged batch.
+        Row i's real tokens are rows i·s ... i·s + lengths[i] - 1 of x viewed as (b·s, hidden),
+        a ragged batch with padding between the sequences.
+
+        Host-device traffic on a GPU: the lengths and seq_lens live on the host, where the
+        call's metadata (positions, slot mapping, seq_lens, block-table growth) is built; it
+        moves to the device in one copy from pinned memory, without a sync. One call: 1
+        host-to-device copy, 0 device-to-host copies, and 1 sync only where a row decodes and
+        `num_kv_splits` is None (mla_decode reads max(seq_lens) to choose the split count).
+        (Without the compiled extension, the torch write that replaces it reads the slot range:
+        one sync more.)
         """
         lengths = self.check_inputs(x, cache, lengths, cache_type=PagedLatentCache)
-        self._check_cache(cache)
         b, s, hidden = x.shape
-        y = x.new_zeros(b, s, hidden)
-        seq_ids = torch.nonzero(lengths > 0).flatten()            # rows that take part
+        seq_ids = torch.nonzero(lengths).flatten()                   # rows that take part
         if seq_ids.numel() == 0:
-            return y
-        rows, cols = torch.nonzero(torch.arange(s)[None, :] < lengths[:, None], as_tuple=True)
-        if rows.numel() == b * s:                                 # no padding: a plain view
-            y_flat = self._run(x.reshape(b * s, hidden), cache, seq_ids, lengths)
-            return y_flat.view(b, s, hidden)
-        rows_d, cols_d = rows.to(x.device), cols.to(x.device)
-        y_flat = self._run(x[rows_d, cols_d], cache, seq_ids, lengths[seq_ids])  # (T, hidden)
-        y[rows_d, cols_d] = y_flat
-        return y
+            return x.new_zeros(b, s, hidden)
+        y = self._append_and_attend(x.reshape(b * s, hidden), cache, seq_ids, lengths[seq_ids],
+                                    starts=seq_ids * s)
+        return y.view(b, s, hidden)
 
     # ---- the ragged entry for engines -----------------------------------------------------
+    @torch.no_grad()
     def forward_ragged(self, x: torch.Tensor, cache: PagedLatentCache,
                        query_start_loc: torch.Tensor | Sequence[int],
                        seq_ids: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
@@ -184,35 +272,25 @@ class PagedMLA(MLAAttention):
                 query_start_loc[n] to T are padding (e.g. to a captured graph's size): they are
                 written nowhere and their outputs are zeros.
             cache: this layer's PagedLatentCache.
-            query_start_loc: (n + 1,) int32/int64, 0 = query_start_loc[0] <= ... <=
+            query_start_loc: (n + 1,) integers, 0 = query_start_loc[0] <= ... <=
                 query_start_loc[n] <= T (read on the host). Sequence k has
                 query_start_loc[k+1] - query_start_loc[k] new tokens: 1 is a decode, more is a
                 prefill or an extend over its cached context, 0 sits out.
-            seq_ids: (n,) distinct cache rows the sequences live in; None = rows 0 .. n-1.
+            seq_ids: (n,) distinct cache rows (integers) the sequences live in; None = rows
+                0 .. n-1.
 
         Returns:
             (T, hidden): each token's attention output, causal over its sequence's cached
             tokens and its own earlier new tokens. The tokens are appended to the cache at
             positions seq_lens[seq_ids[k]] + j. Bad input raises before anything is written.
+            Host-device traffic as `forward`.
         """
-        cfg, w = self.config, self.weights
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 2 or x.shape[-1] != cfg.hidden_size:
-            raise ValueError(f"x must have shape (tokens, hidden_size={cfg.hidden_size}), "
-                             f"got {tuple(x.shape)}")
-        if x.dtype != w.dtype:
-            raise TypeError(f"x has dtype {x.dtype} but the weights are {w.dtype}; "
-                            "cast one of them")
-        if x.device != w.device:
-            raise ValueError(f"x is on {x.device} but the weights are on {w.device}")
-        self._check_cache(cache)
+        self.check_x(x, ragged=True)
+        self.check_cache(cache, None, cache_type=PagedLatentCache)
         T = x.shape[0]
-        qsl = torch.as_tensor(query_start_loc)
-        if qsl.dtype not in (torch.int32, torch.int64) or qsl.dim() != 1 or qsl.numel() < 1:
-            raise TypeError("query_start_loc must be a (n + 1,) int32 or int64 tensor, got "
-                            f"{qsl.dtype} of shape {tuple(qsl.shape)}")
-        qsl = qsl.to("cpu", torch.int64)
+        qsl = as_int_tensor("query_start_loc", query_start_loc)
+        if qsl.numel() < 1:
+            raise ValueError("query_start_loc must hold n + 1 >= 1 offsets, got none")
         new_lens = qsl.diff()
         if int(qsl[0]) != 0 or bool((new_lens < 0).any()) or int(qsl[-1]) > T:
             raise ValueError("query_start_loc must start at 0, never decrease and end at most at "
@@ -222,13 +300,12 @@ class PagedMLA(MLAAttention):
             if n > cache.batch_size:
                 raise ValueError(f"{n} sequences but the cache has {cache.batch_size} rows")
             seq_ids = torch.arange(n)
-        seq_ids, new_lens = cache._check_rows(seq_ids, new_lens)  # rows, distinct, room
-        keep = new_lens > 0
-        seq_ids, new_lens = seq_ids[keep], new_lens[keep]
-        if seq_ids.numel() == 0:
-            return x.new_zeros(T, cfg.hidden_size)
-        # the sequences that take part, packed: drop the empty ones' (zero-width) ranges
-        return self._run(x, cache, seq_ids, new_lens, starts=qsl[:-1][keep])
+        seq_ids, new_lens = cache.check_rows(seq_ids, new_lens)    # rows, distinct, room
+        keep = new_lens > 0                                          # sequences that take part
+        if not bool(keep.any()):
+            return x.new_zeros(T, self.config.hidden_size)
+        return self._append_and_attend(x, cache, seq_ids[keep], new_lens[keep],
+                                       starts=qsl[:-1][keep])
 
     # ---- the hook for choosing how a prefill row attends --------------------------------------
     def prefill_path(self, new_len: int, context_len: int) -> str:
@@ -239,96 +316,190 @@ class PagedMLA(MLAAttention):
         absorption skips the up-projection of the whole context), longer rows up-project (its
         cost is shared by the row's queries). `context_len` is not used: the threshold was
         measured at 4096 cached tokens only, and the FLOP model's crossover moves little with
-        the context (97 tokens at 64, 168 at 4096, 171 in the limit, V3 sizes).
+        the context (97 tokens at 64, 168 at 4096, 171 in the limit, V3 sizes). Called for
+        every such row before anything is written; another value raises then.
         """
         if self.prefill != "auto":
             return self.prefill
         return "absorbed" if new_len < self.prefill_crossover else "up-project"
 
-    # ---- one ragged batch -------------------------------------------------------------------
-    def _run(self, x: torch.Tensor, cache: PagedLatentCache, seq_ids: torch.Tensor,
-             new_lens: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
-        """x (T, hidden); seq_ids, new_lens (n,) CPU int64, all new_lens >= 1, checked.
+    # ---- one eager call: plan on the host, run, advance seq_lens ----------------------------
+    def _append_and_attend(self, x: torch.Tensor, cache: PagedLatentCache, seq_ids: torch.Tensor,
+                           new_lens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """x (T, hidden); seq_ids, new_lens, starts (n,) CPU int64, checked, new_lens >= 1;
+        sequence k's tokens are rows starts[k] ... starts[k] + new_lens[k] - 1 of x."""
+        plan = self._plan(cache, seq_ids, new_lens, starts)
+        y = self._run(x, cache, plan)
+        cache.seq_lens.index_add_(0, seq_ids, new_lens)
+        return y
 
-        starts (n,): each sequence's first row in x; None = packed (row after row from 0).
+    def _plan(self, cache: PagedLatentCache, seq_ids: torch.Tensor, new_lens: torch.Tensor,
+              starts: torch.Tensor) -> CallPlan:
+        """The call's metadata, built on the host and moved to the device in one copy.
+
+        Asks `prefill_path` for every row with several new tokens first, then takes the pages
+        (all-or-nothing): an error from either leaves the cache as it was.
         """
-        cfg, w = self.config, self.weights
-        c, h, v = cfg.kv_lora_rank, cfg.num_heads, cfg.v_head_dim
-        T = x.shape[0]
-        packed_starts = torch.cumsum(new_lens, 0) - new_lens
-        starts = packed_starts if starts is None else starts
-        token_seq, offsets = _ragged_index(new_lens)               # (T_real,) each
-        token_rows = starts[token_seq] + offsets                   # where each real token sits
-        context_lens = cache.seq_lens[seq_ids].clone()             # (n,) before this call
-
-        # Positions seq_lens + j, their RoPE; padding rows take position 0 (outputs dropped).
-        positions = torch.zeros(T, dtype=torch.int64)
-        positions[token_rows] = context_lens[token_seq] + offsets
-        cos, sin = rope_cos_sin(cfg, positions.to(x.device), x.dtype)  # (T, r/2)
-
-        # The query and the latent, eqs. (37)-(43), as a batch of one sequence of T tokens.
-        x1 = x[None]                                               # (1, T, hidden)
-        c_q = query_latent(w, x1)                                  # (1, T, q)
-        q_nope = query_nope(w, c_q)[0]                             # (T, h, d)
-        q_pe = query_rope(w, c_q, cos[None], sin[None])[0]         # (T, h, r)
-        kv_c_normed, k_pe = latent(w, x1, cos[None], sin[None])    # (1, T, c), (1, T, r)
-        # One (T, c + r) row a token, as the cache stores it; the kernel reads the two parts as
-        # row-strided views of it. Packed in the order cache.append expects.
-        rows_d = token_rows.to(x.device)
-        new_latent = torch.cat([kv_c_normed[0], k_pe[0]], dim=-1)[rows_d]  # (T_real, c + r)
-        cache.append(new_latent[:, :c], new_latent[:, c:], seq_ids, new_lens)
-
-        o = x.new_zeros(T, h, v)
+        context_lens = cache.seq_lens[seq_ids]                     # (n,) before this call
+        token_seq, offsets = ragged_index(new_lens)                # (N,) each, packed order
+        N = token_seq.numel()
+        packed_starts = torch.cumsum(new_lens, 0) - new_lens       # (n,) first packed token
         decode = new_lens == 1
-        if bool(decode.any()):
-            k = torch.nonzero(decode).flatten()
-            tok = starts[k].to(x.device)
-            o[tok] = self._decode(q_nope[tok], q_pe[tok], cache, seq_ids[k])
         by_path: dict[str, list[int]] = {}
         for k in torch.nonzero(~decode).flatten().tolist():
             path = self.prefill_path(int(new_lens[k]), int(context_lens[k]))
             if path not in PREFILL_MODES:
-                raise ValueError(f"prefill_path returned {path!r}; expected one of {PREFILL_MODES}")
+                raise ValueError(f"prefill_path returned {path!r}; expected one of "
+                                 f"{PREFILL_MODES}")
             by_path.setdefault(path, []).append(k)
+
+        grown = cache.allocate_on_host(seq_ids, new_lens)          # (g,) rows whose table grew
+        positions = context_lens[token_seq] + offsets              # (N,) seq_lens + j
+        host = dict(positions=positions,
+                    slot_mapping=cache.slot_mapping(seq_ids[token_seq], positions),
+                    grown=grown, grown_table=cache.block_table_cpu[grown])
+        token_rows = starts[token_seq] + offsets                   # (N,) rows of x
+        in_order = bool((token_rows == torch.arange(N)).all())
+        if not in_order:
+            host["token_rows"] = token_rows
+        decode_ks = torch.nonzero(decode).flatten()
+        decode_rows = seq_ids[decode_ks]
+        every_row = bool(torch.equal(decode_rows, torch.arange(cache.batch_size)))
+        if decode_ks.numel():
+            host["decode_seq_lens"] = context_lens[decode_ks] + 1
+            if decode_ks.numel() < N:
+                host["decode_tokens"] = packed_starts[decode_ks]
+            if not every_row:
+                host["decode_rows"] = decode_rows
         for path, ks in by_path.items():
-            k = torch.tensor(ks)
-            tok, o_rows = self._prefill(path, q_nope, q_pe, cache, seq_ids[k], new_lens[k],
-                                        context_lens[k], starts[k])
-            o[tok] = o_rows
+            ks = torch.tensor(ks)
+            p_seq, p_off = ragged_index(new_lens[ks])
+            host[path + "/tokens"] = packed_starts[ks][p_seq] + p_off
+            host[path + "/query_start_loc"] = torch.cat([torch.zeros(1, dtype=torch.int64),
+                                                         torch.cumsum(new_lens[ks], 0)])
+            host[path + "/context_lens"] = context_lens[ks]
+            host[path + "/rows"] = seq_ids[ks]
 
-        # Eq. (47), once for every token (one all-reduce under TP); padding rows back to zero.
-        y = self.output_projection(o[None])[0]                     # (T, hidden)
-        if T > token_rows.numel():
-            real = torch.zeros(T, dtype=torch.bool)
-            real[token_rows] = True
-            y = torch.where(real.to(x.device)[:, None], y, 0.0)
-        return y
+        dev = to_device(host, cache.device)
+        if grown.numel():
+            cache.block_table[dev["grown"]] = dev["grown_table"].to(torch.int32)
+        plan = CallPlan(positions=dev["positions"], slot_mapping=dev["slot_mapping"],
+                        token_rows=dev.get("token_rows"), decode=None)
+        if decode_ks.numel():
+            table = cache.block_table if every_row else cache.block_table[dev["decode_rows"]]
+            plan.decode = DecodeRows(tokens=dev.get("decode_tokens"), block_table=table,
+                                     seq_lens=dev["decode_seq_lens"].to(torch.int32),
+                                     num_kv_splits=self.num_kv_splits)
+        for path, ks in by_path.items():
+            total = context_lens[ks] + new_lens[ks]
+            plan.prefill.append((path, PrefillRows(
+                tokens=dev[path + "/tokens"], query_start_loc=dev[path + "/query_start_loc"],
+                context_lens=dev[path + "/context_lens"],
+                block_table=cache.block_table[dev[path + "/rows"]],
+                max_new_len=int(new_lens[ks].max()), max_seq_len=int(total.max()))))
+        return plan
 
-    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: PagedLatentCache,
-                rows: torch.Tensor) -> torch.Tensor:
-        """One new token for each of `rows` (already in the cache): q_nope (b, h, d),
-        q_pe (b, h, r) -> o (b, h, v). The Triton kernel attends over the pages."""
+    # ---- the dataflow, shared by the eager call and the CUDA-graph step ---------------------
+    def _run(self, x: torch.Tensor, cache: PagedLatentCache, plan: CallPlan) -> torch.Tensor:
+        """x (T, hidden) -> y (T, hidden) for the N real tokens `plan` describes; zeros
+        elsewhere. Reads nothing on the host (the decode kernel may, see DecodeRows)."""
+        cfg, w = self.config, self.weights
+        T, hidden = x.shape
+        N = plan.positions.numel()
+
+        # The query and the latent, eqs. (37)-(43), as one sequence of the N real tokens.
+        x_real = x[:N] if plan.token_rows is None else x[plan.token_rows]
+        x1 = x_real[None]                                          # (1, N, hidden)
+        cos, sin = rope_cos_sin(cfg, plan.positions[None], x.dtype)  # (1, N, r/2)
+        c_q = query_latent(w, x1)                                  # (37) (1, N, q)
+        q_nope = query_nope(w, c_q)[0]                             # (38) (N, h, d)
+        q_pe = query_rope(w, c_q, cos, sin)[0]                     # (39) (N, h, r)
+        kv_c_normed, k_pe = latent(w, x1, cos, sin)                # (41), (43) (1, N, c), (1, N, r)
+
+        # Append: each token's [kv_c | k_pe] row into its slot; the attention below reads it.
+        write_slots(kv_c_normed[0], k_pe[0], cache.kv_cache, plan.slot_mapping)
+
+        # Decode rows: absorbed, over the pages (the split-KV kernel).
+        dec = plan.decode
+        if dec is not None and dec.tokens is None:                 # every token decodes
+            o = self.attend_decode(q_nope, q_pe, cache.kv_cache, dec)          # (N, h, v)
+        else:
+            o = q_nope.new_zeros(N, cfg.num_heads, cfg.v_head_dim)            # (N, h, v)
+            if dec is not None:
+                o[dec.tokens] = self.attend_decode(q_nope[dec.tokens], q_pe[dec.tokens],
+                                                   cache.kv_cache, dec)
+
+        # Prefill rows: their packed new tokens over their context, one batch a path.
+        for path, rows in plan.prefill:
+            o[rows.tokens] = self.attend_prefill(path, q_nope[rows.tokens], q_pe[rows.tokens],
+                                                 cache.kv_cache, rows)
+
+        # Eq. (47), once for every token (one all-reduce under TP); padding rows stay zero.
+        y = self.output_projection(o[None])[0]                     # (N, hidden)
+        if plan.token_rows is None and N == T:
+            return y
+        out = y.new_zeros(T, hidden)
+        if plan.token_rows is None:
+            out[:N] = y
+        else:
+            out[plan.token_rows] = y
+        return out
+
+    def attend_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                      rows: DecodeRows) -> torch.Tensor:
+        """One new token a row, already in the pages: q_nope (b, h, d), q_pe (b, h, r) ->
+        o (b, h, v). Absorbed attention: MQA over the latent by the split-KV kernel."""
         w = self.weights
         # Absorb W_UK into the query: q_lat,i = (W^{UK}_i)^T q_C,i; the kernel's query is
         # [q_lat | q_pe], scored against whole cache rows [kv_c | k_pe].
         q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w.W_UK)                 # (b, h, c)
         q = torch.cat([q_lat, q_pe], dim=-1)                                # (b, h, c + r)
-        if rows.numel() == cache.batch_size and bool((rows == torch.arange(rows.numel())).all()):
-            block_table = cache.block_table                                 # every row: no copy
-        else:
-            block_table = cache.block_table[rows.to(cache.device)]
-        seq_lens = cache.seq_lens[rows].to(cache.device, torch.int32)
-        kernel, extra = mla_decode, {}
-        if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-            # Triton's CPU interpreter computes tl.dot on bf16 wrongly (it returns garbage), so
-            # bf16 on the CPU takes the kernel's torch reference, in float32; GPUs run the kernel.
-            kernel, extra = mla_decode_reference, {"compute_dtype": torch.float32}
-        o_lat, _ = kernel(q, cache.kv_cache, block_table, seq_lens,
-                          kv_lora_rank=self.config.kv_lora_rank,
-                          softmax_scale=self.softmax_scale,
-                          num_kv_splits=self.num_kv_splits, **extra)         # (b, h, c)
+        o_lat = decode_attention(q, kv_cache, rows.block_table, rows.seq_lens,
+                                 kv_lora_rank=self.config.kv_lora_rank,
+                                 softmax_scale=self.softmax_scale,
+                                 num_kv_splits=rows.num_kv_splits)          # (b, h, c)
         # Absorb W_UV on the way out: o_i = W^{UV}_i o_lat,i
         return torch.einsum("bhc,hvc->bhv", o_lat, w.W_UV)                  # (b, h, v)
+
+    def attend_prefill(self, path: str, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                       kv_cache: torch.Tensor, rows: PrefillRows) -> torch.Tensor:
+        """The new tokens of m rows, packed row after row, over their cached context and
+        themselves (causal): q_nope (T_p, h, d), q_pe (T_p, h, r) -> o (T_p, h, v).
+
+        `path` is "up-project" (eqs. 42, 44-46: keys and values up-projected from the latent)
+        or "absorbed" (MQA over the latent). Plain torch, padded to (m, s_max) and scoring every
+        (query, key) pair in float32: the readable reference a tiled prefill kernel replaces.
+        Reads nothing on the host.
+        """
+        w, c = self.weights, self.config.kv_lora_rank
+        device, T_p = q_nope.device, q_nope.shape[0]
+        s, t = rows.max_new_len, rows.max_seq_len
+        qsl = rows.query_start_loc
+        new_lens = qsl[1:] - qsl[:-1]                                         # (m,)
+        m = new_lens.numel()
+
+        # Pad: token j of row k at (k, j); positions context_lens + j; keys: the row's pages.
+        j = torch.arange(s, device=device)
+        real = j[None, :] < new_lens[:, None]                                 # (m, s)
+        tok = torch.where(real, qsl[:-1, None] + j, 0)                        # (m, s) into T_p
+        positions = rows.context_lens[:, None] + j                            # (m, s)
+        latent_rows = gather_pages(kv_cache, rows.block_table,
+                                   rows.context_lens + new_lens, t)           # (m, t, c + r)
+        kv_c, k_pe = latent_rows[..., :c], latent_rows[..., c:]               # (m, t, c), (m, t, r)
+        visible = causal_mask(positions, t)                                   # (m, s, t)
+        if path == "up-project":
+            o = attend_up_projected(w, q_nope[tok], q_pe[tok], kv_c, k_pe, visible,
+                                    self.softmax_scale)                       # (m, s, h, v)
+        else:
+            q_lat = torch.einsum("bshd,hdc->bshc", q_nope[tok], w.W_UK)       # (m, s, h, c)
+            o_lat = attend_absorbed(q_lat, q_pe[tok], kv_c, k_pe, visible, self.softmax_scale)
+            o = torch.einsum("bshc,hvc->bshv", o_lat.to(q_nope.dtype), w.W_UV)
+
+        # Unpad: packed token p of row k sits at (k, p - query_start_loc[k]).
+        row_of = torch.repeat_interleave(torch.arange(m, device=device), new_lens,
+                                         output_size=T_p)                     # (T_p,)
+        j_of = torch.arange(T_p, device=device) - qsl[row_of]                 # (T_p,)
+        return o[row_of, j_of].to(q_nope.dtype)                               # (T_p, h, v)
 
     # ---- the CUDA-graph decode entry -----------------------------------------------------------
     def decode_inputs(self, cache: PagedLatentCache, out: dict | None = None
@@ -337,26 +508,35 @@ class PagedMLA(MLAAttention):
 
         Allocates the rows' room for the token (all-or-nothing, as `cache.allocate`), builds
         slot_mapping (b,) int64, positions (b,) int64 and seq_lens_after (b,) int32 on the cache's
-        device, and advances `cache.seq_lens` by one (the host's bookkeeping: the step that
-        follows writes the token). With `out` (a dict from an earlier call, e.g. a captured
-        graph's static inputs) the values are copied into its tensors, which are returned.
-        Run it outside the graph, before each replay.
+        device (one host-to-device copy, the block table's growth included), and advances
+        `cache.seq_lens` by one (the host's bookkeeping: the step that follows writes the token).
+        With `out` (a dict from an earlier call, e.g. a captured graph's static inputs) the
+        values are copied into its tensors, which are returned. Run it outside the graph, before
+        each replay.
         """
+        names = ("slot_mapping", "positions", "seq_lens_after")
+        if out is not None and not (isinstance(out, dict) and all(k in out for k in names)):
+            raise ValueError(f"out must be a dict with the tensors {names} (an earlier "
+                             f"decode_inputs' result), got {out!r}")
         b = cache.batch_size
-        rows, ones = torch.arange(b), torch.ones(b, dtype=torch.int64)
-        cache._check_rows(rows, ones)                                # room under max_seq_len
-        cache.allocate(rows, ones)
+        rows, ones = cache.check_rows(torch.arange(b), torch.ones(b, dtype=torch.int64))
+        grown = cache.allocate_on_host(rows, ones)
         positions = cache.seq_lens.clone()                           # (b,) before the step
-        values = dict(slot_mapping=cache.slot_mapping(rows, positions),
-                      positions=positions,
-                      seq_lens_after=(positions + 1).to(torch.int32))
+        dev = to_device(dict(slot_mapping=cache.slot_mapping(rows, positions),
+                             positions=positions, grown=grown,
+                             grown_table=cache.block_table_cpu[grown]), cache.device)
+        if grown.numel():
+            cache.block_table[dev["grown"]] = dev["grown_table"].to(torch.int32)
         cache.seq_lens += 1
+        values = dict(slot_mapping=dev["slot_mapping"], positions=dev["positions"],
+                      seq_lens_after=(dev["positions"] + 1).to(torch.int32))
         if out is None:
-            return {k: v.to(cache.device) for k, v in values.items()}
-        for k, v in values.items():
-            out[k].copy_(v, non_blocking=True)
+            return values
+        for k in names:
+            out[k].copy_(values[k])
         return out
 
+    @torch.no_grad()
     def decode_step(self, x: torch.Tensor, cache: PagedLatentCache, *,
                     slot_mapping: torch.Tensor, positions: torch.Tensor,
                     seq_lens_after: torch.Tensor, num_kv_splits: int,
@@ -371,77 +551,44 @@ class PagedMLA(MLAAttention):
                 before the step); RoPE is computed from it on the device.
             seq_lens_after: (b,) int32 on the device: cached tokens a row after the write (the
                 kernel attends over them; 0 = the row sits out, output zero before o_proj's bias).
-            num_kv_splits: the decode kernel's split count, fixed (the choice from seq_lens
-                would read them on the host).
+            num_kv_splits: the decode kernel's split count, an int in [1, MAX_KV_SPLITS], fixed
+                (the choice from seq_lens would read them on the host).
             block_table: (b, max_blocks) int32 on the device; None = cache.block_table.
 
         Returns (b, 1, hidden) (or (b, hidden)), what the common call returns for a decode of
-        every row. Nothing is checked or read on the host, and `cache.seq_lens`, the allocator and
-        the block table are not touched: prepare the tensors with `decode_inputs` (which also
-        allocates the pages and advances seq_lens) or an engine's own buffers. The write is the
-        raw op `torch.ops.mla.concat_and_cache_mla` (no slot-range check); where the extension
-        does not load (CPU without a compiler) the torch reference writes instead, which is not
-        capturable on a GPU. The decode kernel (a CUDA stage 1 where one applies: the sm_80 one at <= 16 heads, the wgmma
-        one beyond on an H100 / H200; else Triton)
-        runs with `num_kv_splits` as given; on the CPU the Triton one runs in its interpreter (bf16 there takes the kernel's torch reference, as `forward`).
+        every row: the same `_run`, with the caller's tensors as its plan. The arguments'
+        shapes, dtypes and devices are checked before the write (metadata only); their values
+        are trusted, and `cache.seq_lens`, the allocator and the block table are not touched:
+        prepare the tensors with `decode_inputs` (which also allocates the pages and advances
+        seq_lens) or an engine's own buffers. The write is the compiled op where the extension
+        serves the device (else the torch reference, which reads the slot range: not
+        capturable on a GPU).
         """
-        cfg, w = self.config, self.weights
-        c = cfg.kv_lora_rank
-        squeeze = x.dim() == 2
-        x1 = (x if squeeze else x[:, 0])[None]                      # (1, b, hidden)
-        cos, sin = rope_cos_sin(cfg, positions[None], x.dtype)      # (1, b, r/2)
-        c_q = query_latent(w, x1)                                   # (1, b, q)
-        q_nope = query_nope(w, c_q)[0]                              # (b, h, d)
-        q_pe = query_rope(w, c_q, cos, sin)[0]                      # (b, h, r)
-        kv_c_normed, k_pe = latent(w, x1, cos, sin)                 # (1, b, c), (1, b, r)
-        kv_cache = cache.kv_cache
-        if extension_available(kv_cache.device):
-            torch.ops.mla.concat_and_cache_mla(kv_c_normed[0], k_pe[0], kv_cache,
-                                               slot_mapping, "auto", None)
-        else:
-            concat_and_cache(kv_c_normed[0], k_pe[0], kv_cache, slot_mapping,
-                             backend="reference")
-
-        q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w.W_UK)            # (b, h, c)
-        q = torch.cat([q_lat, q_pe], dim=-1)                           # (b, h, c + r)
-        kernel, extra = mla_decode, {}
-        if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-            kernel, extra = mla_decode_reference, {"compute_dtype": torch.float32}
-        o_lat, _ = kernel(q, kv_cache, cache.block_table if block_table is None else block_table,
-                          seq_lens_after, kv_lora_rank=c, softmax_scale=self.softmax_scale,
-                          num_kv_splits=num_kv_splits, **extra)         # (b, h, c)
-        o = torch.einsum("bhc,hvc->bhv", o_lat, w.W_UV)                # (b, h, v)
-        y = self.output_projection(o[:, None])                         # (b, 1, hidden)
-        return y[:, 0] if squeeze else y
-
-    def _prefill(self, path: str, q_nope: torch.Tensor, q_pe: torch.Tensor,
-                 cache: PagedLatentCache, rows: torch.Tensor, new_lens: torch.Tensor,
-                 context_lens: torch.Tensor, starts: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows with several new tokens (already in the cache), batched with padding.
-
-        q_nope (T, h, d), q_pe (T, h, r) of the whole call; rows, new_lens, context_lens,
-        starts (m,). Returns the real tokens' indices into T (T_m,) and their o (T_m, h, v).
-        """
-        w, c = self.weights, self.config.kv_lora_rank
-        device = q_nope.device
-        s, t = int(new_lens.max()), int((context_lens + new_lens).max())
-        j = torch.arange(s)
-        real = j[None, :] < new_lens[:, None]                                 # (m, s)
-        tok = torch.where(real, starts[:, None] + j, 0).to(device)            # (m, s)
-        positions = (context_lens[:, None] + j).to(device)                    # (m, s)
-        latent_rows = cache.gather_padded(rows, t)                            # (m, t, c + r)
-        kv_c, k_pe = latent_rows[..., :c], latent_rows[..., c:]               # (m, t, c), (m, t, r)
-        visible = causal_mask(positions, t)                                   # (m, s, t)
-        if path == "up-project":
-            o = attend_up_projected(w, q_nope[tok], q_pe[tok], kv_c, k_pe, visible,
-                                    self.softmax_scale)                       # (m, s, h, v)
-        else:
-            q_lat = torch.einsum("bshd,hdc->bshc", q_nope[tok], w.W_UK)       # (m, s, h, c)
-            o_lat = attend_absorbed(q_lat, q_pe[tok], kv_c, k_pe, visible, self.softmax_scale)
-            o = torch.einsum("bshc,hvc->bshv", o_lat.to(q_nope.dtype), w.W_UV)
-        real_d = real.to(device)
-        return tok[real_d], o[real_d].to(q_nope.dtype)
+        squeeze = isinstance(x, torch.Tensor) and x.dim() == 2
+        if isinstance(x, torch.Tensor) and not squeeze and (x.dim() != 3 or x.shape[1] != 1):
+            raise ValueError(f"x must have shape (batch, 1, hidden) or (batch, hidden), got "
+                             f"{tuple(x.shape)}")
+        x = x if squeeze or not isinstance(x, torch.Tensor) else x[:, 0]   # (b, hidden)
+        self.check_x(x, ragged=True)
+        self.check_cache(cache, x.shape[0], cache_type=PagedLatentCache)
+        b = cache.batch_size
+        check_num_kv_splits(num_kv_splits, allow_none=False)
+        table = cache.block_table if block_table is None else block_table
+        for name, t, shape, dtype in (("slot_mapping", slot_mapping, (b,), torch.int64),
+                                      ("positions", positions, (b,), torch.int64),
+                                      ("seq_lens_after", seq_lens_after, (b,), torch.int32),
+                                      ("block_table", table, (b, table.shape[-1]), torch.int32)):
+            if (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
+                    or t.device != cache.device):
+                got = (f"{t.dtype} of shape {tuple(t.shape)} on {t.device}"
+                       if isinstance(t, torch.Tensor) else type(t).__name__)
+                raise ValueError(f"{name} must be a {shape} {dtype} tensor on {cache.device}, "
+                                 f"got {got}")
+        plan = CallPlan(positions=positions, slot_mapping=slot_mapping, token_rows=None,
+                        decode=DecodeRows(tokens=None, block_table=table, seq_lens=seq_lens_after,
+                                          num_kv_splits=num_kv_splits))
+        y = self._run(x, cache, plan)                                # (b, hidden)
+        return y if squeeze else y[:, None]
 
     def extra_repr(self) -> str:
         return (f"tier={self.tier!r}, config={self.config.name!r}, block_size={self.block_size}, "
