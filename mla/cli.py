@@ -90,6 +90,14 @@ def demo(args: argparse.Namespace, *, rank: int = 0, world_size: int = 1, group=
         _sync(device)
         return y.float(), time.perf_counter() - start
 
+    def compare(outputs, x, lens):
+        """Each tier's output against naive's and, under --tp, against the unsharded layer's."""
+        for tier in tiers:
+            errors[tier].append(_rel(outputs[tier], outputs["naive"]))
+        if "unsharded" in layers:
+            reference, _ = run("unsharded", x, lens)
+            tp_errors.extend(_rel(outputs[tier], reference) for tier in tiers)
+
     total = len(tiers) * (2 + args.decode_steps)
     with torch.inference_mode(), tqdm(total=total, desc="demo", leave=False,
                                       disable=not args.progress or rank != 0) as bar:
@@ -107,22 +115,14 @@ def demo(args: argparse.Namespace, *, rank: int = 0, world_size: int = 1, group=
         for tier in tiers:
             outputs[tier], prefill_time[tier] = run(tier, prompt, lengths)
             bar.update()
-        for tier in tiers:
-            errors[tier].append(_rel(outputs[tier], outputs["naive"]))
-        if "unsharded" in layers:
-            reference, _ = run("unsharded", prompt, lengths)
-            tp_errors += [_rel(outputs[tier], reference) for tier in tiers]
+        compare(outputs, prompt, lengths)
         for x in steps:
             step_out = {}
             for tier in tiers:
                 step_out[tier], seconds = run(tier, x, None)
                 decode_time[tier] += seconds
                 bar.update()
-            for tier in tiers:
-                errors[tier].append(_rel(step_out[tier], step_out["naive"]))
-            if "unsharded" in layers:
-                reference, _ = run("unsharded", x, None)
-                tp_errors += [_rel(step_out[tier], reference) for tier in tiers]
+            compare(step_out, x, None)
     tp_error = _worst(tp_errors) if tp_errors else 0.0
 
     element = torch.tensor([], dtype=dtype).element_size()
