@@ -15,6 +15,7 @@ import json
 import math
 import runpy
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -198,6 +199,11 @@ def demo_tp(args: argparse.Namespace) -> dict:
 
 
 def _demo_rank(rank: int, world_size: int, group, args: argparse.Namespace) -> dict:
+    from tqdm import tqdm
+
+    # tqdm's default lock holds a multiprocessing semaphore, which a rank (it leaves with
+    # os._exit) would leak; a thread lock serves the one process
+    tqdm.set_lock(threading.RLock())
     if torch.device(args.device).type == "cuda":
         args.device = f"cuda:{rank}"
     return demo(args, rank=rank, world_size=world_size, group=group)

@@ -85,6 +85,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         lists, strings): they travel back through a pipe. A rank that raises makes `launch`
         raise RuntimeError with that rank's traceback (the first rank to fail: the others then
         fail in their collectives) and the other ranks are ended.
+
+    A rank leaves with `os._exit` once its result is sent, without the interpreter's teardown:
+    a multiprocessing lock or semaphore that `fn` makes (tqdm's default lock, for one) is then
+    reported as leaked at exit; give such code a thread lock instead.
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")

@@ -299,6 +299,7 @@ def test_demo_tp_2(tmp_path):
          "--prompt-len", "8", "--decode-steps", "2", "--no-progress", "--json", str(out)],
         capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
+    assert "leaked" not in proc.stderr, proc.stderr  # no semaphore left behind by a rank
     printed = proc.stdout
     assert printed.count("mla demo: tiny") == 1  # rank 0 alone prints
     assert "tensor parallel over 2 ranks (2 heads a rank)" in printed
