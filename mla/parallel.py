@@ -85,6 +85,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         lists, strings): they travel back through a pipe. A rank that raises makes `launch`
         raise RuntimeError with that rank's traceback (the first rank to fail: the others then
         fail in their collectives) and the other ranks are ended.
+
+    A rank leaves with `os._exit` once its result is sent, without the interpreter's teardown:
+    a multiprocessing lock or semaphore that `fn` makes (tqdm's default lock, for one) is then
+    reported as leaked at exit; give such code a thread lock instead.
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -151,28 +155,3 @@ def _rank(rank: int, fn: Callable[..., Any], world_size: int, address: str, back
     queue.put((rank, True, value))
     os._exit(0)
 
-
-# ---- python -m mla demo --tp N --------------------------------------------------------------
-def demo(args: Any) -> dict:
-    """`python -m mla demo --tp N`: the demo on N ranks, each with 1/N of the heads.
-
-    Every rank builds the full weights from the same seed, keeps its shard and runs the same
-    prompts and decode steps; rank 0 prints the table and the error against the unsharded naive
-    tier. Returns rank 0's figures.
-    """
-    from .config import MLAConfig
-
-    heads = MLAConfig.from_preset(args.preset).num_heads
-    if args.tp < 1 or heads % args.tp:
-        raise SystemExit(f"--tp {args.tp}: the {heads} heads of {args.preset} do not split evenly "
-                         "over that many ranks")
-    backend = "nccl" if torch.device(args.device).type == "cuda" else "gloo"
-    return launch(_demo_rank, args.tp, args, backend=backend)[0]
-
-
-def _demo_rank(rank: int, world_size: int, group: Any, args: Any) -> dict:
-    from .__main__ import demo
-
-    if torch.device(args.device).type == "cuda":
-        args.device = f"cuda:{rank}"
-    return demo(args, rank=rank, world_size=world_size, group=group)

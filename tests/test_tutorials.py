@@ -6,7 +6,7 @@ committed so the docs site shows them. Executing them is nbmake's job, not this 
 `make test` runs `pytest --nbmake --nbmake-timeout=180` over testpaths that include tutorials/,
 so each notebook runs once, in memory, in tutorials/;
 tutorials/conftest.py fails one that takes 180 s or more in all or leaves a file behind. The
-checks here are static and take well under a second.
+checks here are static and take a second or two.
 """
 
 import re
@@ -63,3 +63,27 @@ def test_make_test_executes_each_notebook_once_with_nbmake():
     found = sorted(nb for path in options["testpaths"] for nb in (ROOT / path).rglob("*.ipynb")
                    if ".ipynb_checkpoints" not in nb.parts)
     assert found == NOTEBOOKS
+
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
+def test_table_of_contents_links_each_heading(notebook):
+    """On the docs site mkdocs-jupyter builds a notebook's table of contents from its markdown
+    with code spans cut out, and gives the rendered headings ids of the whole text: a heading
+    with a code span gets a table-of-contents link that goes nowhere."""
+    plugin = pytest.importorskip("mkdocs_jupyter.plugin")
+    pytest.importorskip("mkdocs_jupyter.convert")  # makes nbconvert's headings take its ids
+    from nbconvert.filters.markdown_mistune import markdown2html_mistune
+
+    def ids(items):
+        for item in items:
+            yield item.id
+            yield from ids(item.children)
+
+    toc, _ = plugin.get_nb_toc(str(notebook), 6)
+    cells = nbformat.read(notebook, as_version=4).cells
+    headings = [line for cell in cells if cell.cell_type == "markdown"
+                for line in cell.source.splitlines() if re.match(r"#{1,6} ", line)]
+    rendered = [re.search(r'<h[1-6][^>]* id="([^"]*)"', markdown2html_mistune(line)).group(1)
+                for line in headings]
+    assert headings and list(ids(toc)) == rendered, list(zip(headings, ids(toc), rendered))

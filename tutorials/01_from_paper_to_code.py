@@ -264,7 +264,7 @@ y_paged = paged(x.float(), paged.new_cache(b, 16))
 print(f"paged (float32)             vs naive: max |diff| = {float((y_paged - y).abs().max()):.1e}")
 
 # %% [markdown]
-# ## Against an outside reference: transformers' `DeepseekV3Attention`
+# ## Against an outside reference: transformers' DeepseekV3Attention
 #
 # HF's implementation is written independently of ours. We build it offline from our config
 # (`to_hf_dict` spells the fields as a `config.json` would; the MoE fields are required by the

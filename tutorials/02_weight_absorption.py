@@ -67,6 +67,7 @@ q_lat = torch.einsum("bshd,hdc->bshc", q_nope, w.W_UK)             # (b, 1, h, c
 rhs = torch.einsum("bshc,btc->bsht", q_lat, kv_c)                  # (W_UK^T q_C) · c_KV
 print("q_lat", tuple(q_lat.shape), " scores", tuple(lhs.shape),
       f" max |lhs - rhs| = {float((lhs - rhs).abs().max()):.1e}")
+torch.testing.assert_close(rhs, lhs)  # float64: equal up to round-off (rtol, atol 1e-7)
 
 # %% [markdown]
 # ## Step 2: the rotary part cannot be absorbed, and does not need to be
@@ -83,6 +84,7 @@ scores_naive = (lhs + torch.einsum("bshr,btr->bsht", q_pe, k_pe)) * scale
 scores_absorbed = (rhs + torch.einsum("bshr,btr->bsht", q_pe, k_pe)) * scale
 p = torch.softmax(scores_absorbed, dim=-1)                         # (b, 1, h, t)
 print(f"max |scores_naive - scores_absorbed| = {float((scores_naive - scores_absorbed).abs().max()):.1e}")
+torch.testing.assert_close(scores_absorbed, scores_naive)
 
 # %% [markdown]
 # ## Step 3: absorb $W^{UV}$ into the output
@@ -99,6 +101,7 @@ o_lat = torch.einsum("bsht,btc->bshc", p, kv_c)                    # (b, 1, h, c
 o_absorbed = torch.einsum("bshc,hvc->bshv", o_lat, w.W_UV)
 print("o_lat", tuple(o_lat.shape), f" max |o_naive - W_UV·o_lat| = "
       f"{float((o_naive - o_absorbed).abs().max()):.1e}")
+torch.testing.assert_close(o_absorbed, o_naive)
 
 # %% [markdown]
 # What is left is **multi-query attention**: $h$ query heads of width $c + r$
@@ -110,9 +113,12 @@ print("o_lat", tuple(o_lat.shape), f" max |o_naive - W_UV·o_lat| = "
 visible = naive.causal_mask(positions[:, -1:], t)                  # (b, 1, t): all visible
 o_lat_lib = attend_absorbed(q_lat, q_pe, kv_c, k_pe, visible, scale)
 o_up_lib = naive.attend_up_projected(w, q_nope, q_pe, kv_c, k_pe, visible, scale)
+o_up_absorbed = torch.einsum("bshc,hvc->bshv", o_lat_lib, w.W_UV)
 print(f"attend_absorbed vs our o_lat: {float((o_lat_lib - o_lat).abs().max()):.1e};  "
       f"W_UV·attend_absorbed vs attend_up_projected: "
-      f"{float((torch.einsum('bshc,hvc->bshv', o_lat_lib, w.W_UV) - o_up_lib).abs().max()):.1e}")
+      f"{float((o_up_absorbed - o_up_lib).abs().max()):.1e}")
+torch.testing.assert_close(o_lat_lib, o_lat)
+torch.testing.assert_close(o_up_absorbed, o_up_lib)
 
 # %% [markdown]
 # ## Step 4: multiplying the factors out
@@ -127,8 +133,9 @@ absorbed_pre = mla.build(w, "absorbed", precompute=True)
 W_UQ_UK, W_UV_O = absorbed_pre.absorbed_products()
 print("W_UQ·W_UK", tuple(W_UQ_UK.shape), " (h, q, c)     W_UV·W_O", tuple(W_UV_O.shape),
       " (h, c, hidden)")
-print(f"c_Q · (W_UQ·W_UK) vs q_lat: "
-      f"{float((torch.einsum('bsq,hqc->bshc', c_q, W_UQ_UK) - q_lat).abs().max()):.1e}")
+q_lat_pre = torch.einsum("bsq,hqc->bshc", c_q, W_UQ_UK)
+print(f"c_Q · (W_UQ·W_UK) vs q_lat: {float((q_lat_pre - q_lat).abs().max()):.1e}")
+torch.testing.assert_close(q_lat_pre, q_lat)
 
 # %% [markdown]
 # Is that worth it? At DeepSeek-V3's sizes the products are larger than the factors they
@@ -149,6 +156,8 @@ v3 = mla.MLAConfig.from_preset("deepseek-v3")
 print(f"{'DeepSeek-V3, per layer':24s} {'values':>12s} {'FLOPs/token':>12s}")
 for name, values_, flops in factor_vs_product(v3):
     print(f"{name:24s} {values_ / 1e6:>10.1f} M {flops / 1e6:>10.1f} M")
+factors_q, product_q, factors_o, product_o = factor_vs_product(v3)
+assert product_q[1:] > factors_q[1:] and product_o[1:] > factors_o[1:]  # more values, FLOPs
 
 # %% [markdown]
 # ## The absorbed tier against the naive tier
@@ -174,6 +183,7 @@ for options in ({}, {"prefill": "absorbed"}, {"precompute": True},
     out = run(mla.build(w, "absorbed", **options), steps)
     print(f"absorbed {str(options):45s} vs naive: max |diff| = "
           f"{float((out - reference).abs().max()):.1e}")
+    torch.testing.assert_close(out, reference)
 
 # %% [markdown]
 # ## What absorption saves: FLOPs and bytes
@@ -220,6 +230,8 @@ for preset in ("deepseek-v2", "deepseek-v3", "deepseek-v2-lite"):
 decode = cost_rows("deepseek-v3", [("decode", 1, 4096)])[0]
 print(f"\nV3 decode at t=4096: {decode[6]:.0f}x fewer FLOPs and {decode[8] / decode[7]:.0f}x fewer "
       f"bytes absorbed")
+empty_cache_prefill = cost_rows("deepseek-v3", [("prefill", 4096, 4096)])[0]
+assert decode[6] > 1 > empty_cache_prefill[6]  # absorb the decode step, up-project this prefill
 
 # %% [markdown]
 # For a decode step absorption needs ~117x fewer FLOPs and moves ~140x fewer bytes (V3 sizes):
@@ -248,6 +260,9 @@ for name, values_ in crossover.items():
 limit = v2.kv_lora_rank * (v2.qk_nope_head_dim + v2.v_head_dim) / (
     2 * v2.kv_lora_rank - v2.qk_nope_head_dim - v2.v_head_dim)
 print(f"long-context limit c(d+v)/(2c-d-v) = {limit:.1f}")
+# h cancels: V2, V3 and V2-Lite share one curve, from 1 on an empty cache up to the limit
+assert crossover["deepseek-v2"] == crossover["deepseek-v3"] == crossover["deepseek-v2-lite"]
+assert crossover["deepseek-v2"][0] == 1 and max(crossover["deepseek-v2"]) == round(limit)
 
 # %% [markdown]
 # On an empty cache up-projection is cheaper at any length (crossover 1); as the context grows,
@@ -304,5 +319,7 @@ paged = mla.build(mla.MLAWeights(config, dtype=torch.float32, seed=0), "paged")
 print(f"paged tier, prefill={paged.prefill!r}: absorbed below {paged.prefill_crossover} new "
       f"tokens (measured); the FLOP model at C = 4096, V3 sizes: "
       f"{memory.prefill_crossover(mla.MLAConfig.from_preset('deepseek-v3'), 4096)}")
-print({S: paged.prefill_path(S, 4096) for S in (2, paged.prefill_crossover - 1,
-                                                 paged.prefill_crossover, 1024)})
+paths = {S: paged.prefill_path(S, 4096) for S in (2, paged.prefill_crossover - 1,
+                                                  paged.prefill_crossover, 1024)}
+print(paths)
+assert [paths[S] == "absorbed" for S in paths] == [S < paged.prefill_crossover for S in paths]

@@ -66,6 +66,8 @@ for preset in ("deepseek-v2", "deepseek-v3", "deepseek-v2-lite"):
               f"{kib(row['bytes_per_token']):>10s} {row['bytes_per_sequence'] / 2**30:>10.2f} "
               f"{row['bytes_per_token'] / mla_bytes:>6.1f}x")
     print()
+    elements = {row["scheme"]: row["elements_per_token_layer"] for row in rows}
+    assert elements["mla"] == 9 * 128 // 2 and elements["mha"] == 2 * cfg.num_heads * 128
 
 v2 = mla.MLAConfig.from_preset("deepseek-v2")
 print(f"MLA caches as much as GQA with {memory.mla_equivalent_gqa_groups(v2):g} groups "
@@ -73,6 +75,8 @@ print(f"MLA caches as much as GQA with {memory.mla_equivalent_gqa_groups(v2):g} 
 print(f"DeepSeek-V2 vs DeepSeek 67B: {memory.paper_kv_reduction_vs_67b():.1%} less KV cache with "
       f"V2's cache at ~6 bits an element (the paper's 93.3%), "
       f"{memory.paper_kv_reduction_vs_67b(16):.1%} with both in bf16")
+assert memory.mla_equivalent_gqa_groups(v2) == 2.25
+assert f"{memory.paper_kv_reduction_vs_67b():.1%}" == "93.3%"
 
 # %% [markdown]
 # ## KV cache per sequence, across context lengths
@@ -100,13 +104,17 @@ axes[0].set_ylabel("KV cache of one sequence (GB)")
 axes[1].legend(fontsize=8)
 fig.tight_layout()
 plt.show()
+# one 128k-token sequence at DeepSeek-V3 sizes: MHA's cache is past one H200, MLA's ~9 GB
+v3 = mla.MLAConfig.from_preset("deepseek-v3")
+gb = {row["scheme"]: row["bytes_per_sequence"] / 1e9
+      for row in memory.kv_cache_table(v3, 2**17, memory.NUM_LAYERS["deepseek-v3"])}
+assert gb["mha"] > 141 and 8.5 < gb["mla"] < 9.5
 
 # %% [markdown]
 # Or turned around: how many tokens of cache fit in a budget, say 100 GB left for the cache after
 # the weights (the weights of a 671B-parameter model span many GPUs; the point is the ratio).
 
 # %%
-v3 = mla.MLAConfig.from_preset("deepseek-v3")
 for row in memory.kv_cache_table(v3, 1, memory.NUM_LAYERS["deepseek-v3"], schemes=SCHEMES):
     print(f"{LABELS[row['scheme']]:30s} {100e9 / row['bytes_per_token']:>12,.0f} tokens in 100 GB")
 
@@ -172,13 +180,15 @@ def find_results():
     return None
 
 results_dir = find_results()
-results = {}
+results, invalid = {}, []
 if results_dir is not None:
     for path in sorted(results_dir.glob("*.json")):
         try:
             results[path.stem] = json.loads(path.read_text())
         except ValueError as err:
             print(f"{path.name}: not valid JSON ({err})")
+            invalid.append(path.name)
+assert not invalid, f"result files that are not JSON: {invalid}"
 if not results:
     print("No results committed yet: benchmarks/results/ holds no JSON. Run the benchmarks on a "
           "GPU (below) and execute this notebook again.")

@@ -1,0 +1,335 @@
+"""The command line: `python -m mla demo | memory | bench ...` (or `mla ...` once installed).
+
+    demo    a random-weight layer of a preset; ragged prompts, prefill then decode steps through
+            each tier; error against the naive tier, cache bytes per token, time per decode step;
+            --tp N splits the heads over N processes (mla.parallel)
+    memory  KV cache per token and per sequence for MHA, GQA-8, MQA and MLA, and the paper's claims
+    bench   the GPU benchmarks in benchmarks/ (decode, concat, layer, prefill, tp);
+            `bench WHICH --help` shows that benchmark's options
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import runpy
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from . import memory, parallel
+from .config import PRESETS, MLAConfig
+from .tiers import TIERS, build
+from .weights import MLAWeights
+
+# The dtypes every tier runs in: the paged tier's kernels take these three (not float64).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _table(header: list[str], rows: list[list], title: str | None = None) -> str:
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
+    out = [title] if title else []
+    out += [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    return "\n".join(out)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- demo ----------------------------------------------------------------------------------
+def demo(args: argparse.Namespace, *, rank: int = 0, world_size: int = 1, group=None) -> dict:
+    """The demo; under `--tp` (`demo_tp`) every rank runs it with its shard of the heads.
+
+    Rank 0 prints, and also runs the unsharded naive tier to measure the sharded tiers against.
+    """
+    from tqdm import tqdm
+
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    config = MLAConfig.from_preset(args.preset)
+    tiers = args.tiers.split(",")
+    for tier in tiers:
+        if tier not in TIERS:
+            raise SystemExit(f"--tiers: unknown tier {tier!r}; expected some of {list(TIERS)}")
+    if "naive" not in tiers:
+        tiers = ["naive", *tiers]  # the reference every other tier is measured against
+
+    weights = MLAWeights(config, dtype=dtype, device=device, seed=args.seed).requires_grad_(False)
+    shard = weights if world_size == 1 else weights.shard(rank, world_size)
+    layers = {tier: build(shard, tier, process_group=group) for tier in tiers}
+    if world_size > 1 and rank == 0:
+        layers["unsharded"] = build(weights, "naive")
+    max_len = args.prompt_len + args.decode_steps
+    caches = {tier: layer.new_cache(args.batch, max_len) for tier, layer in layers.items()}
+    gen = torch.Generator().manual_seed(args.seed)
+    # Ragged prompts: row i holds prompt_len·(1 - i/(2·batch)) tokens, right-padded.
+    lengths = torch.tensor([max(1, round(args.prompt_len * (1 - i / (2 * args.batch))))
+                            for i in range(args.batch)])
+    prompt = torch.randn(args.batch, args.prompt_len, config.hidden_size, generator=gen)
+    steps = [torch.randn(args.batch, 1, config.hidden_size, generator=gen)
+             for _ in range(args.decode_steps)]
+
+    errors = {tier: [] for tier in tiers}  # rel err against naive, one a call
+    tp_errors = []  # of the sharded tiers against the unsharded naive tier
+    decode_time = {tier: 0.0 for tier in tiers}
+    prefill_time = {tier: 0.0 for tier in tiers}
+
+    def run(tier, x, lens, cache=None):
+        _sync(device)
+        start = time.perf_counter()
+        y = layers[tier](x.to(device, dtype), caches[tier] if cache is None else cache, lens)
+        _sync(device)
+        return y.float(), time.perf_counter() - start
+
+    def compare(outputs, x, lens):
+        """Each tier's output against naive's and, under --tp, against the unsharded layer's."""
+        for tier in tiers:
+            errors[tier].append(_rel(outputs[tier], outputs["naive"]))
+        if "unsharded" in layers:
+            reference, _ = run("unsharded", x, lens)
+            tp_errors.extend(_rel(outputs[tier], reference) for tier in tiers)
+
+    total = len(tiers) * (2 + args.decode_steps)
+    with torch.inference_mode(), tqdm(total=total, desc="demo", leave=False,
+                                      disable=not args.progress or rank != 0) as bar:
+        # Warm-up: a tier's first prefill and first decode step compile its kernels (seconds on
+        # a first run), which is not what the table reports. One untimed prefill and step each,
+        # on a scratch cache; every rank makes the same calls, so the collectives match.
+        for tier in tiers:
+            scratch = layers[tier].new_cache(args.batch, max_len)
+            run(tier, prompt, lengths, scratch)
+            if steps:
+                run(tier, steps[0], None, scratch)
+            del scratch
+            bar.update()
+        outputs = {}
+        for tier in tiers:
+            outputs[tier], prefill_time[tier] = run(tier, prompt, lengths)
+            bar.update()
+        compare(outputs, prompt, lengths)
+        for x in steps:
+            step_out = {}
+            for tier in tiers:
+                step_out[tier], seconds = run(tier, x, None)
+                decode_time[tier] += seconds
+                bar.update()
+            compare(step_out, x, None)
+    tp_error = _worst(tp_errors) if tp_errors else 0.0
+
+    element = torch.tensor([], dtype=dtype).element_size()
+    mla_bytes = memory.cache_elements_per_token(config, "mla") * element
+    mha_bytes = memory.cache_elements_per_token(config, "mha") * element
+    rows = []
+    for tier in tiers:
+        per_step = decode_time[tier] / max(1, args.decode_steps)
+        rows.append(dict(tier=tier, max_rel_err_vs_naive=_worst(errors[tier]),
+                         kv_bytes_per_token_layer=mla_bytes, mha_bytes_per_token_layer=mha_bytes,
+                         prefill_ms=prefill_time[tier] * 1e3, decode_ms_per_step=per_step * 1e3))
+    result = dict(preset=args.preset, device=str(device), dtype=str(dtype).replace("torch.", ""),
+                  batch=args.batch, prompt_lengths=lengths.tolist(),
+                  decode_steps=args.decode_steps, tiers=rows)
+    if world_size > 1:
+        result.update(tp=world_size, tp_max_rel_err_vs_unsharded_naive=tp_error)
+    if rank != 0:
+        return result
+
+    print(f"mla demo: {args.preset} (hidden {config.hidden_size}, {config.num_heads} heads, "
+          f"latent {config.kv_lora_rank}+{config.qk_rope_head_dim}), {result['dtype']} on "
+          f"{device}, batch {args.batch}, prompts {lengths.tolist()}, "
+          f"{args.decode_steps} decode steps")
+    print(_table(
+        ["tier", "max rel err vs naive", "KV bytes/token/layer", "MHA would cache",
+         "prefill ms", "decode ms/step"],
+        [[r["tier"], f"{r['max_rel_err_vs_naive']:.2e}", r["kv_bytes_per_token_layer"],
+          r["mha_bytes_per_token_layer"], f"{r['prefill_ms']:.1f}",
+          f"{r['decode_ms_per_step']:.2f}"] for r in rows]))
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    # NaN < tolerance is False: an error of NaN never agrees
+    agree = all(r["max_rel_err_vs_naive"] < tolerance for r in rows)
+    print(f"tiers agree with naive within {tolerance:g}: {'yes' if agree else 'NO'}")
+    if world_size > 1:
+        tp_agree = tp_error < tolerance
+        print(f"tensor parallel over {world_size} ranks ({config.num_heads // world_size} heads "
+              f"a rank): max rel err of the sharded tiers vs the unsharded naive tier "
+              f"{tp_error:.2e} ({'within' if tp_agree else 'NOT within'} {tolerance:g})")
+        agree = agree and tp_agree
+    result["agree"] = agree
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if not agree and world_size == 1:
+        raise SystemExit(1)  # under --tp the launching process exits, once
+    return result
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _worst(errors: list[float]) -> float:
+    """The largest error, or NaN if any is NaN (`max(0.0, nan)` is 0.0: max drops a NaN)."""
+    return math.nan if any(math.isnan(e) for e in errors) else max(errors)
+
+
+def demo_tp(args: argparse.Namespace) -> dict:
+    """`demo --tp N`: the demo on N ranks (`mla.parallel.launch`), each with 1/N of the heads.
+
+    Every rank builds the full weights from the same seed, keeps its shard and runs the same
+    prompts and decode steps; rank 0 prints the table and the error against the unsharded naive
+    tier. Returns rank 0's figures.
+    """
+    heads = MLAConfig.from_preset(args.preset).num_heads
+    if heads % args.tp:
+        raise SystemExit(f"--tp {args.tp}: the {heads} heads of {args.preset} do not split evenly "
+                         "over that many ranks")
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda and torch.cuda.device_count() < args.tp:
+        raise SystemExit(f"--tp {args.tp} with --device cuda needs {args.tp} GPUs, one a rank; "
+                         f"{torch.cuda.device_count()} visible")
+    return parallel.launch(_demo_rank, args.tp, args, backend="nccl" if cuda else "gloo")[0]
+
+
+def _demo_rank(rank: int, world_size: int, group, args: argparse.Namespace) -> dict:
+    from tqdm import tqdm
+
+    # tqdm's default lock holds a multiprocessing semaphore, which a rank (it leaves with
+    # os._exit) would leak; a thread lock serves the one process
+    tqdm.set_lock(threading.RLock())
+    if torch.device(args.device).type == "cuda":
+        args.device = f"cuda:{rank}"
+    return demo(args, rank=rank, world_size=world_size, group=group)
+
+
+# ---- memory --------------------------------------------------------------------------------
+def memory_report(args: argparse.Namespace) -> None:
+    config = MLAConfig.from_preset(args.preset)
+    layers = memory.NUM_LAYERS[args.preset]
+    rows = memory.kv_cache_table(config, args.seq_len, layers)
+    mla_row = next(r for r in rows if r["scheme"] == "mla")
+    print(f"KV cache of {args.preset}: {layers} layers, {config.num_heads} heads, head dim "
+          f"{config.v_head_dim}, bf16, sequences of {args.seq_len} tokens")
+    print(_table(
+        ["scheme", "elements/token/layer", "KiB/token", "MiB/sequence", "vs MLA"],
+        [[r["scheme"], r["elements_per_token_layer"], f"{r['bytes_per_token'] / 1024:.1f}",
+          f"{r['bytes_per_sequence'] / 2**20:.1f}",
+          f"{r['bytes_per_token'] / mla_row['bytes_per_token']:.1f}x"] for r in rows]))
+    print(f"MLA caches as much as GQA with {memory.mla_equivalent_gqa_groups(config):g} groups "
+          f"(paper: 2.25 for V2)")
+    print(f"DeepSeek-V2 vs DeepSeek 67B KV cache: {memory.paper_kv_reduction_vs_67b():.1%} smaller "
+          f"with V2's cache at 6 bits an element (paper: 93.3%); "
+          f"{memory.paper_kv_reduction_vs_67b(16):.1%} with both in bf16")
+
+
+# ---- bench ---------------------------------------------------------------------------------
+BENCHES = ("decode", "concat", "layer", "prefill", "tp")
+GPU_ONLY = ("decode", "concat", "layer", "prefill")  # bench_tp.py also runs over gloo, and says
+                                                     # itself how many GPUs --device cuda needs
+
+
+def bench(which: str, options: list[str]) -> None:
+    """Run benchmarks/bench_WHICH.py with `options` as its command line."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / f"bench_{which}.py"
+    if not script.is_file():
+        raise SystemExit(f"{script} not found: run from a checkout of the repository")
+    wants_help = any(o in ("-h", "--help") for o in options)
+    if which in GPU_ONLY and not wants_help and not torch.cuda.is_available():
+        raise SystemExit(f"bench {which}: needs a CUDA GPU, and torch sees none")
+    argv = sys.argv
+    sys.argv = [str(script), *options]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = argv
+
+
+# ---- the command line ----------------------------------------------------------------------
+def _at_least(low: int):
+    """An argparse type: an int >= low (argparse names the option in its error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _device(text: str) -> str:
+    """An argparse type: cpu, cuda or cuda:N."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def _check_gpu(args: argparse.Namespace) -> None:
+    """`demo --device cuda[:N]` on a machine that has no such GPU: say so, before any work."""
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit(f"demo --device {args.device}: needs a CUDA GPU, and torch sees none "
+                         "(leave --device out to run on the CPU)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise SystemExit(f"demo --device {args.device}: {torch.cuda.device_count()} GPUs visible")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mla", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="run every tier on a random layer and compare")
+    p.add_argument("--preset", default="deepseek-v2-lite", choices=sorted(PRESETS))
+    p.add_argument("--tiers", default=",".join(TIERS), help="comma-separated, e.g. naive,absorbed")
+    p.add_argument("--batch", type=_at_least(1), default=4)
+    p.add_argument("--prompt-len", type=_at_least(1), default=48)
+    p.add_argument("--decode-steps", type=_at_least(0), default=8)
+    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="default float32 on the CPU, bfloat16 on a GPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the figures to this file")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--tp", type=_at_least(1), default=1,
+                   help="tensor parallel ranks, heads split over them (gloo on the CPU; with "
+                        "--device cuda NCCL, one GPU a rank)")
+
+    p = sub.add_parser("memory", help="KV cache per token and per sequence by attention scheme")
+    p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
+    p.add_argument("--seq-len", type=_at_least(1), default=32768)
+
+    p = sub.add_parser("bench", help="GPU benchmarks (benchmarks/bench_*.py)",
+                       description="Runs benchmarks/bench_WHICH.py with the options that follow; "
+                                   "`bench WHICH --help` lists them.")
+    p.add_argument("which", choices=BENCHES)
+    p.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
+
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        _check_gpu(args)
+        if args.tp > 1:
+            if not demo_tp(args)["agree"]:
+                raise SystemExit(1)
+        else:
+            demo(args)
+    elif args.command == "memory":
+        memory_report(args)
+    else:
+        bench(args.which, args.options)
+
