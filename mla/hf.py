@@ -56,7 +56,9 @@ MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 # The submodules of transformers' DeepseekV2/V3 attention that MLAWeights takes, by name.
 PROJECTIONS = ("q_a_proj", "q_a_layernorm", "q_b_proj", "q_proj", "kv_a_proj_with_mqa",
                "kv_a_layernorm", "kv_b_proj", "o_proj")
-_ROUND = 256  # cache capacities are whole multiples of this many tokens
+# Room a new or grown cache gives each row beyond what the call needs, in tokens; capacities
+# are whole multiples of it.
+HEADROOM = 256
 
 
 # ---- finding the attention modules ---------------------------------------------------------
@@ -405,7 +407,7 @@ class MLALayerCache(CacheLayerMixin):
         if self.attn.tier != "paged":
             return None
         n = self.attn.block_size
-        return sum(math.ceil((int(l) + _ROUND) / n) for l in lengths) or b
+        return sum(math.ceil((int(l) + HEADROOM) / n) for l in lengths) or b
 
     def _new(self, b: int, max_seq_len: int, num_blocks: int | None):
         if num_blocks is None:
@@ -439,10 +441,10 @@ class MLALayerCache(CacheLayerMixin):
 
 
 def _capacity(need: int, old: int = 0) -> int:
-    """Tokens a row of a new contiguous cache holds: room for `need`, at least 1.5x `old`, plus
-    headroom, in whole multiples of _ROUND."""
-    target = max(need + _ROUND, old * 3 // 2)
-    return math.ceil(target / _ROUND) * _ROUND
+    """Tokens a row of a new contiguous cache holds: `need` plus HEADROOM, at least 1.5x `old`,
+    rounded up to a whole multiple of HEADROOM."""
+    target = max(need + HEADROOM, old * 3 // 2)
+    return math.ceil(target / HEADROOM) * HEADROOM
 
 
 def _layer_cache(cache: Cache, owner: MLASelfAttention) -> MLALayerCache:
