@@ -525,3 +525,33 @@ def decode_step_costs(config: MLAConfig, t: int, bytes_per_element: int = 2) -> 
         "absorbed": dict(flops=absorbed_flops, transient_bytes=scores),
         "paged": dict(flops=absorbed_flops, transient_bytes=scores),
     }
+
+
+# ---- random models for demos and benchmarks ------------------------------------------------
+def random_model(config: MLAConfig, *, num_layers: int = 2, vocab_size: int = 1024,
+                 intermediate_size: int | None = None, moe: bool = True,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 attn_implementation: str = "eager", seed: int = 0) -> nn.Module:
+    """A transformers DeepseekV3ForCausalLM with `config`'s attention and random weights.
+
+    `moe=True` makes every layer after the first a small mixture of experts (4 routed, 2 a
+    token), as V3's layers are; `moe=False` keeps every MLP dense. transformers' own init
+    draws the weights (normal, std 0.02 scaled up to keep a small model's activations O(1)).
+    """
+    import transformers
+
+    fields = config.to_hf_dict()
+    intermediate = intermediate_size or 2 * config.hidden_size
+    fields.update(vocab_size=vocab_size, num_hidden_layers=num_layers,
+                  num_key_value_heads=config.num_heads, intermediate_size=intermediate,
+                  moe_intermediate_size=max(1, intermediate // 4), n_routed_experts=4,
+                  num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+                  first_k_dense_replace=1 if moe else num_layers,
+                  initializer_range=min(0.2, 1.0 / config.hidden_size ** 0.5),
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    hf_config = transformers.DeepseekV3Config(**fields)
+    hf_config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.DeepseekV3ForCausalLM(hf_config)
+    return model.to(dtype).eval()

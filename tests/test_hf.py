@@ -208,3 +208,20 @@ def test_mla_cache_holds_the_latent_only(reference):
     assert layer.latent.seq_lens.tolist() == [n + 2 for n in PROMPTS]
     assert cache.get_seq_length() == max(PROMPTS) + 2
     assert cache.latent_bytes() > 0
+
+
+def test_cli_generate_reports_every_tier_equal(tmp_path, capsys):
+    from mla.__main__ import main
+
+    out = tmp_path / "generate.json"
+    main(["generate", "--tiers", "naive,absorbed", "--batch", "2", "--prompt-len", "6",
+          "--max-new-tokens", "4", "--no-progress", "--json", str(out)])
+    assert "same tokens as transformers" in capsys.readouterr().out
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["implementation"] for r in rows] == ["transformers", "naive", "absorbed"]
+    assert all(r["same_tokens"] for r in rows)
+    # absorbed attention skips the up-projection: fewer FLOPs and transient bytes a step
+    assert rows[2]["decode_step_attention_gflops"] < rows[0]["decode_step_attention_gflops"]
+    assert rows[2]["decode_step_transient_mib"] < rows[1]["decode_step_transient_mib"]
