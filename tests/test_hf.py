@@ -6,6 +6,7 @@ eager attention; a batch of three left-padded prompts of different lengths.
 """
 
 import copy
+import json
 
 import pytest
 import torch
@@ -109,6 +110,8 @@ def test_sampled_generate_eos_and_calls_in_a_row(reference):
     fresh = generate(hf.swap_attention(copy.deepcopy(model), "absorbed"), other)
     assert torch.equal(second.sequences, fresh.sequences)
     assert torch.equal(generate(swapped, batch).sequences, ref.sequences)
+    # Chunked prefill: chunks of 4 tokens, some of them all padding for the shorter rows.
+    assert torch.equal(generate(swapped, batch, prefill_chunk_size=4).sequences, ref.sequences)
 
 
 def test_weights_are_shared_and_saved_under_transformers_names(reference, tmp_path):
@@ -217,11 +220,27 @@ def test_cli_generate_reports_every_tier_equal(tmp_path, capsys):
     main(["generate", "--tiers", "naive,absorbed", "--batch", "2", "--prompt-len", "6",
           "--max-new-tokens", "4", "--no-progress", "--json", str(out)])
     assert "same tokens as transformers" in capsys.readouterr().out
-    import json
-
     rows = json.loads(out.read_text())["rows"]
     assert [r["implementation"] for r in rows] == ["transformers", "naive", "absorbed"]
     assert all(r["same_tokens"] for r in rows)
     # absorbed attention skips the up-projection: fewer FLOPs and transient bytes a step
     assert rows[2]["decode_step_attention_gflops"] < rows[0]["decode_step_attention_gflops"]
     assert rows[2]["decode_step_transient_mib"] < rows[1]["decode_step_transient_mib"]
+
+
+def test_bench_generate_memory_model():
+    bench = pytest.importorskip("benchmarks.bench_generate")
+    v3 = mla.MLAConfig.from_preset("deepseek-v3")
+    t = 32768
+    per = {k: bench.per_sequence_bytes(v3, k, t, num_layers=2) for k in bench.CONTENDERS}
+    # Every contender caches the latent: 576 bf16 values a token a layer.
+    assert per["absorbed"]["cache"] == 2 * t * 576 * 2
+    # transformers' up-projection alone is t·h·(d+v) bf16 values a layer: 2 GiB at 32k.
+    assert per["sdpa"]["transient"] > t * 128 * 256 * 2 == 2 * 2**30
+    assert per["paged"]["transient"] < per["absorbed"]["transient"] < per["sdpa"]["transient"]
+    budget, fixed = 120 * 2**30, 4 * 2**30
+    sizes = {k: bench.estimate_max_batch(v3, k, t, 2, budget, fixed, 32768)
+             for k in bench.CONTENDERS}
+    assert sizes["eager"] <= sizes["sdpa"] < sizes["absorbed"] <= sizes["paged"]
+    per_seq = per["paged"]["cache"] + per["paged"]["transient"] + 32768 * 4
+    assert sizes["paged"] == (budget - fixed) // per_seq
