@@ -91,7 +91,7 @@ def test_greedy_generate_matches_transformers(reference, tier, monkeypatch):
     assert len(set(ref.sequences[:, -NEW:].flatten().tolist())) > 5
 
 
-def test_sampled_generate_eos_and_calls_in_a_row(reference):
+def test_sampled_beams_eos_chunks_and_calls_in_a_row(reference):
     model, batch, ref = reference
     swapped = hf.swap_attention(copy.deepcopy(model), "absorbed")
     other = prompts(seed=7, lengths=[5, 9, 3])
@@ -110,6 +110,10 @@ def test_sampled_generate_eos_and_calls_in_a_row(reference):
     fresh = generate(hf.swap_attention(copy.deepcopy(model), "absorbed"), other)
     assert torch.equal(second.sequences, fresh.sequences)
     assert torch.equal(generate(swapped, batch).sequences, ref.sequences)
+    # Beam search reorders the cache's rows.
+    beams = [generate(m, batch, num_beams=2, max_new_tokens=6, output_logits=False)
+             for m in (model, swapped)]
+    assert torch.equal(beams[0].sequences, beams[1].sequences)
     # Chunked prefill: chunks of 4 tokens, some of them all padding for the shorter rows.
     assert torch.equal(generate(swapped, batch, prefill_chunk_size=4).sequences, ref.sequences)
 
