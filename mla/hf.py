@@ -80,7 +80,7 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
             + (f" with model_type {model_type!r}" if model_type else ""))
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not all(hasattr(l, "self_attn") for l in layers):
+    if not isinstance(layers, nn.ModuleList) or not all(hasattr(x, "self_attn") for x in layers):
         raise TypeError(f"model ({type(model).__name__}) has no decoder layers with self_attn; "
                         f"expected DeepseekV2/V3ForCausalLM or DeepseekV2/V3Model")
     return layers
@@ -190,6 +190,8 @@ class MLASelfAttention(nn.Module):
                 position_embeddings: Any = None, cache: Cache | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values: Cache | None = None,
                 **kwargs: Any) -> tuple[torch.Tensor, None]:
+        # position_embeddings (transformers' cos/sin) go unused: the tier computes the same RoPE
+        # from the config, at the positions it assigns (checked against position_ids below).
         x = hidden_states                                          # (b, s, hidden)
         b, s, _ = x.shape
         cache = cache if cache is not None else past_key_values
@@ -407,7 +409,7 @@ class MLALayerCache(CacheLayerMixin):
         if self.attn.tier != "paged":
             return None
         n = self.attn.block_size
-        return sum(math.ceil((int(l) + HEADROOM) / n) for l in lengths) or b
+        return sum(math.ceil((int(new) + HEADROOM) / n) for new in lengths) or b
 
     def _new(self, b: int, max_seq_len: int, num_blocks: int | None):
         if num_blocks is None:

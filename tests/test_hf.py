@@ -33,8 +33,10 @@ def tiny_model(version: int, seed: int = 0):
             type="yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=32.0,
             beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
         config, cls = transformers.DeepseekV3Config(**fields), transformers.DeepseekV3ForCausalLM
-    else:  # V2-Lite's shape: no query compression
-        fields.update(q_lora_rank=None)
+    else:  # V2-Lite's shape: no query compression, V2's YaRN mscale
+        fields.update(q_lora_rank=None, rope_scaling=dict(
+            type="yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=32.0,
+            beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707))
         config, cls = transformers.DeepseekV2Config(**fields), transformers.DeepseekV2ForCausalLM
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
