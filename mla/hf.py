@@ -225,7 +225,7 @@ def _shared_weights(config: MLAConfig, module: nn.Module) -> MLAWeights:
     device, so nothing is allocated or drawn, then given the real projections."""
     with torch.device("meta"):
         weights = MLAWeights(config)
-    for name, child in weights.named_children():
+    for name in dict(weights.named_children()):
         setattr(weights, name, getattr(module, name))
     return weights
 

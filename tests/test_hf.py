@@ -169,6 +169,14 @@ def test_bad_input_raises_and_leaves_the_model_unchanged(reference):
     with pytest.raises(ValueError, match="no mla tier swapped in"):
         hf.swap_back(model)
     _unchanged(model, before)
+    with pytest.raises(ValueError, match="MLACache.*needs a model with an mla tier"):
+        hf.MLACache(model)
+    if hasattr(model.config, "rope_interleave"):  # V3: RoPE over halves is not DeepSeek's
+        model.config.rope_interleave = False
+        with pytest.raises(ValueError, match="rope_interleave"):
+            hf.swap_attention(model, "naive")
+        model.config.rope_interleave = True
+        _unchanged(model, before)
 
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
