@@ -1,10 +1,13 @@
-"""The command line: `python -m mla demo | memory | bench ...` (or `mla ...` once installed).
+"""The command line: `python -m mla demo | memory | generate | bench ...` (or `mla ...` once installed).
 
     demo    a random-weight layer of a preset; ragged prompts, prefill then decode steps through
             each tier; error against the naive tier, cache bytes per token, time per decode step;
             --tp N splits the heads over N processes (mla.parallel)
     memory  KV cache per token and per sequence for MHA, GQA-8, MQA and MLA, and the paper's claims
-    bench   the GPU benchmarks in benchmarks/ (decode, concat, layer, prefill, tp);
+    generate  transformers' generate() on a small random DeepSeek-V3-shaped model (or --model DIR)
+            with its own attention and with each tier swapped in (mla.hf): same tokens?
+            tokens a second, attention FLOPs and transient memory of a decode step
+    bench   the GPU benchmarks in benchmarks/ (decode, concat, layer, prefill, tp, generate);
             `bench WHICH --help` shows that benchmark's options
 """
 
@@ -230,8 +233,96 @@ def memory_report(args: argparse.Namespace) -> None:
 
 
 # ---- bench ---------------------------------------------------------------------------------
-BENCHES = ("decode", "concat", "layer", "prefill", "tp")
-GPU_ONLY = ("decode", "concat", "layer", "prefill")  # bench_tp.py also runs over gloo, and says
+# ---- generate ------------------------------------------------------------------------------
+def generate_report(args: argparse.Namespace) -> dict:
+    """transformers' generate() with its own attention, then with each tier swapped in."""
+    import transformers
+    from tqdm import tqdm
+
+    from . import hf
+
+    tiers = args.tiers.split(",")
+    for tier in tiers:
+        if tier not in TIERS:
+            raise SystemExit(f"--tiers: unknown tier {tier!r}; expected some of {list(TIERS)}")
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.model:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=dtype, attn_implementation="eager").to(device).eval()
+        name = args.model
+    else:
+        model = hf.random_model(MLAConfig.from_preset("tiny"), num_layers=2, vocab_size=256,
+                                dtype=dtype, device=device, seed=args.seed)
+        name = "random DeepSeek-V3-shaped model (tiny preset attention, 2 layers, MoE)"
+    config = MLAConfig.from_hf(model.config)
+    num_layers = model.config.num_hidden_layers
+
+    # Ragged prompts, left-padded as transformers expects: row i holds
+    # prompt_len·(1 - i/(2·batch)) random tokens.
+    gen = torch.Generator().manual_seed(args.seed)
+    lengths = [max(1, round(args.prompt_len * (1 - i / (2 * args.batch))))
+               for i in range(args.batch)]
+    s = max(lengths)
+    ids = torch.randint(3, model.config.vocab_size, (args.batch, s), generator=gen)
+    mask = (torch.arange(s)[None, :] >= s - torch.tensor(lengths)[:, None]).long()
+    batch = dict(input_ids=ids.masked_fill(mask == 0, 0).to(device), attention_mask=mask.to(device))
+
+    class Progress(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            bar.update()
+            return scores
+
+    kinds = ["transformers", *tiers]
+    rows, reference = [], None
+    options = {"paged": {"num_kv_splits": 1}} if device.type == "cpu" else {}
+    with torch.inference_mode(), tqdm(total=len(kinds) * args.max_new_tokens, desc="generate",
+                                      leave=False, disable=not args.progress) as bar:
+        for kind in kinds:
+            if kind != "transformers":
+                hf.swap_attention(model, kind, **options.get(kind, {}))
+            _sync(device)
+            start = time.perf_counter()
+            out = model.generate(**batch, max_new_tokens=args.max_new_tokens, do_sample=False,
+                                 pad_token_id=0, logits_processor=[Progress()])
+            _sync(device)
+            seconds = time.perf_counter() - start
+            if kind != "transformers":
+                hf.swap_back(model)
+            if reference is None:
+                reference = out
+            final = [n + out.shape[1] - s for n in lengths]      # tokens a row at the end
+            costs = [hf.decode_step_costs(config, t, dtype.itemsize)[kind] for t in final]
+            rows.append(dict(
+                implementation=kind, same_tokens=bool(torch.equal(out, reference)),
+                tokens_per_s=args.batch * (out.shape[1] - s) / seconds,
+                decode_step_attention_gflops=num_layers * sum(c["flops"] for c in costs) / 1e9,
+                decode_step_transient_mib=max(c["transient_bytes"] for c in costs)
+                * args.batch / 2**20))
+    result = dict(model=name, device=str(device), dtype=str(dtype).replace("torch.", ""),
+                  prompt_lengths=lengths, max_new_tokens=args.max_new_tokens, rows=rows)
+    print(f"mla generate: {name}, {result['dtype']} on {device}, prompts {lengths} "
+          f"(left-padded), {args.max_new_tokens} new tokens, greedy")
+    print(_table(
+        ["attention", "same tokens as transformers", "tokens/s", "decode step GFLOPs",
+         "decode step transient MiB"],
+        [[r["implementation"], "yes" if r["same_tokens"] else "NO", f"{r['tokens_per_s']:.1f}",
+          f"{r['decode_step_attention_gflops']:.4g}", f"{r['decode_step_transient_mib']:.4g}"]
+         for r in rows]))
+    print("GFLOPs: attention beyond the shared projections, the whole batch, all layers, one "
+          "decode step at the final lengths; transient: the step's largest per-layer "
+          "intermediates (mla.hf.decode_step_costs)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if not all(r["same_tokens"] for r in rows):
+        raise SystemExit(1)
+    return result
+
+
+# ---- bench ---------------------------------------------------------------------------------
+BENCHES = ("decode", "concat", "layer", "prefill", "tp", "generate")
+GPU_ONLY = ("decode", "concat", "layer", "prefill", "generate")  # bench_tp.py also runs over gloo, and says
                                                      # itself how many GPUs --device cuda needs
 
 
@@ -278,15 +369,16 @@ def _device(text: str) -> str:
 
 
 def _check_gpu(args: argparse.Namespace) -> None:
-    """`demo --device cuda[:N]` on a machine that has no such GPU: say so, before any work."""
+    """`demo|generate --device cuda[:N]` on a machine without that GPU: say so, before any work."""
     device = torch.device(args.device)
     if device.type != "cuda":
         return
     if not torch.cuda.is_available():
-        raise SystemExit(f"demo --device {args.device}: needs a CUDA GPU, and torch sees none "
+        raise SystemExit(f"{args.command} --device {args.device}: needs a CUDA GPU, and torch sees none "
                          "(leave --device out to run on the CPU)")
     if device.index is not None and device.index >= torch.cuda.device_count():
-        raise SystemExit(f"demo --device {args.device}: {torch.cuda.device_count()} GPUs visible")
+        raise SystemExit(f"{args.command} --device {args.device}: "
+                         f"{torch.cuda.device_count()} GPUs visible")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -314,6 +406,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
     p.add_argument("--seq-len", type=_at_least(1), default=32768)
 
+    p = sub.add_parser("generate", help="transformers' generate() with each tier swapped in")
+    p.add_argument("--model", default=None, help="a save_pretrained directory of a DeepseekV2/V3 "
+                   "model (default: a small random DeepSeek-V3-shaped one)")
+    p.add_argument("--tiers", default=",".join(TIERS), help="comma-separated, e.g. absorbed,paged")
+    p.add_argument("--batch", type=_at_least(1), default=3)
+    p.add_argument("--prompt-len", type=_at_least(1), default=24)
+    p.add_argument("--max-new-tokens", type=_at_least(1), default=24)
+    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="default float32 on the CPU, bfloat16 on a GPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the figures to this file")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+
     p = sub.add_parser("bench", help="GPU benchmarks (benchmarks/bench_*.py)",
                        description="Runs benchmarks/bench_WHICH.py with the options that follow; "
                                    "`bench WHICH --help` lists them.")
@@ -330,6 +436,9 @@ def main(argv: list[str] | None = None) -> None:
             demo(args)
     elif args.command == "memory":
         memory_report(args)
+    elif args.command == "generate":
+        _check_gpu(args)
+        generate_report(args)
     else:
         bench(args.which, args.options)
 

@@ -1,10 +1,14 @@
 # ---
 # jupyter:
 #   jupytext:
+#     cell_metadata_filter: -all
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: kernelspec,jupytext
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -162,6 +166,65 @@ for context in (256, 1024, 4096, 16384):
 # trend is what to read). The measured speed-up stays below the attention-FLOPs
 # ratio because both tiers also pay the same projections (`q_proj`, `kv_a_proj_with_mqa`,
 # `o_proj`) and per-call overheads, which the ratio leaves out.
+
+# %% [markdown]
+# ## Inside a real model: transformers' generate() with a tier swapped in
+#
+# Hugging Face transformers runs DeepSeek-V2/V3 with an attention that caches the latent but
+# up-projects all of it every decode step, as the naive tier does. `mla.hf.swap_attention` puts
+# a tier in its place, built from each layer's own projections (no copy), and `generate()` runs
+# unchanged: same call, same tokens. A small random DeepSeek-V3-shaped model (the "tiny"
+# preset's attention, 2 layers, float32) and three prompts of different lengths, left-padded as
+# transformers wants them:
+
+# %%
+from mla import hf
+
+tiny = mla.MLAConfig.from_preset("tiny")
+model = hf.random_model(tiny, num_layers=2, vocab_size=256, seed=0)
+lengths = [24, 15, 7]
+gen = torch.Generator().manual_seed(0)
+ids = torch.randint(3, 256, (3, max(lengths)), generator=gen)
+mask = (torch.arange(max(lengths))[None, :]
+        >= max(lengths) - torch.tensor(lengths)[:, None]).long()
+batch = dict(input_ids=ids.masked_fill(mask == 0, 0), attention_mask=mask)
+
+generated = {}
+with torch.no_grad():
+    for kind in ("transformers", "naive", "absorbed", "paged"):
+        if kind != "transformers":
+            hf.swap_attention(model, kind)
+        start = time.perf_counter()
+        out = model.generate(**batch, max_new_tokens=16, do_sample=False, pad_token_id=0)
+        seconds = time.perf_counter() - start
+        if kind != "transformers":
+            hf.swap_back(model)
+        generated[kind] = out[:, max(lengths):]
+        same = torch.equal(generated[kind], generated["transformers"])
+        print(f"{kind:>12s}: same tokens as transformers: {'yes' if same else 'NO'}, "
+              f"{seconds:.2f} s")
+print("(on a CPU the paged tier's decode kernel runs in Triton's interpreter: slow by design)")
+
+# %% [markdown]
+# What each decode step costs at DeepSeek-V3's width, one layer, one sequence, as the context
+# grows (`mla.hf.decode_step_costs`: attention FLOPs beyond the shared projections, and the
+# intermediates the step holds). transformers' step makes the per-head keys and values of the
+# whole context again; the absorbed and paged tiers hold only the scores.
+
+# %%
+print(f"{'context':>8s} {'transformers GFLOPs':>20s} {'absorbed GFLOPs':>16s} "
+      f"{'transformers MiB':>17s} {'absorbed MiB':>13s}")
+for context in (4096, 32768, 131072):
+    costs = hf.decode_step_costs(v3, context)
+    up, ab = costs["transformers"], costs["absorbed"]
+    print(f"{context:>8d} {up['flops'] / 1e9:>20.1f} {ab['flops'] / 1e9:>16.2f} "
+          f"{up['transient_bytes'] / 2**20:>17.0f} {ab['transient_bytes'] / 2**20:>13.1f}")
+
+# %% [markdown]
+# `python -m mla generate` prints the same comparison for a model of your own
+# (`--model DIR`), and `python -m mla bench generate` measures it on a GPU at DeepSeek-V3's
+# width: tokens a second, peak memory, and the largest batch that fits at 32k tokens
+# (the "Use with transformers" page of the documentation has the details).
 
 # %% [markdown]
 # ## The GPU results
@@ -395,6 +458,7 @@ if not others:
 # python -m mla bench layer   --out /tmp/mla-gpu                # layer.json
 # python -m mla bench prefill --out /tmp/mla-gpu                # prefill.json
 # python -m mla bench tp      --out benchmarks/results --tp 2   # h200-tp.json, needs 2 GPUs
+# python -m mla bench generate --out /tmp/mla-gpu               # generate.json (mla.hf)
 # for f in concat layer prefill; do cp /tmp/mla-gpu/$f.json benchmarks/results/h200-$f.json; done
 # ```
 #
