@@ -218,7 +218,7 @@ def test_gpu_commands_exit_without_a_traceback():
 
 
 @pytest.mark.parametrize("which, option", [
-    ("decode", "--sweep"), ("concat", "--out"), ("layer", "--batches"), ("prefill", "--max-s"),
+    ("decode", "--shapes"), ("concat", "--out"), ("layer", "--batches"), ("prefill", "--shapes"),
     ("tp", "--context"),
 ])
 def test_bench_help_is_the_benchmarks_own(which, option, capsys):
