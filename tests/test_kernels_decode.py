@@ -24,8 +24,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GARBAGE_PAGES = (10**6, -7)  # what unused block-table entries hold
 
 
-def make_case(seq_lens, *, heads, c, r, block_size, dtype=torch.float32, device=DEVICE, spare_pages=3, seed=0):
-    """A paged cache holding len(seq_lens) sequences, pages shuffled, every unused value NaN."""
+def make_case(seq_lens, *, heads, c, r, block_size, dtype=torch.float32, device=DEVICE, spare_pages=3, seed=0,
+              s_q=None):
+    """A paged cache holding len(seq_lens) sequences, pages shuffled, every unused value NaN;
+    q (b, heads, c + r), or (b, s_q, heads, c + r) when s_q is given."""
     gen = torch.Generator().manual_seed(seed)
     b, d = len(seq_lens), c + r
     pages_needed = [math.ceil(n / block_size) for n in seq_lens]
@@ -43,7 +45,7 @@ def make_case(seq_lens, *, heads, c, r, block_size, dtype=torch.float32, device=
         rows = torch.randn(n, d, generator=gen)
         pos = torch.arange(n)
         kv_cache[blocks[pos // block_size], pos % block_size] = rows  # partial-page tails stay NaN
-    q = torch.randn(b, heads, d, generator=gen)
+    q = torch.randn(b, heads, d, generator=gen) if s_q is None else torch.randn(b, s_q, heads, d, generator=gen)
     return dict(
         q=q.to(dtype).to(device),
         kv_cache=kv_cache.to(dtype).to(device),
@@ -72,6 +74,19 @@ def assert_matches(out, lse, ref_out, ref_lse, seq_lens, tol):
         # lse is a log: compare absolutely, scaled by its size when it is large
         lse_err = (lse[~empty].double() - ref_lse[~empty].double()).abs() / ref_lse[~empty].abs().clamp_min(1.0)
         assert lse_err.max().item() < tol
+
+
+def rows_seen(seq_lens, s_q):
+    """(b, s_q): cached rows new token j of s_q sees, seq_len - (s_q - 1 - j), at least 0."""
+    return (seq_lens.cpu()[:, None] - (s_q - 1 - torch.arange(s_q))).clamp_min(0)
+
+
+def assert_tokens_match(out, lse, ref_out, ref_lse, seq_lens, s_q, tol):
+    """assert_matches for (b, s_q, h, ...) results: each (sequence, new token) a row of its own,
+    with the rows it sees as its length, so that a token that sees none must give (0, -inf)."""
+    assert out.shape[:2] == lse.shape[:2] == (len(seq_lens), s_q)
+    seen = rows_seen(seq_lens, s_q).flatten()
+    assert_matches(out.flatten(0, 1), lse.flatten(0, 1), ref_out.flatten(0, 1), ref_lse.flatten(0, 1), seen, tol)
 
 
 def run_both(case, **kwargs):
@@ -193,10 +208,11 @@ def test_every_output_element_written(monkeypatch):
             return torch.empty(*args, **kwargs).fill_(float("nan"))
 
     monkeypatch.setattr(decode, "torch", PoisonedTorch())
-    case = make_case([0, 1, 70, 33], heads=20, c=32, r=8, block_size=16, seed=6)
-    for splits in (1, 5):
-        out, lse = mla_decode(**case, num_kv_splits=splits)
-        assert not out.isnan().any() and not lse.isnan().any()
+    for s_q, heads in ((None, 20), (3, 3)):  # 3 new tokens: rows of 1 and 2 hold tokens that see nothing
+        case = make_case([0, 1, 70, 33, 2], heads=heads, c=32, r=8, block_size=16, seed=6, s_q=s_q)
+        for splits in (1, 5):
+            out, lse = mla_decode(**case, num_kv_splits=splits)
+            assert not out.isnan().any() and not lse.isnan().any()
 
 
 def test_inputs_unchanged():
@@ -217,6 +233,162 @@ def test_reference_is_dense_attention():
     out, lse = mla_decode_reference(**case)
     assert rel_err(out[0], expected) < 1e-6
     assert (lse[0].double() - torch.logsumexp(scores, -1)).abs().max().item() < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# Several new tokens a sequence: q (b, s_q, h, c + r), new token j sees seq_len - (s_q - 1 - j)
+# rows; s_q x h (token, head) rows packed into the kernel's tile of query rows
+# ---------------------------------------------------------------------------------------------
+
+
+def multi_token_lengths(s_q):
+    """Ragged lengths: empty, shorter than s_q (tokens that see nothing), s_q, several pages."""
+    return sorted({0, 1, max(0, s_q - 1), s_q, 130})
+
+
+# (s_q, heads, splits): every s_q from 1 to 8, every head count of the CPU tests, s_q x heads rows
+# from 1 to 160, so that a tile of rows holds several tokens, one token, or a token split across
+# tiles. The merge is one interpreted program a (sequence, row), so the cases of many rows run one
+# split (no merge) and the others three.
+MULTI_TOKEN_SHAPES = [
+    (1, 3, 3), (2, 1, 3), (2, 16, 3), (3, 20, 1), (4, 3, 3), (5, 1, 3), (6, 16, 1), (6, 3, 3), (7, 3, 3),
+    (8, 20, 1), (8, 1, 3),
+]
+
+
+@pytest.mark.parametrize("s_q, heads, splits", MULTI_TOKEN_SHAPES,
+                         ids=[f"sq{s}-h{h}-splits{n}" for s, h, n in MULTI_TOKEN_SHAPES])
+def test_multi_token_matches_reference(s_q, heads, splits):
+    case = make_case(multi_token_lengths(s_q), heads=heads, c=32, r=8, block_size=16, seed=20 + s_q, s_q=s_q)
+    ref_out, ref_lse = mla_decode_reference(**case)
+    assert ref_out.shape == (len(case["seq_lens"]), s_q, heads, 32) and ref_lse.shape == ref_out.shape[:3]
+    # with 3 splits a row's causal tail and its short tokens' ends fall in different splits
+    out, lse = mla_decode(**case, num_kv_splits=splits)
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape and lse.dtype == torch.float32
+    assert_tokens_match(out, lse, ref_out, ref_lse, case["seq_lens"], s_q, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("s_q, heads", [(2, 64), (8, 128)], ids=["sq2-h64", "sq8-h128"])
+def test_multi_token_many_heads(s_q, heads):
+    # 128 and 1024 rows: tiles of 64 rows, each holding a whole token or a part of one; one split
+    # (the merge is the same program for every row, tested above)
+    case = make_case([3, 70], heads=heads, c=32, r=16, block_size=16, seed=30 + s_q, s_q=s_q)
+    assert_tokens_match(*run_both(case, num_kv_splits=1), case["seq_lens"], s_q, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("s_q", [2, 5])
+def test_multi_token_fp16(s_q):
+    case = make_case(multi_token_lengths(s_q), heads=3, c=32, r=8, block_size=16, dtype=torch.float16,
+                     seed=40 + s_q, s_q=s_q)
+    assert_tokens_match(*run_both(case, num_kv_splits=3), case["seq_lens"], s_q, TOL[torch.float16])
+
+
+def test_multi_token_bf16_on_the_cpu():
+    case = make_case([0, 2, 40], heads=3, c=32, r=8, block_size=16, dtype=torch.bfloat16, seed=44, s_q=4)
+    out, lse, ref_out, ref_lse = run_both(case, num_kv_splits=2)
+    assert out.dtype == torch.bfloat16
+    assert_tokens_match(out.float(), lse, ref_out.float(), ref_lse, case["seq_lens"], 4, 1e-2)
+
+
+@pytest.mark.parametrize(
+    "block_size, heads, config",
+    [
+        (16, 1, {"BLOCK_N": 16}),  # page tiles; at length 35 the causal positions span two tiles
+        (16, 1, {"BLOCK_N": 16, "SPLIT_TAIL": False}),  # every tile masked
+        (5, 1, {"BLOCK_N": 16}),  # a tile spans pages: the block table read per token
+        (64, 1, {"BLOCK_N": 32, "HEAD_MAJOR": False}),
+        (16, 3, {"BLOCK_N": 16, "BLOCK_H": 16}),  # 8 x 3 = 24 rows in two tiles of 16
+    ],
+    ids=["page-tile", "all-masked", "per-token-pages", "batch-major", "rows-across-tiles"],
+)
+def test_multi_token_tiles_and_masks(block_size, heads, config):
+    # s_q = 8: the last 7 positions are causal. Lengths where they straddle a tile boundary (35),
+    # end on one (32), fill a tile's end (40), lie inside the first tile (9), or outnumber the
+    # cache (6: new tokens 0 and 1 see nothing)
+    case = make_case([35, 32, 40, 9, 6], heads=heads, c=32, r=8, block_size=block_size, seed=50, s_q=8)
+    for splits in (1, 3):
+        out = run_both(case, num_kv_splits=splits, _config=config)
+        assert_tokens_match(*out, case["seq_lens"], 8, TOL[torch.float32])
+
+
+def test_multi_token_peaky_softmax():
+    # scores in the hundreds, of both signs: the masked tiles' rows that see nothing of a split
+    # (all -inf) beside rows whose exponents overflow without the max subtracted
+    case = make_case([3, 50, 200], heads=3, c=32, r=8, block_size=16, seed=51, s_q=6)
+    case["softmax_scale"] = -20.0
+    assert_tokens_match(*run_both(case, num_kv_splits=4), case["seq_lens"], 6, TOL[torch.float32])
+
+
+def test_one_token_4d_is_3d():
+    # s_q = 1 as (b, 1, h, c + r) gives exactly the (b, h, c + r) results with a token dim
+    case = make_case([0, 1, 37, 200], heads=3, c=32, r=8, block_size=16, seed=52)
+    case4 = dict(case, q=case["q"].unsqueeze(1))
+    for splits in (None, 1, 3):
+        out3, lse3 = mla_decode(**case, num_kv_splits=splits)
+        out4, lse4 = mla_decode(**case4, num_kv_splits=splits)
+        assert out3.shape == (4, 3, 32) and lse3.shape == (4, 3)
+        assert out4.shape == (4, 1, 3, 32) and lse4.shape == (4, 1, 3)
+        assert torch.equal(out4[:, 0], out3) and torch.equal(lse4[:, 0], lse3)
+    ref3, ref4 = mla_decode_reference(**case), mla_decode_reference(**case4)
+    assert torch.equal(ref4[0][:, 0], ref3[0]) and torch.equal(ref4[1][:, 0], ref3[1])
+
+
+def test_multi_token_tokens_are_causal():
+    # new token j is the attention of the last s_q - j ... rows back: the same as a one-token
+    # call on the cache with the rows after it dropped, for every j
+    s_q = 4
+    case = make_case([3, 40, 90], heads=3, c=32, r=8, block_size=16, seed=53, s_q=s_q)
+    out, lse = mla_decode(**case, num_kv_splits=2)
+    for j in range(s_q):
+        shorter = (case["seq_lens"] - (s_q - 1 - j)).clamp_min(0).int()
+        out_j, lse_j = mla_decode(**dict(case, q=case["q"][:, j], seq_lens=shorter), num_kv_splits=2)
+        assert_matches(out[:, j], lse[:, j], out_j, lse_j, shorter, TOL[torch.float32])
+
+
+def test_reference_multi_token_is_dense_causal_attention():
+    # the reference, against a dense attention with the causal mask written by position: the new
+    # tokens sit at positions t - s_q .. t - 1, and a query sees the keys at its position or before
+    s_q, t = 5, 40
+    case = make_case([t], heads=3, c=32, r=8, block_size=16, seed=54, s_q=s_q)
+    q, kv, bt = case["q"].double(), case["kv_cache"].double(), case["block_table"]
+    latent = kv[bt[0, :3].long()].reshape(-1, 40)[:t]  # (t, c + r)
+    scores = torch.einsum("shd,td->sht", q[0], latent) * case["softmax_scale"]
+    query_pos = torch.arange(t - s_q, t)
+    visible = torch.arange(t)[None, :] <= query_pos[:, None]  # (s_q, t)
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    expected = torch.softmax(scores, -1) @ latent[:, :32]
+    out, lse = mla_decode_reference(**case)
+    assert rel_err(out[0], expected) < 1e-6
+    assert (lse[0].double() - torch.logsumexp(scores, -1)).abs().max().item() < 1e-5
+
+
+def test_multi_token_inputs_unchanged():
+    case = make_case([3, 120], heads=3, c=32, r=8, block_size=16, seed=55, s_q=3)
+    before = {k: v.clone() for k, v in case.items() if isinstance(v, torch.Tensor)}
+    mla_decode(**case, num_kv_splits=4)
+    for k, v in before.items():
+        torch.testing.assert_close(case[k], v, rtol=0, atol=0, equal_nan=True)
+
+
+def test_multi_token_bad_block_table_entry():
+    # s_q = 4, page 16, seq_len 17: new token 0 sees 14 rows (entry 0 only), the last token all 17
+    # (entries 0 and 1): entry 1 is read and checked; entry 2 is not read
+    args = make_case([5, 17], heads=3, c=32, r=8, block_size=16, seed=56, s_q=4)
+    args["block_table"][1, 1] = -1
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    for fn in (mla_decode, mla_decode_reference):
+        with pytest.raises(ValueError, match=r"block_table\[1, 1\] = -1 is not a block of kv_cache"):
+            fn(**args)
+    for k, v in before.items():
+        torch.testing.assert_close(args[k], v, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", ["cuda-sm80", "cuda-sm90"])
+def test_multi_token_cuda_backend_refused(backend):
+    # the CUDA stage-1 kernels take one new token a sequence: forcing one with s_q > 1 says so
+    args = make_case([5, 40], heads=3, c=32, r=8, block_size=16, seed=57, s_q=2)
+    with pytest.raises(ValueError, match=rf"_backend='{backend}' cannot run .*s_q = 2 new tokens"):
+        mla_decode(**args, _backend=backend)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,6 +438,12 @@ def _noncontiguous_last(t):
 BAD_INPUTS = {
     "q-2d": (lambda a: a.update(q=a["q"][:, 0]), ValueError, "q must be"),
     "q-float64": (lambda a: a.update(q=a["q"].double()), TypeError, "q must be bfloat16"),
+    "q-5d": (lambda a: a.update(q=a["q"][:, None, None]), ValueError, "q must be"),
+    "q-s_q-0": (lambda a: a.update(q=a["q"][:, None][:, :0]), ValueError, r"q's dim 1 \(s_q"),
+    "q-s_q-9": (lambda a: a.update(q=a["q"][:, None].expand(-1, 9, -1, -1)), ValueError,
+                r"must be in \[1, 8\], got 9"),
+    "q-rows-past-grid": (lambda a: a.update(q=a["q"].new_zeros(2, 8, 8192, 40)), ValueError,
+                         "at most 65535 query rows"),
     "q-int": (lambda a: a.update(q=a["q"].int()), TypeError, "q must be bfloat16"),
     "q-not-tensor": (lambda a: a.update(q=a["q"].tolist()), TypeError, "q must be a torch.Tensor"),
     "q-strided-last-dim": (lambda a: a.update(q=_noncontiguous_last(a["q"])), ValueError, "q's last dim"),
@@ -390,8 +568,9 @@ def test_bf16_matches_reference(num_kv_splits):
 V3 = dict(c=512, r=64, block_size=64)
 
 
-def _gpu_case(seq_lens, heads, seed=0, dtype=torch.bfloat16, block_size=V3["block_size"]):
-    """make_case's layout built on the GPU directly (the CPU build is slow at 32k-token lengths)."""
+def _gpu_case(seq_lens, heads, seed=0, dtype=torch.bfloat16, block_size=V3["block_size"], s_q=None):
+    """make_case's layout built on the GPU directly (the CPU build is slow at 32k-token lengths);
+    q (b, heads, c + r), or (b, s_q, heads, c + r) when s_q is given."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     c, r = V3["c"], V3["r"]
     b, d = len(seq_lens), c + r
@@ -409,7 +588,8 @@ def _gpu_case(seq_lens, heads, seed=0, dtype=torch.bfloat16, block_size=V3["bloc
         pos = torch.arange(n, device="cuda")
         rows = torch.randn(n, d, device="cuda", generator=gen).to(dtype)
         kv_cache[blocks[pos // block_size].long(), pos % block_size] = rows
-    q = torch.randn(b, heads, d, device="cuda", generator=gen).to(dtype)
+    q_shape = (b, heads, d) if s_q is None else (b, s_q, heads, d)
+    q = torch.randn(q_shape, device="cuda", generator=gen).to(dtype)
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     return dict(
         q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens, kv_lora_rank=c, softmax_scale=192**-0.5
@@ -547,6 +727,95 @@ def test_gpu_no_host_read_inside_a_graph_capture():
                 with torch.cuda.graph(torch.cuda.CUDAGraph()):
                     mla_decode(**case, **options)
     torch.cuda.current_stream().wait_stream(stream)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: several new tokens a sequence, bf16 at DeepSeek-V3's sizes; the Triton kernel runs them
+# ---------------------------------------------------------------------------------------------
+
+# lengths shorter than 8 new tokens (tokens that see nothing), around the tiles and pages, long
+MULTI_TOKEN_GPU_LENGTHS = [0, 1, 3, 7, 64, 65, 1000, 5000]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s_q", [1, 2, 4, 8])
+@pytest.mark.parametrize("heads", [1, 3, 16, 20, 64, 128])
+def test_gpu_multi_token_bf16_matches_reference(heads, s_q):
+    case = _gpu_case(MULTI_TOKEN_GPU_LENGTHS, heads, seed=heads + s_q, s_q=s_q)
+    ref_out, ref_lse = mla_decode_reference(**case, compute_dtype=torch.float32)
+    for splits in (None, 1, 5, 40):  # 40 splits: most splits of the short rows are empty
+        out, lse = mla_decode(**case, num_kv_splits=splits)
+        assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+        assert out.shape == (len(MULTI_TOKEN_GPU_LENGTHS), s_q, heads, 512) and lse.shape == out.shape[:3]
+        assert_tokens_match(out.float(), lse, ref_out.float(), ref_lse, case["seq_lens"], s_q, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_one_token_4d_is_3d(heads):
+    # s_q = 1 as (b, 1, h, c + r) runs the kernel the 3-d call runs (a CUDA one where it applies)
+    case = _gpu_case([70, 300, 0, 1000], heads, seed=9)
+    case4 = dict(case, q=case["q"].unsqueeze(1))
+    for splits in (None, 1, 3):
+        out3, lse3 = mla_decode(**case, num_kv_splits=splits)
+        out4, lse4 = mla_decode(**case4, num_kv_splits=splits)
+        assert out4.shape == (4, 1, heads, 512) and lse4.shape == (4, 1, heads)
+        torch.testing.assert_close(out4[:, 0], out3, rtol=0, atol=0)
+        torch.testing.assert_close(lse4[:, 0], lse3, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_multi_token_runs_on_triton(heads):
+    # the CUDA stage 1s take one new token: s_q > 1 picks Triton, s_q = 1 is judged as the 3-d q
+    from mla.kernels.backends import why_backend_cannot_run
+
+    case = _gpu_case([70, 300], heads, s_q=2)
+    args = (case["kv_cache"], case["block_table"], case["seq_lens"])
+    assert choose_decode_backend(case["q"], *args, kv_lora_rank=512) == "triton"
+    one = case["q"][:, :1]
+    assert choose_decode_backend(one, *args, kv_lora_rank=512) == choose_decode_backend(one[:, 0], *args,
+                                                                                        kv_lora_rank=512)
+    for backend in ("cuda-sm80", "cuda-sm90"):
+        assert "s_q = 2 new tokens" in why_backend_cannot_run(backend, case["q"], *args, 512)
+        assert why_backend_cannot_run(backend, one, *args, 512) == why_backend_cannot_run(backend, one[:, 0], *args,
+                                                                                          512)
+        with pytest.raises(ValueError, match=rf"_backend='{backend}' cannot run .*s_q = 2 new tokens"):
+            mla_decode(**case, _backend=backend)
+    out, lse = mla_decode(**case)
+    out_t, lse_t = mla_decode(**case, _backend="triton")
+    torch.testing.assert_close(out, out_t, rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse_t, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s_q", [2, 4, 8])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_multi_token_cuda_graph_capture(heads, s_q):
+    # with num_kv_splits given, a call of several new tokens captures too; replayed after q and
+    # seq_lens change in place, the graph computes the new step
+    case = _gpu_case([100, 3000, 0, 64, 5], heads=heads, seed=4, s_q=s_q)
+    expected = mla_decode(**case, num_kv_splits=4)  # also compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mla_decode(**case, num_kv_splits=4)
+        with torch.cuda.graph(graph):
+            out, lse = mla_decode(**case, num_kv_splits=4)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(lse, expected[1], rtol=0, atol=0)
+    # the next step: new queries, shorter lengths (pages already filled), one row below s_q
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    case["q"].copy_(torch.randn(case["q"].shape, device="cuda", generator=gen).to(case["q"].dtype))
+    case["seq_lens"].copy_(torch.tensor([97, 2999, 0, 1, 5], dtype=torch.int32, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out, ref_lse = mla_decode_reference(**case, compute_dtype=torch.float32)
+    assert_tokens_match(out.float(), lse, ref_out.float(), ref_lse, case["seq_lens"], s_q, 1e-2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 The three kernels compute the same split-KV stage 1 (``mla.kernels.triton_decode``) and write the
 same partials, which the Triton merge combines (with one split, each writes the answer itself):
 
-- ``"triton"``: ``mla/kernels/triton_decode.py``. Any heads, c, r, dtype and page size; on the
-  CPU it runs in Triton's interpreter.
+- ``"triton"``: ``mla/kernels/triton_decode.py``. Any heads, c, r, dtype and page size, and 1 to
+  8 new tokens a sequence (s_q); on the CPU it runs in Triton's interpreter.
 - ``"cuda-sm80"``: ``csrc/mla_decode_sm80.cu``, warp-level tensor-core instructions (sm_80 and
   later). Up to 16 heads (one GPU's share of 128 at tensor parallelism 8, the memory-bound
   case), c = 512, r = 64, bf16 / fp16, pages of a multiple of 32 rows. Its fragments are loaded
@@ -13,9 +13,13 @@ same partials, which the Triton merge combines (with one split, each writes the 
   Any heads, 64 a program (the compute-bound case), c = 512, r = 64, bf16 / fp16, pages of a
   multiple of 64 rows; one 64-token tile load serves both products.
 
+Both CUDA kernels take one new token a sequence (q of (b, h, c + r), or s_q = 1): a query of
+s_q > 1 new tokens (speculative decoding, multi-token prediction) always runs on ``"triton"``, and
+forcing a CUDA one for it is a ValueError.
+
 By default a GPU runs ``"cuda-sm80"`` for <= 16 heads and ``"cuda-sm90"`` for more where each
-applies (the extension is built, the GPU and the arguments fit), else ``"triton"``. The times of
-each on an H200 are in ``benchmarks/results/h200-decode.json``.
+applies (one new token, the extension is built, the GPU and the arguments fit), else
+``"triton"``. The times of each on an H200 are in ``benchmarks/results/h200-decode.json``.
 """
 
 from __future__ import annotations
@@ -50,7 +54,14 @@ def sm_count(device: torch.device | str) -> int:
 
 
 def why_backend_cannot_run(backend, q, kv_cache, block_table, seq_lens, kv_lora_rank) -> str | None:
-    """None if the CUDA stage 1 ``backend`` can run these (checked) arguments, else why not."""
+    """None if the CUDA stage 1 ``backend`` can run these (checked) arguments, else why not.
+
+    q is (b, h, c + r) or (b, s_q, h, c + r); the CUDA kernels run s_q = 1 only."""
+    if q.dim() == 4:
+        if q.shape[1] != 1:
+            return (f"q has s_q = {q.shape[1]} new tokens a sequence; the CUDA stage-1 kernels take "
+                    "one (s_q = 1), the Triton kernel (_backend='triton') takes 1 to 8")
+        q = q[:, 0]  # (b, h, c + r)
     b, h, d = q.shape
     sm90 = backend == "cuda-sm90"
     if q.device.type != "cuda":
@@ -108,6 +119,8 @@ def choose_decode_backend(
     run the arguments); None picks ``"cuda-sm80"`` for <= 16 heads and ``"cuda-sm90"`` for more
     where each applies, else ``"triton"`` (with one warning when only the missing extension
     stands in the way). ``tuned``: a Triton launch configuration was given, so Triton runs.
+    q is (b, h, c + r) or (b, s_q, h, c + r): s_q > 1 new tokens run on ``"triton"`` (the CUDA
+    kernels take one token a sequence; forcing one of them is a ValueError).
     """
     global _warned_cuda_fallback
     if backend is not None and backend not in DECODE_BACKENDS:
@@ -116,7 +129,7 @@ def choose_decode_backend(
         return "triton"
     if backend is not None and tuned:
         raise ValueError(f"mla_decode: _config tunes the Triton kernel; it cannot go with _backend={backend!r}")
-    kernel = backend or ("cuda-sm80" if q.shape[1] <= SM80_MAX_HEADS else "cuda-sm90")
+    kernel = backend or ("cuda-sm80" if q.shape[-2] <= SM80_MAX_HEADS else "cuda-sm90")
     why_not = why_backend_cannot_run(kernel, q, kv_cache, block_table, seq_lens, kv_lora_rank)
     if why_not is None:
         return kernel

@@ -2,12 +2,13 @@
 input checks and its split policy.
 
 ``mla_decode(q, kv_cache, block_table, seq_lens, ...)`` is multi-query attention of each
-sequence's one new token over its cached latent rows ``[kv_c | k_pe]`` (key = the whole row,
-value = its first c values), returning ``out`` (b, h, c) and ``lse`` (b, h). It checks its
+sequence's new tokens (one, or s_q of 1..8, causal among themselves) over its cached latent rows
+``[kv_c | k_pe]`` (key = the whole row, value = its first c values), returning ``out`` (b, h, c)
+and ``lse`` (b, h), or (b, s_q, h, c) and (b, s_q, h) for a query of s_q tokens. It checks its
 arguments, chooses the stage-1 kernel (``mla.kernels.backends``), the split count
 (``choose_num_kv_splits``) and the Triton launch parameters (``default_config``), and launches
 the kernels of ``mla.kernels.triton_decode`` (or a CUDA stage 1 and the Triton merge).
-``mla_decode_reference`` computes the same in plain torch, one sequence at a time.
+``mla_decode_reference`` computes the same in plain torch, one sequence and token at a time.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .backends import CUDA_TILES, choose_decode_backend, sm_count
 from .triton_decode import LOG2E, _mla_decode_merge_kernel, _mla_decode_split_kernel
 
 __all__ = [
+    "MAX_QUERY_TOKENS",
     "mla_decode",
     "mla_decode_reference",
     "choose_num_kv_splits",
@@ -30,8 +32,9 @@ __all__ = [
 ]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_QUERY_TOKENS = 8  # s_q: new tokens a sequence one call takes (speculative decoding, MTP)
 _MERGE_TILE = 4096  # partial-output values one merge program reads (splits x chunk of c)
-_MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z: sequences and splits
+_MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z: sequences, query rows of the merge, splits
 # an H100/H200 block's most shared memory; 3 stages of 64 x 576 bf16 tiles (216 KiB) fit
 _SHARED_MEMORY_BUDGET = 227 * 1024
 
@@ -54,24 +57,30 @@ def mla_decode(
     _config: dict | None = None,
     _backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLA decode attention over a paged latent cache (one new token per sequence).
+    """MLA decode attention over a paged latent cache (1 to 8 new tokens per sequence).
 
     Args:
-        q: (b, h, c + r), bfloat16 / float16 / float32: the absorbed query ``[q_nope · W_UK | q_pe]``
-            of each sequence's one new token; the last dim contiguous.
+        q: (b, h, c + r), or (b, s_q, h, c + r) with 1 <= s_q <= 8; bfloat16 / float16 /
+            float32: the absorbed query ``[q_nope · W_UK | q_pe]`` of each sequence's new
+            token(s); the last dim contiguous. With s_q new tokens the cache already holds all
+            of them, and new token j (0-based) attends causally: it sees the first
+            ``seq_len - (s_q - 1 - j)`` cached rows, so the last one sees all ``seq_len``
+            (FlashMLA's convention). A token that sees no row (``seq_len < s_q - j``) gets out 0
+            and lse -inf.
         kv_cache: (num_blocks >= 1, block_size, c + r), q's dtype: the paged cache of
             ``[kv_c | k_pe]`` rows. Key = the whole row, value = its first c values. Last dim
             contiguous.
         block_table: (b, max_blocks) int32: ``block_table[i, j]`` is the cache block holding
             tokens ``j*block_size ... (j+1)*block_size - 1`` of sequence i, in
             ``[0, num_blocks)``. Entries past ``ceil(seq_lens[i] / block_size)`` are never read.
-        seq_lens: (b,) int32: cached tokens of each sequence, the new one included; 0 means the
-            row sits this call out (out 0, lse -inf).
+        seq_lens: (b,) int32: cached tokens of each sequence, the new ones included; 0 means
+            the row sits this call out (out 0, lse -inf).
         kv_lora_rank: c; the rope dim is ``r = q.shape[-1] - c``.
         softmax_scale: multiplies q·k before the softmax.
         num_kv_splits: pieces each sequence is cut into. None: ``choose_num_kv_splits`` picks
-            from the batch, heads, ``max(seq_lens)`` and the SM count, which reads seq_lens on
-            the host (one sync). Give it to launch without a host sync (a CUDA graph).
+            from the batch, the query rows (s_q x h), ``max(seq_lens)`` and the SM count, which
+            reads seq_lens on the host (one sync). Give it to launch without a host sync (a
+            CUDA graph).
         check_block_table: whether seq_lens and the block-table entries a row reads are checked
             (a ValueError naming the row and entry; a read past the cache would return garbage
             or crash). The CPU always checks. On a GPU, True checks at the cost of one host sync
@@ -83,16 +92,27 @@ def mla_decode(
             ``mla.kernels.backends.DECODE_BACKENDS`` (a ValueError if it cannot run the arguments).
 
     Returns:
-        out: (b, h, c) in q's dtype, ``softmax(scores) @ value``.
-        lse: (b, h) float32, ``log(sum(exp(scores)))`` in natural log, -inf for an empty row.
+        out: (b, h, c), or (b, s_q, h, c) for a 4-d q, in q's dtype: ``softmax(scores) @ value``.
+        lse: (b, h), or (b, s_q, h), float32: ``log(sum(exp(scores)))`` in natural log, -inf for
+            a query that sees no row.
 
-    On the CPU the Triton kernel runs in its interpreter; bf16 there runs in float32 on copies of
-    q and the pages the rows use (the interpreter's bf16 dot is wrong), out cast back to bf16.
+    The Triton kernel runs every s_q, packing the s_q x h (token, head) pairs of a sequence into
+    its tile of query rows. The CUDA stage-1 kernels (``"cuda-sm80"``, ``"cuda-sm90"``) take one
+    new token only: s_q > 1 runs on Triton, and ``_backend`` forcing a CUDA one with s_q > 1 is
+    a ValueError. On the CPU the Triton kernel runs in its interpreter; bf16 there runs in
+    float32 on copies of q and the pages the rows use (the interpreter's bf16 dot is wrong), out
+    cast back to bf16.
     """
     _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scale, num_kv_splits)
     if check_block_table is not None and not isinstance(check_block_table, bool):
         raise TypeError(f"mla_decode: check_block_table must be True, False or None, got {check_block_table!r}")
-    b, h, d = q.shape
+    if q.dim() == 3:  # one new token a sequence: s_q = 1, without the token dim
+        out, lse = mla_decode(q.unsqueeze(1), kv_cache, block_table, seq_lens, kv_lora_rank=kv_lora_rank,
+                              softmax_scale=softmax_scale, num_kv_splits=num_kv_splits,
+                              check_block_table=check_block_table, _config=_config, _backend=_backend)
+        return out[:, 0], lse[:, 0]
+    b, s_q, h, d = q.shape
+    rows = s_q * h  # query rows a sequence: the (token, head) pairs a program's tile packs
     c, r = kv_lora_rank, d - kv_lora_rank
     block_size = kv_cache.shape[1]
     on_cpu = q.device.type == "cpu"
@@ -121,7 +141,8 @@ def mla_decode(
         return out.to(torch.bfloat16), lse
 
     config = _fit_shared_memory(
-        default_config(h), max(16, triton.next_power_of_2(c)), max(16, triton.next_power_of_2(r)), q.element_size()
+        default_config(rows), max(16, triton.next_power_of_2(c)), max(16, triton.next_power_of_2(r)),
+        q.element_size(),
     )
     if _config:
         unknown = set(_config) - set(config)
@@ -134,42 +155,46 @@ def mla_decode(
     block_h, block_n = CUDA_TILES.get(backend, (config["BLOCK_H"], config["BLOCK_N"]))
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(
-            b, h, max_seq_len, sm_count(q.device), block_h=block_h, block_n=block_n, one_wave=backend == "cuda-sm90"
+            b, rows, max_seq_len, sm_count(q.device), block_h=block_h, block_n=block_n,
+            one_wave=backend == "cuda-sm90",
         )
 
-    out = torch.empty((b, h, c), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h), dtype=torch.float32, device=q.device)
+    out = torch.empty((b, s_q, h, c), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, s_q, h), dtype=torch.float32, device=q.device)
     if b == 0 or h == 0:
         return out, lse
+    out_rows, lse_rows = out.view(b, rows, c), lse.view(b, rows)  # row = token * h + head
 
-    if backend != "triton":  # csrc/mla_decode_sm80.cu, csrc/mla_decode_sm90.cu
+    if backend != "triton":  # csrc/mla_decode_sm80.cu, csrc/mla_decode_sm90.cu; s_q = 1 here
         stage1 = torch.ops.mla.mla_decode_sm80 if backend == "cuda-sm80" else torch.ops.mla.mla_decode_sm90
         if num_kv_splits == 1:  # stage 1 writes the answer (out in q's dtype, lse); no merge
-            stage1(q, kv_cache, block_table, seq_lens, out.unsqueeze(2), lse.unsqueeze(2), float(softmax_scale), 1)
+            stage1(q[:, 0], kv_cache, block_table, seq_lens, out_rows.unsqueeze(2), lse_rows.unsqueeze(2),
+                   float(softmax_scale), 1)
             return out, lse
         part_out = torch.empty((b, h, num_kv_splits, c), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((b, h, num_kv_splits), dtype=torch.float32, device=q.device)
-        stage1(q, kv_cache, block_table, seq_lens, part_out, part_lse, float(softmax_scale), num_kv_splits)
-        _merge(part_out, part_lse, out, lse)
+        stage1(q[:, 0], kv_cache, block_table, seq_lens, part_out, part_lse, float(softmax_scale), num_kv_splits)
+        _merge(part_out, part_lse, out_rows, lse_rows)
         return out, lse
 
     if num_kv_splits == 1:  # stage 1 writes the answer; no workspace, no merge
-        part_out, part_lse = out, lse
-        part_out_strides = (out.stride(0), out.stride(1), 0)
-        part_lse_strides = (lse.stride(0), lse.stride(1), 0)
+        part_out, part_lse = out_rows, lse_rows
+        part_out_strides = (out_rows.stride(0), out_rows.stride(1), 0)
+        part_lse_strides = (lse_rows.stride(0), lse_rows.stride(1), 0)
     else:
-        part_out = torch.empty((b, h, num_kv_splits, c), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((b, h, num_kv_splits), dtype=torch.float32, device=q.device)
+        part_out = torch.empty((b, rows, num_kv_splits, c), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((b, rows, num_kv_splits), dtype=torch.float32, device=q.device)
         part_out_strides = part_out.stride()[:3]
         part_lse_strides = part_lse.stride()
 
     block_c, block_r = max(16, triton.next_power_of_2(c)), max(16, triton.next_power_of_2(r))
     head_major = bool(config["HEAD_MAJOR"])
-    grid = (triton.cdiv(h, block_h), b, num_kv_splits) if head_major else (b, triton.cdiv(h, block_h), num_kv_splits)
+    row_blocks = triton.cdiv(rows, block_h)
+    grid = (row_blocks, b, num_kv_splits) if head_major else (b, row_blocks, num_kv_splits)
     _mla_decode_split_kernel[grid](
         q, kv_cache, block_table, seq_lens, part_out, part_lse,
-        h, c, r, block_size, num_kv_splits, float(softmax_scale) * LOG2E,
-        q.stride(0), q.stride(1),
+        h, s_q, c, r, block_size, num_kv_splits, float(softmax_scale) * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0), block_table.stride(1),
         seq_lens.stride(0),
@@ -188,16 +213,17 @@ def mla_decode(
         num_stages=config["num_stages"],
     )
     if num_kv_splits > 1:
-        _merge(part_out, part_lse, out, lse)
+        _merge(part_out, part_lse, out_rows, lse_rows)
     return out, lse
 
 
 def _merge(part_out, part_lse, out, lse) -> None:
-    """Stage 2: out, lse <- the (b, h, splits, c) partials and (b, h, splits) log-sum-exps."""
-    b, h, num_kv_splits, c = part_out.shape
+    """Stage 2: out (b, rows, c), lse (b, rows) <- the (b, rows, splits, c) partials and
+    (b, rows, splits) log-sum-exps; a row is one (token, head) pair."""
+    b, rows, num_kv_splits, c = part_out.shape
     block_s = triton.next_power_of_2(num_kv_splits)
     merge_block_c = max(16, min(triton.next_power_of_2(c), _MERGE_TILE // block_s))  # <= 4096 partials a program
-    _mla_decode_merge_kernel[(b, h, triton.cdiv(c, merge_block_c))](
+    _mla_decode_merge_kernel[(b, rows, triton.cdiv(c, merge_block_c))](
         part_out, part_lse, out, lse,
         c, num_kv_splits,
         *part_out.stride()[:3],
@@ -224,7 +250,7 @@ def _decode_bf16_in_fp32(q, kv_cache, block_table, seq_lens, **options):
 
 
 # ---------------------------------------------------------------------------------------------
-# The reference: plain torch, one sequence at a time, in float64
+# The reference: plain torch, one sequence and new token at a time, in float64
 # ---------------------------------------------------------------------------------------------
 
 
@@ -241,29 +267,38 @@ def mla_decode_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``mla_decode``'s arguments and results, computed by gathering each sequence's pages.
 
-    Checks the same as ``mla_decode`` with ``check_block_table=True``. ``num_kv_splits`` is
+    q is (b, h, c + r) or (b, s_q, h, c + r); new token j of s_q attends to the first
+    ``seq_len - (s_q - 1 - j)`` cached rows, as in ``mla_decode``. Checks the same as
+    ``mla_decode`` with ``check_block_table=True``. ``num_kv_splits`` is
     accepted and ignored (splitting does not change the math). ``compute_dtype`` (float64 by
     default) is what the scores and softmax are computed in; tests of large shapes on a GPU may
     pass float32. Returns out in q's dtype and lse in float32, like the kernel.
     """
     _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scale, num_kv_splits)
-    b, h, d = q.shape
+    q_tokens = q if q.dim() == 4 else q.unsqueeze(1)  # (b, s_q, h, c + r)
+    b, s_q, h, d = q_tokens.shape
     c = kv_lora_rank
     block_size = kv_cache.shape[1]
     _check_seq_lens(seq_lens, block_table, kv_cache, check_block_table=True)
-    out = torch.zeros((b, h, c), dtype=compute_dtype, device=q.device)
-    lse = torch.full((b, h), float("-inf"), dtype=compute_dtype, device=q.device)
+    out = torch.zeros((b, s_q, h, c), dtype=compute_dtype, device=q.device)
+    lse = torch.full((b, s_q, h), float("-inf"), dtype=compute_dtype, device=q.device)
     for i, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
             continue
         pos = torch.arange(seq_len, device=q.device)
         pages = block_table[i, : triton.cdiv(seq_len, block_size)].long()
         latent = kv_cache[pages[pos // block_size], pos % block_size].to(compute_dtype)  # (t, c+r)
-        # scores_{ht} = scale * sum_d q_{hd} latent_{td}
-        scores = torch.einsum("hd,td->ht", q[i].to(compute_dtype), latent) * softmax_scale
-        lse[i] = torch.logsumexp(scores, dim=-1)
-        # out_{hc} = sum_t softmax(scores)_{ht} latent_{tc}
-        out[i] = torch.einsum("ht,tc->hc", torch.softmax(scores, dim=-1), latent[:, :c])
+        for j in range(s_q):
+            seen = seq_len - (s_q - 1 - j)  # new token j sees the cache up to its own row
+            if seen <= 0:
+                continue
+            # scores_{ht} = scale * sum_d q_{hd} latent_{td}, over the t < seen rows
+            scores = torch.einsum("hd,td->ht", q_tokens[i, j].to(compute_dtype), latent[:seen]) * softmax_scale
+            lse[i, j] = torch.logsumexp(scores, dim=-1)
+            # out_{hc} = sum_t softmax(scores)_{ht} latent_{tc}
+            out[i, j] = torch.einsum("ht,tc->hc", torch.softmax(scores, dim=-1), latent[:seen, :c])
+    if q.dim() == 3:
+        out, lse = out[:, 0], lse[:, 0]
     return out.to(q.dtype), lse.to(torch.float32)
 
 
@@ -275,7 +310,9 @@ def mla_decode_reference(
 def default_config(num_heads: int) -> dict:
     """The Triton stage-1 launch parameters used unless ``_config=`` overrides them.
 
-    ``BLOCK_H``: heads a program, the power of two >= ``num_heads`` between 16 (``tl.dot``'s
+    ``num_heads``: query rows a sequence, h, or s_q x h with s_q new tokens (the kernel packs
+    the (token, head) pairs into one tile of rows).
+    ``BLOCK_H``: query rows a program, the power of two >= ``num_heads`` between 16 (``tl.dot``'s
     smallest M) and 64 (a (BLOCK_H, c) fp32 accumulator fits in registers at c = 512).
     ``BLOCK_N``: tokens a step. ``num_warps``, ``num_stages``: as in ``triton.Config``.
     ``PAGE_TILE``: one block-table load a tile when the page size is a multiple of ``BLOCK_N``.
@@ -325,7 +362,8 @@ def choose_num_kv_splits(
 ) -> int:
     """How many pieces to cut each sequence into so that stage 1 fills the GPU.
 
-    Stage 1 runs ``P = batch * ceil(heads / block_h)`` programs per split. Small head blocks
+    ``heads``: query rows a sequence, h, or s_q x h with s_q new tokens (``mla_decode`` passes
+    that). Stage 1 runs ``P = batch * ceil(heads / block_h)`` programs per split. Small head blocks
     (``block_h < 64``: memory bound, several programs an SM) take the count nearest to
     ``programs_per_sm`` (2) x ``num_sms`` programs. 64-head blocks (compute bound, one program
     an SM) take 1 if ``P >= num_sms``, else the smallest count whose programs keep >= 90% of the
@@ -371,9 +409,17 @@ def _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scal
     for name, t in (("q", q), ("kv_cache", kv_cache), ("block_table", block_table), ("seq_lens", seq_lens)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"mla_decode: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if q.dim() != 3:
-        raise ValueError(f"mla_decode: q must be (batch, heads, c + r), got shape {tuple(q.shape)}")
-    b, h, d = q.shape
+    if q.dim() not in (3, 4):
+        raise ValueError(
+            f"mla_decode: q must be (batch, heads, c + r) or (batch, s_q, heads, c + r), got shape {tuple(q.shape)}"
+        )
+    if q.dim() == 4 and not 1 <= q.shape[1] <= MAX_QUERY_TOKENS:
+        raise ValueError(
+            f"mla_decode: q's dim 1 (s_q, new tokens a sequence) must be in [1, {MAX_QUERY_TOKENS}], "
+            f"got {q.shape[1]} (q's shape {tuple(q.shape)})"
+        )
+    b, h, d = q.shape[0], q.shape[-2], q.shape[-1]
+    rows = h * (q.shape[1] if q.dim() == 4 else 1)
     if q.dtype not in _DTYPES:
         raise TypeError(f"mla_decode: q must be bfloat16, float16 or float32, got {q.dtype}")
     if kv_cache.dim() != 3:
@@ -422,13 +468,20 @@ def _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scal
             raise TypeError(f"mla_decode: num_kv_splits must be an int or None, got {type(num_kv_splits).__name__}")
         if not 1 <= num_kv_splits <= _MAX_GRID_YZ:
             raise ValueError(f"mla_decode: num_kv_splits must be in [1, {_MAX_GRID_YZ}], got {num_kv_splits}")
-    if q.dim() == 3 and q.shape[0] > _MAX_GRID_YZ:
-        raise ValueError(f"mla_decode: at most {_MAX_GRID_YZ} sequences a call (q's batch is {q.shape[0]})")
+    if b > _MAX_GRID_YZ:
+        raise ValueError(f"mla_decode: at most {_MAX_GRID_YZ} sequences a call (q's batch is {b})")
+    if rows > _MAX_GRID_YZ:
+        raise ValueError(
+            f"mla_decode: at most {_MAX_GRID_YZ} query rows (s_q x heads) a sequence, q has {rows} "
+            f"(shape {tuple(q.shape)})"
+        )
 
 
 def _check_seq_lens(seq_lens, block_table, kv_cache, *, check_block_table: bool) -> int:
     """Check seq_lens' values against the block table's width, and with ``check_block_table``
-    every block-table entry a row reads against the cache; return max(seq_lens). One host sync
+    every block-table entry a row reads against the cache (the entries of its first seq_len
+    tokens, which its last new token reads, and with them every earlier token's); return
+    max(seq_lens). One host sync
     (a second one only to name a bad entry); read-only."""
     if seq_lens.numel() == 0:
         return 0

@@ -8,12 +8,20 @@ whole row and the value is its first c values. One decode step of one sequence, 
     out[h]       = sum_t softmax(scores[h])[t] * kv_c[t]                         (b, h, c)
     lse[h]       = log sum_t exp(scores[h, t])                                   (b, h)
 
+With s_q new tokens a sequence (speculative decoding, multi-token prediction) the cache already
+holds all of them, and new token j attends causally: it sees the first
+``seq_len - (s_q - 1 - j)`` cached rows (the last token sees them all). The kernel treats the
+s_q x h (token, head) pairs as s_q x h query rows of the same multi-query attention, each with
+its own number of rows it sees; one new token (s_q = 1) is the case above.
+
 Goals, in the order they shape the code:
 
 1. Read the cache once. Decode is memory bound at few heads (16 a GPU under tensor parallelism)
-   and compute bound at many (128), so a program takes up to 64 heads (``BLOCK_H``) and reads
-   each latent tile once for all of them, and the value is the nope part of that same tile: no
-   second load. Heads past ``h`` (h = 1, 3, 20, ...) are padding rows, masked.
+   and compute bound at many (128), so a program takes up to 64 query rows (``BLOCK_H``) and
+   reads each latent tile once for all of them, and the value is the nope part of that same
+   tile: no second load. The rows are (token, head) pairs, token-major, so s_q new tokens share
+   each tile load too and fill the tile at few heads. Rows past s_q x h (h = 1, 3, 20, ...) are
+   padding, masked.
 2. Fill the GPU when the batch is small. The sequence is cut into ``num_splits`` pieces, each
    its own program (split-KV, "flash decoding"); a second, small kernel merges the pieces by
    log-sum-exp. With one split, stage 1 writes the result directly and no merge runs.
@@ -26,21 +34,27 @@ Goals, in the order they shape the code:
    elements work. The entries inside ``seq_len`` are trusted: ``mla_decode`` checks them.
 4. fp32 softmax statistics and accumulators whatever the input dtype (bf16, fp16, fp32).
 
-Blocked pseudo-code of stage 1, one program per (sequence i, head block, split):
+Blocked pseudo-code of stage 1, one program per (sequence i, block of query rows, split); the
+query row at index j * h + k is new token j's head k, and sees ``row_len = seq_len - (s_q - 1 -
+j)`` cached rows:
 
-    q_nope, q_pe = q[i, heads, :c], q[i, heads, c:]                  (BLOCK_H, c), (BLOCK_H, r)
+    q_nope, q_pe = q[i, rows, :c], q[i, rows, c:]                    (BLOCK_H, c), (BLOCK_H, r)
     m, l, acc = -inf, 0, 0                                           (BLOCK_H,), (BLOCK_H, c)
     for each tile of BLOCK_N positions n in this split:
         page, row = block_table[i, n // page_size], n % page_size
         kv_nope, kv_pe = cache[page, row, :c], cache[page, row, c:]  (BLOCK_N, c), (BLOCK_N, r)
         s = (q_nope @ kv_nope^T + q_pe @ kv_pe^T) * scale            (BLOCK_H, BLOCK_N)
+        s = -inf where n >= row_len                                  (causal among new tokens)
         m_new = max(m, rowmax(s));  p = exp(s - m_new)
         l   = l * exp(m - m_new) + rowsum(p)
         acc = acc * exp(m - m_new) + p @ kv_nope                     (value = the nope part)
         m = m_new
     partial_out = acc / l ;  partial_lse = m + log(l)                (-inf for an empty split)
 
-Stage 2, one program per (sequence, head, chunk of c)::
+Only the split's last tiles can hold positions some row does not see (the causal limits differ
+from ``seq_len`` by at most s_q - 1), so the tiles before them run without masks.
+
+Stage 2, one program per (sequence, query row, chunk of c)::
 
     lse = logsumexp_s(partial_lse[s]);  out = sum_s exp(partial_lse[s] - lse) * partial_out[s]
 
@@ -65,16 +79,21 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e)); the launcher 
 @triton.jit
 def _mla_decode_tile(
     q_nope, q_pe, m_i, l_i, acc,
-    kv_ptr, block_table_row, start_n, split_end,
+    kv_ptr, block_table_row, start_n, split_end, row_end,
     kv_lora_rank, rope_dim, page_size, scale_log2,
     stride_kvp, stride_kvn, stride_btp,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PAGE_TILE: tl.constexpr,  # page_size % BLOCK_N == 0: the tile lies inside one page
-    MASK_N: tl.constexpr,  # the split's last, partial tile: tokens past split_end are masked
+    MASK_N: tl.constexpr,  # a tile of the split's tail: tokens past split_end, and past each
+    # query row's own end row_end (BLOCK_H,), are masked
     EXACT: tl.constexpr,  # c == BLOCK_C and r == BLOCK_R: no column masks
 ):
-    """One BLOCK_N-token step of the online softmax; returns the new (m_i, l_i, acc)."""
+    """One BLOCK_N-token step of the online softmax; returns the new (m_i, l_i, acc).
+
+    ``row_end`` (BLOCK_H,): the position each query row stops at, ``min(its row_len,
+    split_end)``; read only when ``MASK_N``.
+    """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_c = tl.arange(0, BLOCK_C)
     offs_r = tl.arange(0, BLOCK_R)
@@ -113,18 +132,25 @@ def _mla_decode_tile(
         kv_nope = tl.load(kv_rows + offs_c[None, :], mask=(offs_c < kv_lora_rank)[None, :], other=0.0)
         kv_pe = tl.load(kv_rows + kv_lora_rank + offs_r[None, :], mask=(offs_r < rope_dim)[None, :], other=0.0)
 
-    # ---- scores, (BLOCK_H, BLOCK_N), in log2 units; tokens past the split are -inf
+    # ---- scores, (BLOCK_H, BLOCK_N), in log2 units; positions a row does not see are -inf
     s = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PRECISION)
     s = tl.dot(q_pe, tl.trans(kv_pe), s, input_precision=DOT_PRECISION)
     if MASK_N:
-        s = tl.where(mask_n[None, :], s * scale_log2, float("-inf"))
+        s = tl.where(offs_n[None, :] < row_end[:, None], s * scale_log2, float("-inf"))
     else:
         s = s * scale_log2
 
-    # ---- online softmax update; every tile holds >= 1 real token, so m_new is finite
+    # ---- online softmax update. An unmasked tile is seen whole by every row, so m_new is
+    # finite; in a masked one a row whose end lies at or before the split's start has seen
+    # nothing (m_new = -inf), and its exponents are taken against 0 instead: p = 0 and
+    # alpha = 0 rather than the NaN of exp2(-inf - -inf)
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if MASK_N:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
@@ -133,39 +159,40 @@ def _mla_decode_tile(
 @triton.jit
 def _mla_decode_split_kernel(
     # pointers
-    q_ptr,  # (b, h, c + r)
+    q_ptr,  # (b, s_q, h, c + r)
     kv_ptr,  # (num_pages, page_size, c + r)
     block_table_ptr,  # (b, max_pages) int32
     seq_lens_ptr,  # (b,) int32
-    part_out_ptr,  # (b, h, splits, c) fp32 workspace, or out (b, h, c) when splits == 1
-    part_lse_ptr,  # (b, h, splits) fp32 workspace, or lse (b, h) when splits == 1
+    part_out_ptr,  # (b, s_q * h, splits, c) fp32 workspace, or out (b, s_q * h, c) when splits == 1
+    part_lse_ptr,  # (b, s_q * h, splits) fp32 workspace, or lse (b, s_q * h) when splits == 1
     # sizes
-    num_heads,
+    num_heads,  # h
+    num_q_tokens,  # s_q, new tokens a sequence
     kv_lora_rank,  # c
     rope_dim,  # r
     page_size,
     num_splits,
     scale_log2,  # softmax_scale * log2(e)
     # strides
-    stride_qb, stride_qh,
+    stride_qb, stride_qs, stride_qh,
     stride_kvp, stride_kvn,  # page, token within the page (the last dim is contiguous)
     stride_btb, stride_btp,
     stride_slb,
-    stride_ob, stride_oh, stride_os,
-    stride_lb, stride_lh, stride_ls,
+    stride_ob, stride_om, stride_os,  # sequence, query row (token-major (token, head)), split
+    stride_lb, stride_lm, stride_ls,
     # meta-parameters
-    BLOCK_H: tl.constexpr,  # heads a program
+    BLOCK_H: tl.constexpr,  # query rows a program: (token, head) pairs
     BLOCK_N: tl.constexpr,  # tokens a step
     BLOCK_C: tl.constexpr,  # next_power_of_2(c)
     BLOCK_R: tl.constexpr,  # next_power_of_2(r), at least 16 (tl.dot's smallest K)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32 rounding), else "tf32"
     PAGE_TILE: tl.constexpr,  # page_size % BLOCK_N == 0: one block-table load a tile
     EXACT: tl.constexpr,  # c == BLOCK_C and r == BLOCK_R
-    HEAD_MAJOR: tl.constexpr,  # grid (head blocks, b, splits) rather than (b, head blocks, splits)
-    SPLIT_TAIL: tl.constexpr,  # whole tiles unmasked, then the partial one; else every tile masked
+    HEAD_MAJOR: tl.constexpr,  # grid (row blocks, b, splits) rather than (b, row blocks, splits)
+    SPLIT_TAIL: tl.constexpr,  # whole tiles unmasked, then the tail; else every tile masked
 ):
-    # head blocks vary fastest (HEAD_MAJOR), so the programs that share a sequence's cache run
-    # side by side and the second head block finds the tiles in L2
+    # row blocks vary fastest (HEAD_MAJOR), so the programs that share a sequence's cache run
+    # side by side and the second row block finds the tiles in L2
     if HEAD_MAJOR:
         pid_h = tl.program_id(0)
         pid_b = tl.program_id(1)
@@ -174,24 +201,34 @@ def _mla_decode_split_kernel(
         pid_h = tl.program_id(1)
     pid_s = tl.program_id(2)
 
-    # ---- this split's token range: whole BLOCK_N tiles, the last split may be short or empty
+    # ---- the program's query rows: index j * h + k is new token j's head k; new token j of s_q
+    # sees the first seq_len - (s_q - 1 - j) cached rows (row_len; <= 0: none)
+    offs_m = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    token = offs_m // num_heads
+    head = offs_m % num_heads
+    mask_m = offs_m < num_q_tokens * num_heads
     seq_len = tl.load(seq_lens_ptr + pid_b * stride_slb)
+    row_len = seq_len - (num_q_tokens - 1 - token)  # (BLOCK_H,)
+
+    # ---- this split's token range: whole BLOCK_N tiles, the last split may be short or empty.
+    # Every row sees the positions before seq_len - (s_q - 1): the whole tiles below that run
+    # unmasked, the rest of the split (at most two tiles more) runs masked
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
     split_start = pid_s * tiles_per_split * BLOCK_N
     split_end = tl.maximum(tl.minimum(split_start + tiles_per_split * BLOCK_N, seq_len), split_start)
-    full_end = split_start + ((split_end - split_start) // BLOCK_N) * BLOCK_N  # end of whole tiles
+    seen_by_all = tl.maximum(tl.minimum(split_end, seq_len - (num_q_tokens - 1)), split_start)
+    full_end = split_start + ((seen_by_all - split_start) // BLOCK_N) * BLOCK_N  # end of whole tiles
+    row_end = tl.minimum(row_len, split_end)  # (BLOCK_H,) where each row stops in this split
 
-    # ---- the query of BLOCK_H heads, as its nope (latent) part and its rope part
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    # ---- the query of BLOCK_H rows, as its nope (latent) part and its rope part
     offs_c = tl.arange(0, BLOCK_C)
     offs_r = tl.arange(0, BLOCK_R)
-    mask_h = offs_h < num_heads
     mask_c = offs_c < kv_lora_rank
     mask_r = offs_r < rope_dim
-    q_rows = q_ptr + pid_b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
-    q_nope = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+    q_rows = q_ptr + pid_b.to(tl.int64) * stride_qb + token[:, None] * stride_qs + head[:, None] * stride_qh
+    q_nope = tl.load(q_rows + offs_c[None, :], mask=mask_m[:, None] & mask_c[None, :], other=0.0)
     q_pe = tl.load(
-        q_rows + kv_lora_rank + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0
+        q_rows + kv_lora_rank + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0
     )
 
     # ---- online softmax over the split, fp32 statistics: whole tiles unmasked, then the tail
@@ -200,25 +237,21 @@ def _mla_decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)  # running sum of p * value
     block_table_row = block_table_ptr + pid_b.to(tl.int64) * stride_btb
     if SPLIT_TAIL:
-        for start_n in range(split_start, full_end, BLOCK_N):
-            m_i, l_i, acc = _mla_decode_tile(
-                q_nope, q_pe, m_i, l_i, acc, kv_ptr, block_table_row, start_n, split_end,
-                kv_lora_rank, rope_dim, page_size, scale_log2, stride_kvp, stride_kvn, stride_btp,
-                BLOCK_N, BLOCK_C, BLOCK_R, DOT_PRECISION, PAGE_TILE, False, EXACT,
-            )
-        if full_end < split_end:
-            m_i, l_i, acc = _mla_decode_tile(
-                q_nope, q_pe, m_i, l_i, acc, kv_ptr, block_table_row, full_end, split_end,
-                kv_lora_rank, rope_dim, page_size, scale_log2, stride_kvp, stride_kvn, stride_btp,
-                BLOCK_N, BLOCK_C, BLOCK_R, DOT_PRECISION, PAGE_TILE, True, EXACT,
-            )
+        tail_start = full_end
     else:
-        for start_n in range(split_start, split_end, BLOCK_N):
-            m_i, l_i, acc = _mla_decode_tile(
-                q_nope, q_pe, m_i, l_i, acc, kv_ptr, block_table_row, start_n, split_end,
-                kv_lora_rank, rope_dim, page_size, scale_log2, stride_kvp, stride_kvn, stride_btp,
-                BLOCK_N, BLOCK_C, BLOCK_R, DOT_PRECISION, PAGE_TILE, True, EXACT,
-            )
+        tail_start = split_start
+    for start_n in range(split_start, tail_start, BLOCK_N):
+        m_i, l_i, acc = _mla_decode_tile(
+            q_nope, q_pe, m_i, l_i, acc, kv_ptr, block_table_row, start_n, split_end, row_end,
+            kv_lora_rank, rope_dim, page_size, scale_log2, stride_kvp, stride_kvn, stride_btp,
+            BLOCK_N, BLOCK_C, BLOCK_R, DOT_PRECISION, PAGE_TILE, False, EXACT,
+        )
+    for start_n in range(tail_start, split_end, BLOCK_N):
+        m_i, l_i, acc = _mla_decode_tile(
+            q_nope, q_pe, m_i, l_i, acc, kv_ptr, block_table_row, start_n, split_end, row_end,
+            kv_lora_rank, rope_dim, page_size, scale_log2, stride_kvp, stride_kvn, stride_btp,
+            BLOCK_N, BLOCK_C, BLOCK_R, DOT_PRECISION, PAGE_TILE, True, EXACT,
+        )
 
     # ---- normalise and write; an empty split (l = 0) writes zeros and lse = -inf
     nonempty = l_i > 0.0
@@ -229,27 +262,27 @@ def _mla_decode_split_kernel(
     out_ptrs = (
         part_out_ptr
         + pid_b.to(tl.int64) * stride_ob
-        + offs_h[:, None] * stride_oh
+        + offs_m[:, None] * stride_om
         + pid_s * stride_os
         + offs_c[None, :]
     )
-    tl.store(out_ptrs, out.to(part_out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_c[None, :])
-    lse_ptrs = part_lse_ptr + pid_b.to(tl.int64) * stride_lb + offs_h * stride_lh + pid_s * stride_ls
-    tl.store(lse_ptrs, lse, mask=mask_h)
+    tl.store(out_ptrs, out.to(part_out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_c[None, :])
+    lse_ptrs = part_lse_ptr + pid_b.to(tl.int64) * stride_lb + offs_m * stride_lm + pid_s * stride_ls
+    tl.store(lse_ptrs, lse, mask=mask_m)
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage 2: one program per (sequence, head, chunk of c) merges the splits by log-sum-exp
+# Stage 2: one program per (sequence, query row, chunk of c) merges the splits by log-sum-exp
 # ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _mla_decode_merge_kernel(
     # pointers
-    part_out_ptr,  # (b, h, splits, c) fp32
-    part_lse_ptr,  # (b, h, splits) fp32
-    out_ptr,  # (b, h, c) in q's dtype
-    lse_ptr,  # (b, h) fp32
+    part_out_ptr,  # (b, s_q * h, splits, c) fp32
+    part_lse_ptr,  # (b, s_q * h, splits) fp32
+    out_ptr,  # (b, s_q * h, c) in q's dtype
+    lse_ptr,  # (b, s_q * h) fp32
     # sizes
     kv_lora_rank,
     num_splits,
@@ -267,7 +300,7 @@ def _mla_decode_merge_kernel(
     # the GPU: 2.6 us at (1, 32768, 16 heads) with 128 splits on an H200, where a loop over the
     # splits takes 15 us (benchmarks/lab/results/h200-decode-merge-probe.json).
     pid_b = tl.program_id(0).to(tl.int64)
-    pid_h = tl.program_id(1)
+    pid_h = tl.program_id(1)  # query row: (token, head)
     pid_c = tl.program_id(2)
 
     # ---- weights exp(lse_s - m), m the max over the splits so no exp overflows
