@@ -168,7 +168,7 @@ def kernel_and_splits(q, kv_cache, block_table, seq_lens, kv_lora_rank, t, num_s
 
     rows = q.flatten(1, 2) if q.dim() == 4 else q  # (b, s_q·h, c + r)
     b, h, _ = rows.shape
-    kernel = choose_decode_backend(rows, kv_cache, block_table, seq_lens, kv_lora_rank=kv_lora_rank)
+    kernel = choose_decode_backend(q, kv_cache, block_table, seq_lens, kv_lora_rank=kv_lora_rank)
     if kernel == "triton":
         config = dict(default_config(h), kernel=kernel)
         block_h, block_n = config["BLOCK_H"], config["BLOCK_N"]
