@@ -22,7 +22,7 @@ run() {  # name, seconds, command...
 for part in "$@"; do
   case $part in
     info) run info 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"' ;;
-    tests) run tests 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_decode.py tests/test_kernels_concat_cache.py tests/test_paged.py -m gpu ;;
+    tests) run tests 560 bash benchmarks/gpu_tests.sh "$OUT" ;;
     tests-all) run tests-all 500 python3 -m pytest -q -p no:cacheprovider tests ;;
     concat-bench) run concat-bench 180 python3 -m mla bench concat --out "$OUT" ;;
     sanitize) run sanitize 240 bash -c 'compute-sanitizer --tool memcheck python3 benchmarks/lab/sanitize_concat.py && compute-sanitizer --tool memcheck python3 benchmarks/lab/sanitize_decode.py' ;;
