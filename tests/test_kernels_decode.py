@@ -547,6 +547,20 @@ def test_check_block_table_takes_a_bool():
         mla_decode(**args, check_block_table="yes")
 
 
+def test_max_seq_len_picks_the_splits_a_read_of_seq_lens_would():
+    # a host bound equal to max(seq_lens) chooses the same split count as reading seq_lens does,
+    # so the output is bitwise the same; a bound below a row's seq_len is refused where checked
+    args = make_case([5, 40, 130], heads=3, c=32, r=8, block_size=16, seed=9)
+    out, lse = mla_decode(**args)
+    hinted_out, hinted_lse = mla_decode(**args, max_seq_len=130)
+    assert torch.equal(out, hinted_out) and torch.equal(lse, hinted_lse)
+    with pytest.raises(ValueError, match="above max_seq_len=100"):
+        mla_decode(**args, max_seq_len=100)
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="max_seq_len must be None or an int"):
+            mla_decode(**args, max_seq_len=bad)
+
+
 @pytest.mark.parametrize("num_kv_splits", [None, 3])
 def test_bf16_matches_reference(num_kv_splits):
     # on the CPU the interpreter's bf16 dot is wrong, so mla_decode runs fp32 copies there
@@ -727,6 +741,24 @@ def test_gpu_no_host_read_inside_a_graph_capture():
                 with torch.cuda.graph(torch.cuda.CUDAGraph()):
                     mla_decode(**case, **options)
     torch.cuda.current_stream().wait_stream(stream)
+
+
+@pytest.mark.gpu
+def test_gpu_max_seq_len_captures_without_a_split_count():
+    # with a host bound the split choice reads nothing on the device: it captures, and the
+    # replay equals the eager call with the same bound
+    case = _gpu_case([100, 3000], heads=16, seed=4)
+    want_out, want_lse = mla_decode(**case, max_seq_len=3000)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, lse = mla_decode(**case, max_seq_len=3000)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ def mla_decode(
     kv_lora_rank: int,
     softmax_scale: float,
     num_kv_splits: int | None = None,
+    max_seq_len: int | None = None,
     check_block_table: bool | None = None,
     _config: dict | None = None,
     _backend: str | None = None,
@@ -81,12 +82,17 @@ def mla_decode(
             from the batch, the query rows (s_q x h), ``max(seq_lens)`` and the SM count, which
             reads seq_lens on the host (one sync). Give it to launch without a host sync (a
             CUDA graph).
+        max_seq_len: an upper bound of seq_lens the caller knows on the host (a serving loop
+            does): with ``num_kv_splits`` None, the split count is chosen from it instead of
+            from a read of seq_lens, so the call makes no host sync. seq_lens above it are
+            refused where seq_lens are checked (the CPU, ``check_block_table=True``) and
+            trusted otherwise.
         check_block_table: whether seq_lens and the block-table entries a row reads are checked
             (a ValueError naming the row and entry; a read past the cache would return garbage
             or crash). The CPU always checks. On a GPU, True checks at the cost of one host sync
             (not allowed in a CUDA graph capture), False trusts the block-table entries, and
-            None checks where it costs no extra sync: when ``num_kv_splits`` is None (seq_lens
-            are read on the host anyway) and no graph is being captured.
+            None checks where it costs no extra sync: when ``num_kv_splits`` and ``max_seq_len``
+            are None (seq_lens are read on the host anyway) and no graph is being captured.
         _config, _backend: private hooks for benchmarks and tests: ``_config`` overrides keys of
             ``default_config`` and selects the Triton kernel; ``_backend`` forces one of
             ``mla.kernels.backends.DECODE_BACKENDS`` (a ValueError if it cannot run the arguments).
@@ -106,10 +112,14 @@ def mla_decode(
     _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scale, num_kv_splits)
     if check_block_table is not None and not isinstance(check_block_table, bool):
         raise TypeError(f"mla_decode: check_block_table must be True, False or None, got {check_block_table!r}")
+    if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, numbers.Integral)
+                                    or max_seq_len < 0):
+        raise ValueError(f"mla_decode: max_seq_len must be None or an int >= 0, got {max_seq_len!r}")
     if q.dim() == 3:  # one new token a sequence: s_q = 1, without the token dim
         out, lse = mla_decode(q.unsqueeze(1), kv_cache, block_table, seq_lens, kv_lora_rank=kv_lora_rank,
                               softmax_scale=softmax_scale, num_kv_splits=num_kv_splits,
-                              check_block_table=check_block_table, _config=_config, _backend=_backend)
+                              max_seq_len=max_seq_len, check_block_table=check_block_table,
+                              _config=_config, _backend=_backend)
         return out[:, 0], lse[:, 0]
     b, s_q, h, d = q.shape
     rows = s_q * h  # query rows a sequence: the (token, head) pairs a program's tile packs
@@ -117,17 +127,20 @@ def mla_decode(
     block_size = kv_cache.shape[1]
     on_cpu = q.device.type == "cpu"
     capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if capturing and (num_kv_splits is None or check_block_table):
-        why = "num_kv_splits=None" if num_kv_splits is None else "check_block_table=True"
+    if capturing and ((num_kv_splits is None and max_seq_len is None) or check_block_table):
+        why = "check_block_table=True" if check_block_table else "num_kv_splits=None without max_seq_len"
         raise ValueError(f"mla_decode: {why} reads seq_lens on the host, which a CUDA graph capture cannot do")
     if on_cpu:
         check = True  # an interpreted read past the cache crashes the process
-    elif check_block_table is None:
-        check = num_kv_splits is None and not capturing  # seq_lens go to the host anyway
+    elif check_block_table is None:  # seq_lens go to the host anyway
+        check = num_kv_splits is None and max_seq_len is None and not capturing
     else:
         check = check_block_table
-    if num_kv_splits is None or check:
-        max_seq_len = _check_seq_lens(seq_lens, block_table, kv_cache, check_block_table=check)
+    if check or (num_kv_splits is None and max_seq_len is None):
+        longest = _check_seq_lens(seq_lens, block_table, kv_cache, check_block_table=check)
+        if max_seq_len is not None and longest > max_seq_len:
+            raise ValueError(f"mla_decode: seq_lens holds {longest}, above max_seq_len={max_seq_len}")
+        max_seq_len = longest if max_seq_len is None else max_seq_len
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "mla_decode: q is on the CPU, which Triton runs only in its interpreter; set "
@@ -137,6 +150,7 @@ def mla_decode(
     if on_cpu and q.dtype == torch.bfloat16:
         out, lse = _decode_bf16_in_fp32(q, kv_cache, block_table, seq_lens, kv_lora_rank=c,
                                         softmax_scale=softmax_scale, num_kv_splits=num_kv_splits,
+                                        max_seq_len=max_seq_len,
                                         _config=_config, _backend=_backend)
         return out.to(torch.bfloat16), lse
 
