@@ -24,7 +24,8 @@
 //
 // q is a bit copy (kv_cache_dtype "auto") or e4m3(clamp(x / scale, -448, 448)) ("fp8"): the
 // division is IEEE (no fast-math), and __NV_SATFINITE clamps to +-448 while keeping NaN as NaN,
-// which is what torch's clamp followed by a cast to float8_e4m3fn does.
+// which is what torch's clamp followed by a cast to float8_e4m3fn does; every NaN is stored as
+// 0x7F, whatever its sign.
 //
 // kv_cache_dtype "fp8_ds_mla" (FlashMLA's 656-byte token) has a kernel of its own below,
 // concat_and_cache_ds_mla_kernel: its group scales need a reduction over 128 values before any
@@ -76,7 +77,8 @@ struct QuantizeE4M3 {
   QuantizeE4M3() = default;
   __device__ explicit QuantizeE4M3(const float* scale_ptr) : scale(*scale_ptr) {}
   __device__ cache_t operator()(in_t x) const {
-    return __nv_cvt_float_to_fp8(to_float(x) / scale, __NV_SATFINITE, __NV_E4M3);
+    const float v = to_float(x) / scale;  // a NaN as 0x7F, the positive quiet NaN, as on the CPU
+    return isnan(v) ? cache_t{0x7F} : __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
   }
 };
 

@@ -15,10 +15,10 @@
 namespace mla {
 namespace {
 
-// e4m3(clamp(v, -448, 448)), rounding to nearest even; NaN stays NaN like torch.clamp.
+// e4m3(clamp(v, -448, 448)), rounding to nearest even; a NaN as 0x7F, the positive quiet NaN.
 inline c10::Float8_e4m3fn to_e4m3(float v) {
-  if (!std::isnan(v)) v = std::fmin(std::fmax(v, -448.0f), 448.0f);
-  return c10::Float8_e4m3fn(v);
+  if (std::isnan(v)) return c10::Float8_e4m3fn(0x7F, c10::Float8_e4m3fn::from_bits());
+  return c10::Float8_e4m3fn(std::fmin(std::fmax(v, -448.0f), 448.0f));
 }
 
 // e4m3(clamp(x / scale, -448, 448)).
@@ -81,7 +81,7 @@ void write_rows_ds_mla(const at::Tensor& kv_c, const at::Tensor& k_pe, at::Tenso
         if (std::isnan(scale)) scale = std::numeric_limits<float>::quiet_NaN();  // 0x7FC00000
         for (int64_t e = 0; e < kDsMlaGroup; ++e) {
           const float v = static_cast<float>(x[e]) / scale;
-          const uint8_t q = std::isnan(v) ? uint8_t{0x7F} : to_e4m3(v).x;
+          const uint8_t q = to_e4m3(v).x;
           row[g * kDsMlaGroup + e] = q;
         }
         std::memcpy(row + c + 4 * g, &scale, 4);

@@ -182,6 +182,17 @@ def test_cpu_fp8_matches_reference(ext, dtype, scale, name):
     check_fp8_error(kv_c, k_pe, ours, slots, scale)
 
 
+def test_fp8_e4m3_stores_every_nan_as_0x7f(ext):
+    """A NaN input, whatever its sign, is written as e4m3's positive quiet NaN by every writer
+    (the CUDA conversion makes 0x7F of any NaN; torch's cast on the CPU would keep the sign)."""
+    kv_c, k_pe = make_rows(6, 8, 4, torch.float32, "cpu")
+    kv_c[1, 2], k_pe[3, 0] = -math.nan, math.nan
+    cache = make_cache(2, 4, 12, FP8, "cpu")
+    ours, ref = run_both(kv_c, k_pe, cache, torch.arange(6), kv_cache_dtype="fp8_e4m3", scale=0.5)
+    assert_bitwise_equal(ours, ref)
+    assert ours.view(torch.uint8)[0, 1, 2] == ours.view(torch.uint8)[0, 3, 8] == 0x7F
+
+
 def test_cpu_empty_and_all_skipped(ext):
     kv_c, k_pe = make_rows(5, 8, 4, torch.bfloat16, "cpu")
     cache = make_cache(2, 4, 12, torch.bfloat16, "cpu")

@@ -7,6 +7,7 @@ layouts keep it in fewer bytes than the weights' dtype (``"auto"``, 2·(c + r) b
 for the whole cache, given by the caller::
 
     row = e4m3(clamp([kv_c | k_pe] / scale, -448, 448))          # (c + r,) one byte a value
+                                                                  # (a NaN as 0x7F)
     [kv_c | k_pe] ~= row.float() * scale
 
 ``"fp8_ds_mla"`` (FlashMLA's "FP8 with scale" token, vLLM's name): a ``uint8`` cache of
@@ -140,7 +141,8 @@ def quantize_e4m3(kv_c: torch.Tensor, k_pe: torch.Tensor,
     s = _scale_tensor(scale, kv_c.device)
     rows = torch.cat([kv_c, k_pe], dim=-1).float()  # (T, c + r)
     # Divide by a tensor, never a Python scalar: CUDA would multiply by the reciprocal.
-    return (rows / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    v = (rows / s).clamp(-E4M3_MAX, E4M3_MAX)
+    return v.masked_fill(v.isnan(), math.nan).to(torch.float8_e4m3fn)  # a NaN as 0x7F
 
 
 def dequantize_e4m3(rows: torch.Tensor, kv_lora_rank: int,
