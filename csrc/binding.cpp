@@ -27,9 +27,6 @@ ConcatAndCacheArgs check_concat_and_cache_mla(const at::Tensor& kv_c, const at::
   TORCH_CHECK(k_pe.size(0) == T, "k_pe has ", num(k_pe.size(0)), " tokens, kv_c has ", num(T));
   TORCH_CHECK(slot_mapping.size(0) == T, "slot_mapping has ", num(slot_mapping.size(0)),
               " entries, kv_c has ", num(T), " tokens");
-  TORCH_CHECK(kv_cache.size(2) == c + r, "kv_cache last dim must be c + r = ", num(c + r), ", got ",
-              num(kv_cache.size(2)));
-
   const auto in_dtype = kv_c.scalar_type();
   TORCH_CHECK(in_dtype == at::kBFloat16 || in_dtype == at::kHalf || in_dtype == at::kFloat,
               "kv_c must be bfloat16, float16 or float32, got ", in_dtype);
@@ -38,13 +35,17 @@ ConcatAndCacheArgs check_concat_and_cache_mla(const at::Tensor& kv_c, const at::
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64, got ",
               slot_mapping.scalar_type());
 
-  bool fp8;
+  CacheFormat format;
   if (kv_cache_dtype == "auto") {
-    fp8 = false;
+    format = CacheFormat::kAuto;
+    TORCH_CHECK(kv_cache.size(2) == c + r, "kv_cache last dim must be c + r = ", num(c + r), ", got ",
+                num(kv_cache.size(2)));
     TORCH_CHECK(kv_cache.scalar_type() == in_dtype, "kv_cache dtype ", kv_cache.scalar_type(),
                 " must equal the input dtype ", in_dtype, " when kv_cache_dtype is 'auto'");
   } else if (kv_cache_dtype == "fp8" || kv_cache_dtype == "fp8_e4m3") {
-    fp8 = true;
+    format = CacheFormat::kFp8E4M3;
+    TORCH_CHECK(kv_cache.size(2) == c + r, "kv_cache last dim must be c + r = ", num(c + r), ", got ",
+                num(kv_cache.size(2)));
     TORCH_CHECK(kv_cache.scalar_type() == at::kFloat8_e4m3fn,
                 "kv_cache must be float8_e4m3fn when kv_cache_dtype is '", kv_cache_dtype,
                 "', got ", kv_cache.scalar_type());
@@ -54,9 +55,20 @@ ConcatAndCacheArgs check_concat_and_cache_mla(const at::Tensor& kv_c, const at::
                 "scale must be a 1-element float32 tensor");
     TORCH_CHECK(scale->device() == kv_cache.device(), "scale is on ", scale->device(),
                 ", kv_cache on ", kv_cache.device());
+  } else if (kv_cache_dtype == "fp8_ds_mla") {
+    format = CacheFormat::kFp8DsMla;
+    TORCH_CHECK(c > 0 && c % kDsMlaGroup == 0, "kv_c's last dim c must be a positive multiple of ",
+                num(kDsMlaGroup), " for kv_cache_dtype 'fp8_ds_mla', got ", num(c));
+    const int64_t width = c + 4 * (c / kDsMlaGroup) + 2 * r;
+    TORCH_CHECK(kv_cache.size(2) == width, "kv_cache last dim must be c + 4 c/128 + 2 r = ", num(width),
+                " bytes for kv_cache_dtype 'fp8_ds_mla', got ", num(kv_cache.size(2)));
+    TORCH_CHECK(kv_cache.scalar_type() == at::kByte,
+                "kv_cache must be uint8 when kv_cache_dtype is 'fp8_ds_mla', got ", kv_cache.scalar_type());
+    TORCH_CHECK(!scale.has_value(), "scale must be None when kv_cache_dtype is 'fp8_ds_mla' (its scales "
+                "are computed per 128-value group)");
   } else {
     TORCH_CHECK(false, "unknown kv_cache_dtype '", kv_cache_dtype,
-                "' (expected 'auto', 'fp8' or 'fp8_e4m3')");
+                "' (expected 'auto', 'fp8', 'fp8_e4m3' or 'fp8_ds_mla')");
   }
 
   const auto device = kv_cache.device();
@@ -67,7 +79,7 @@ ConcatAndCacheArgs check_concat_and_cache_mla(const at::Tensor& kv_c, const at::
   TORCH_CHECK(k_pe.stride(1) == 1 || r <= 1, "k_pe last dim must be contiguous (stride 1)");
   TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
 
-  return {T, c, r, kv_cache.size(0) * kv_cache.size(1), fp8};
+  return {T, c, r, kv_cache.size(0) * kv_cache.size(1), format};
 }
 
 void check_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,

@@ -24,7 +24,12 @@
 //
 // q is a bit copy (kv_cache_dtype "auto") or e4m3(clamp(x / scale, -448, 448)) ("fp8"): the
 // division is IEEE (no fast-math), and __NV_SATFINITE clamps to +-448 while keeping NaN as NaN,
-// which is what torch's clamp followed by a cast to float8_e4m3fn does.
+// which is what torch's clamp followed by a cast to float8_e4m3fn does; every NaN is stored as
+// 0x7F, whatever its sign.
+//
+// kv_cache_dtype "fp8_ds_mla" (FlashMLA's 656-byte token) has a kernel of its own below,
+// concat_and_cache_ds_mla_kernel: its group scales need a reduction over 128 values before any
+// of them is stored, so it works one warp a token instead of one thread a vector.
 #include "concat_and_cache_mla.h"
 
 #include <c10/cuda/CUDAException.h>
@@ -72,7 +77,8 @@ struct QuantizeE4M3 {
   QuantizeE4M3() = default;
   __device__ explicit QuantizeE4M3(const float* scale_ptr) : scale(*scale_ptr) {}
   __device__ cache_t operator()(in_t x) const {
-    return __nv_cvt_float_to_fp8(to_float(x) / scale, __NV_SATFINITE, __NV_E4M3);
+    const float v = to_float(x) / scale;  // a NaN as 0x7F, the positive quiet NaN, as on the CPU
+    return isnan(v) ? cache_t{0x7F} : __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
   }
 };
 
@@ -121,6 +127,185 @@ __global__ void concat_and_cache_mla_kernel(
   for (int t = 0; t < VEC; ++t) y.v[t] = q(x.v[t]);
   *reinterpret_cast<cache_vec*>(kv_cache + slot * (kv_lora_rank + rope_dim) + e) = y;
 }
+
+// ---- fp8_ds_mla: one warp a token ------------------------------------------------------------
+//
+// A row becomes c e4m3 bytes, c/128 float32 scales and r bf16 values (mla/kernels/fp8.py).
+// The scale of a 128-value group needs the group's amax before any of its values can be
+// stored, so the 32 lanes of a warp take one token and sweep its latent 512 values at a time:
+// lane l holds values [16 l, 16 l + 16) of the sweep, so lanes 8k .. 8k + 7 hold group k and
+// three xor-shuffles (4, 2, 1) give each of them the group's amax. Each lane then stores its
+// 16 e4m3 bytes as one 16-byte vector, and the first lane of each group the group's scale.
+//
+//   for each warp (token i), slot = slot_mapping[i]; skip if slot < 0 or slot >= num_slots
+//     for base in 0, 512, ... < c:                       (lanes past c idle but shuffle)
+//       x[0:16] = kv_c[i, base + 16 l : base + 16 l + 16]
+//       amax = max |x| over the 8 lanes of the group    (NaN wins, as in torch.amax)
+//       scale = max(amax / 448, 2^-126)                 (NaN stored as 0x7FC00000)
+//       row[base + 16 l : ... + 16] = e4m3(clamp(x / scale, -448, 448))   (NaN as 0x7F)
+//       row[c + 4 g] = scale                            (lane 8k, g = (base + 16 l) / 128)
+//     row[c + 4 c/128 + 2 e] = bf16(k_pe[i, e])  for e = l, l + 32, ...   (NaN as 0x7FC0)
+//
+// Loads and stores go 16 bytes at a time where pointers and strides allow (VEC_IN, VEC_OUT),
+// else one element or byte at a time; the values and roundings are the same either way.
+
+constexpr int kDsMlaWarps = 8;            // tokens a block of 256 threads
+constexpr int kDsMlaValuesPerLane = 16;   // 32 lanes x 16 = 512 latent values a sweep
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// max(a, b) where a NaN wins: the combine of torch.amax, associative so any reduction order
+// gives the same bits.
+__device__ __forceinline__ float nan_max(float a, float b) { return (isnan(a) || a > b) ? a : b; }
+
+// to bf16, rounding to nearest even, a NaN as the positive quiet NaN 0x7FC0
+template <typename in_t>
+__device__ __forceinline__ __nv_bfloat16 to_bf16(in_t x) {
+  const float f = to_float(x);
+  return isnan(f) ? __ushort_as_bfloat16(0x7FC0) : __float2bfloat16_rn(f);
+}
+
+// 16 consecutive input values as floats.
+template <typename in_t, bool VEC>
+__device__ __forceinline__ void load16(const in_t* __restrict__ src,
+                                       float (&x)[kDsMlaValuesPerLane]) {
+  if constexpr (VEC) {
+    constexpr int kPer = 16 / sizeof(in_t);  // values a 16-byte load
+    using vec_t = Vec<in_t, kPer>;
+#pragma unroll
+    for (int k = 0; k < kDsMlaValuesPerLane / kPer; ++k) {
+      const vec_t v = reinterpret_cast<const vec_t*>(src)[k];
+#pragma unroll
+      for (int t = 0; t < kPer; ++t) x[k * kPer + t] = to_float(v.v[t]);
+    }
+  } else {
+#pragma unroll
+    for (int t = 0; t < kDsMlaValuesPerLane; ++t) x[t] = to_float(src[t]);
+  }
+}
+
+template <typename in_t, bool VEC_IN, bool VEC_OUT>
+__global__ void concat_and_cache_ds_mla_kernel(
+    // pointers
+    const in_t* __restrict__ kv_c,             // (T, c), row stride stride_kv_c
+    const in_t* __restrict__ k_pe,             // (T, r), row stride stride_k_pe
+    uint8_t* __restrict__ kv_cache,            // (num_slots, c + 4 c/128 + 2 r) bytes, contiguous
+    const int64_t* __restrict__ slot_mapping,  // (T,)
+    // sizes
+    int64_t num_tokens, int64_t kv_lora_rank, int64_t rope_dim, int64_t num_slots,
+    // strides (elements)
+    int64_t stride_kv_c, int64_t stride_k_pe) {
+  // ---- which token: one a warp; the test is uniform over the warp, so the shuffles below see
+  // all 32 lanes
+  const int lane = threadIdx.x % 32;
+  const int64_t token = static_cast<int64_t>(blockIdx.x) * kDsMlaWarps + threadIdx.x / 32;
+  if (token >= num_tokens) return;
+  const int64_t slot = slot_mapping[token];
+  // -1 is padding; slots past the cache are rejected by the Python wrapper, skipped here so a
+  // direct caller of torch.ops.mla cannot write out of bounds
+  if (slot < 0 || slot >= num_slots) return;
+
+  const int64_t c = kv_lora_rank, r = rope_dim, groups = c / kDsMlaGroup;
+  uint8_t* row = kv_cache + slot * (c + 4 * groups + 2 * r);
+  const in_t* src_c = kv_c + token * stride_kv_c;
+  const in_t* src_r = k_pe + token * stride_k_pe;
+
+  // ---- the latent, 512 values (4 groups) a sweep
+  for (int64_t base = 0; base < c; base += 32 * kDsMlaValuesPerLane) {
+    const int64_t e = base + lane * kDsMlaValuesPerLane;  // this lane's first value
+    const bool active = e < c;  // c is a multiple of 128: a group's 8 lanes agree
+    float x[kDsMlaValuesPerLane];
+    if (active) {
+      load16<in_t, VEC_IN>(src_c + e, x);
+    } else {
+#pragma unroll
+      for (int t = 0; t < kDsMlaValuesPerLane; ++t) x[t] = 0.0f;
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int t = 0; t < kDsMlaValuesPerLane; ++t) amax = nan_max(fabsf(x[t]), amax);
+#pragma unroll
+    for (int offset = 4; offset > 0; offset /= 2) {  // within lanes 8k .. 8k + 7
+      amax = nan_max(__shfl_xor_sync(kFullMask, amax, offset), amax);
+    }
+    // IEEE division (no fast-math), as the reference's float32 quotient
+    float scale = amax / 448.0f;
+    const float min_scale = __int_as_float(0x00800000);  // 2^-126, the smallest normal float
+    if (scale < min_scale) scale = min_scale;
+    if (isnan(scale)) scale = __int_as_float(0x7fc00000);  // the positive quiet NaN, as on the CPU
+    if (!active) continue;
+
+    Vec<uint8_t, kDsMlaValuesPerLane> q;
+#pragma unroll
+    for (int t = 0; t < kDsMlaValuesPerLane; ++t) {
+      const float v = x[t] / scale;
+      q.v[t] = isnan(v) ? uint8_t{0x7F} : __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+    }
+    uint8_t* scale_dst = row + c + 4 * (e / kDsMlaGroup);
+    if constexpr (VEC_OUT) {
+      *reinterpret_cast<Vec<uint8_t, kDsMlaValuesPerLane>*>(row + e) = q;
+      if (lane % 8 == 0) *reinterpret_cast<float*>(scale_dst) = scale;
+    } else {
+#pragma unroll
+      for (int t = 0; t < kDsMlaValuesPerLane; ++t) row[e + t] = q.v[t];
+      if (lane % 8 == 0) {
+        const uint32_t bits = __float_as_uint(scale);
+        for (int k = 0; k < 4; ++k) scale_dst[k] = static_cast<uint8_t>(bits >> (8 * k));
+      }
+    }
+  }
+
+  // ---- the rope part in bf16, lanes striding over its r values
+  uint8_t* rope = row + c + 4 * groups;
+  for (int64_t e = lane; e < r; e += 32) {
+    const __nv_bfloat16 y = to_bf16(src_r[e]);
+    if constexpr (VEC_OUT) {
+      reinterpret_cast<__nv_bfloat16*>(rope)[e] = y;
+    } else {
+      const uint16_t bits = __bfloat16_as_ushort(y);
+      rope[2 * e] = static_cast<uint8_t>(bits);
+      rope[2 * e + 1] = static_cast<uint8_t>(bits >> 8);
+    }
+  }
+}
+
+template <typename in_t>
+void launch_ds_mla(const at::Tensor& kv_c, const at::Tensor& k_pe, at::Tensor& kv_cache,
+                   const at::Tensor& slot_mapping, const ConcatAndCacheArgs& a) {
+  const auto* kv_c_ptr = reinterpret_cast<const in_t*>(kv_c.const_data_ptr());
+  const auto* k_pe_ptr = reinterpret_cast<const in_t*>(k_pe.const_data_ptr());
+  auto* cache_ptr = static_cast<uint8_t*>(kv_cache.data_ptr());
+  const int64_t stride_kv_c = kv_c.stride(0), stride_k_pe = k_pe.stride(0);
+  const int64_t width = a.kv_lora_rank + 4 * (a.kv_lora_rank / kDsMlaGroup) + 2 * a.rope_dim;
+
+  // 16-byte loads need the kv_c base and row stride on 16 bytes (each lane's 16 values start
+  // 16 values apart); 16-byte stores need every row on 16 bytes (656 is 41 x 16).
+  const bool vec_in = reinterpret_cast<uintptr_t>(kv_c_ptr) % 16 == 0 &&
+                      (stride_kv_c * static_cast<int64_t>(sizeof(in_t))) % 16 == 0;
+  const bool vec_out = reinterpret_cast<uintptr_t>(cache_ptr) % 16 == 0 && width % 16 == 0;
+
+  const int64_t blocks = (a.num_tokens + kDsMlaWarps - 1) / kDsMlaWarps;
+  TORCH_CHECK(blocks <= INT32_MAX, "concat_and_cache_mla: too many tokens for one launch");
+  const dim3 grid(static_cast<unsigned>(blocks)), block(32 * kDsMlaWarps);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  auto run = [&](auto kernel) {
+    kernel<<<grid, block, 0, stream>>>(kv_c_ptr, k_pe_ptr, cache_ptr, slots, a.num_tokens,
+                                       a.kv_lora_rank, a.rope_dim, a.num_slots, stride_kv_c,
+                                       stride_k_pe);
+  };
+  if (vec_in && vec_out) {
+    run(concat_and_cache_ds_mla_kernel<in_t, true, true>);
+  } else if (vec_in) {
+    run(concat_and_cache_ds_mla_kernel<in_t, true, false>);
+  } else if (vec_out) {
+    run(concat_and_cache_ds_mla_kernel<in_t, false, true>);
+  } else {
+    run(concat_and_cache_ds_mla_kernel<in_t, false, false>);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// ---- the launcher of concat_and_cache_mla_kernel ------------------------------------------------
 
 constexpr int64_t kThreads = 288;  // 4 rows of 72 vectors (576 bf16 values)
 
@@ -177,7 +362,22 @@ void concat_and_cache_mla_cuda(const at::Tensor& kv_c, const at::Tensor& k_pe,
   if (a.num_tokens == 0 || a.kv_lora_rank + a.rope_dim == 0) return;
   const c10::cuda::CUDAGuard device_guard(kv_cache.device());
 
-  if (!a.fp8) {
+  if (a.format == CacheFormat::kFp8DsMla) {
+    switch (kv_c.scalar_type()) {
+      case at::kBFloat16:
+        launch_ds_mla<__nv_bfloat16>(kv_c, k_pe, kv_cache, slot_mapping, a);
+        break;
+      case at::kHalf:
+        launch_ds_mla<__half>(kv_c, k_pe, kv_cache, slot_mapping, a);
+        break;
+      case at::kFloat:
+        launch_ds_mla<float>(kv_c, k_pe, kv_cache, slot_mapping, a);
+        break;
+      default: TORCH_CHECK(false, "unsupported input dtype ", kv_c.scalar_type());
+    }
+    return;
+  }
+  if (a.format == CacheFormat::kAuto) {
     // Same dtype in and out: move 2- or 4-byte words without looking at them.
     if (kv_c.element_size() == 2) {
       launch<CopyBits<uint16_t>>(kv_c, k_pe, kv_cache, slot_mapping, nullptr, a);

@@ -7,6 +7,12 @@ Cache sizes follow the DeepSeek-V2 paper's table 1 (elements per token per layer
 with d_h the per-head width of the comparison (the paper uses d_h = 128 = our v_head_dim and
 qk_nope_head_dim). "mla-expanded" is what a cache of MLA's *up-projected* keys and values would
 hold, h·(d + r + v): the cache of an implementation that caches after kv_b_proj.
+
+MLA's cache also comes in two fp8 layouts (``mla.kernels.fp8``), schemes "mla-fp8_e4m3" (one
+byte a value, one scale for the cache) and "mla-fp8_ds_mla" (FlashMLA's token: the latent in
+e4m3 with a float32 scale per 128 values, the rope part in bf16). They cache the same c + r
+values a token; their bytes are fixed by the layout, whatever bytes_per_element says:
+1152 (bf16), 576 and 656 bytes a token a layer for DeepSeek-V3.
 """
 
 from __future__ import annotations
@@ -16,6 +22,10 @@ import numbers
 from dataclasses import dataclass
 
 from .config import MLAConfig
+from .kernels import fp8
+
+# MLA's cache in the fp8 layouts of mla.kernels.fp8, as schemes of the tables below.
+FP8_SCHEMES = ("mla-fp8_e4m3", "mla-fp8_ds_mla")
 
 # Layers per model, from each checkpoint's config.json (num_hidden_layers).
 NUM_LAYERS = {"deepseek-v2": 60, "deepseek-v2-lite": 27, "deepseek-v3": 61, "tiny": 1}
@@ -57,11 +67,34 @@ def cache_elements_per_token(config: MLAConfig, scheme: str) -> int:
         return 2 * groups * d_h
     if scheme == "mqa":
         return 2 * d_h
-    if scheme == "mla":
+    if scheme in ("mla", *FP8_SCHEMES):
         return config.kv_lora_rank + config.qk_rope_head_dim
     if scheme == "mla-expanded":
         return h * (config.qk_head_dim + config.v_head_dim)
-    raise ValueError(f"unknown cache scheme {scheme!r}; expected mha, gqa-N, mqa, mla, mla-expanded")
+    raise ValueError(f"unknown cache scheme {scheme!r}; expected mha, gqa-N, mqa, mla, "
+                     f"{', '.join(FP8_SCHEMES)}, mla-expanded")
+
+
+def latent_cache_bytes_per_token(config: MLAConfig, kv_cache_dtype: str = "auto",
+                                 bytes_per_element: float = 2.0) -> float:
+    """Bytes one token takes in one layer of the paged tier's latent cache.
+
+    kv_cache_dtype: "auto" ((c + r)·bytes_per_element), "fp8_e4m3" (c + r) or "fp8_ds_mla"
+    (c + 4·c/128 + 2·r). DeepSeek-V3 (c = 512, r = 64): 1152 in bf16, 576, 656.
+    """
+    c, r = config.kv_lora_rank, config.qk_rope_head_dim
+    if fp8.canonical_kv_cache_dtype(kv_cache_dtype) == "auto":
+        return (c + r) * _positive("bytes_per_element", bytes_per_element)
+    return fp8.bytes_per_token(kv_cache_dtype, c, r)
+
+
+def cache_bytes_per_token(config: MLAConfig, scheme: str, bytes_per_element: float = 2.0) -> float:
+    """Bytes a token a layer for `scheme`: elements × bytes_per_element, except the fp8 layouts
+    of MLA's cache, whose bytes the layout fixes."""
+    if scheme in FP8_SCHEMES:
+        return latent_cache_bytes_per_token(config, scheme.removeprefix("mla-"))
+    return cache_elements_per_token(config, scheme) * _positive("bytes_per_element",
+                                                                bytes_per_element)
 
 
 def mla_equivalent_gqa_groups(config: MLAConfig) -> float:
@@ -123,16 +156,17 @@ def prefill_crossover(config: MLAConfig, context: int) -> int:
 
 
 def kv_cache_table(config: MLAConfig, seq_len: int, num_layers: int,
-                   bytes_per_element: float = 2.0, schemes=("mha", "gqa-8", "mqa", "mla",
-                                                            "mla-expanded")):
-    """Rows of (scheme, elements/token/layer, bytes/token (all layers), bytes/sequence)."""
+                   bytes_per_element: float = 2.0,
+                   schemes=("mha", "gqa-8", "mqa", "mla", *FP8_SCHEMES, "mla-expanded")):
+    """Rows of (scheme, elements/token/layer, bytes/token (all layers), bytes/sequence).
+    bytes_per_element applies to every scheme but the fp8 ones, whose layout fixes their bytes."""
     seq_len = _count("seq_len", seq_len, 0)
     num_layers = _count("num_layers", num_layers, 1)
     bytes_per_element = _positive("bytes_per_element", bytes_per_element)
     rows = []
     for scheme in schemes:
         per_layer = cache_elements_per_token(config, scheme)
-        per_token = per_layer * num_layers * bytes_per_element
+        per_token = cache_bytes_per_token(config, scheme, bytes_per_element) * num_layers
         rows.append(dict(scheme=scheme, elements_per_token_layer=per_layer,
                          bytes_per_token=per_token, bytes_per_sequence=per_token * seq_len))
     return rows

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mla.kernels import concat_cache as cc
-from mla.kernels import extension
+from mla.kernels import extension, fp8
 from mla.kernels import concat_and_cache, concat_and_cache_reference
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -182,6 +182,17 @@ def test_cpu_fp8_matches_reference(ext, dtype, scale, name):
     check_fp8_error(kv_c, k_pe, ours, slots, scale)
 
 
+def test_fp8_e4m3_stores_every_nan_as_0x7f(ext):
+    """A NaN input, whatever its sign, is written as e4m3's positive quiet NaN by every writer
+    (the CUDA conversion makes 0x7F of any NaN; torch's cast on the CPU would keep the sign)."""
+    kv_c, k_pe = make_rows(6, 8, 4, torch.float32, "cpu")
+    kv_c[1, 2], k_pe[3, 0] = -math.nan, math.nan
+    cache = make_cache(2, 4, 12, FP8, "cpu")
+    ours, ref = run_both(kv_c, k_pe, cache, torch.arange(6), kv_cache_dtype="fp8_e4m3", scale=0.5)
+    assert_bitwise_equal(ours, ref)
+    assert ours.view(torch.uint8)[0, 1, 2] == ours.view(torch.uint8)[0, 3, 8] == 0x7F
+
+
 def test_cpu_empty_and_all_skipped(ext):
     kv_c, k_pe = make_rows(5, 8, 4, torch.bfloat16, "cpu")
     cache = make_cache(2, 4, 12, torch.bfloat16, "cpu")
@@ -209,7 +220,7 @@ def _bad_cases():
         ("k_pe 1-D", lambda a: a.update(k_pe=a["k_pe"][0]), ValueError, r"k_pe must be \(T, r\)"),
         ("k_pe rows", lambda a: a.update(k_pe=a["k_pe"][:-1]), ValueError, r"k_pe must have T = 6"),
         ("cache 2-D", lambda a: a.update(kv_cache=a["kv_cache"][0]), ValueError,
-         r"kv_cache must be \(num_blocks, block_size, c \+ r\)"),
+         r"kv_cache must be \(num_blocks, block_size, width\)"),
         ("cache width", lambda a: a.update(kv_cache=a["kv_cache"][..., :-1].contiguous()),
          ValueError, r"kv_cache last dim must be c \+ r = 8 \+ 4 = 12"),
         ("slots length", lambda a: a.update(slot_mapping=a["slot_mapping"][:-1]), ValueError,
@@ -222,7 +233,10 @@ def _bad_cases():
          r"k_pe must have kv_c's dtype torch.float32"),
         ("cache dtype", lambda a: a.update(kv_cache=a["kv_cache"].half()), TypeError,
          r"kv_cache must have the inputs' dtype torch.float32"),
-        ("fp8 cache, auto", fp8_cache, TypeError, r"pass kv_cache_dtype='fp8'"),
+        ("fp8 cache, auto", fp8_cache, TypeError, r"pass kv_cache_dtype='fp8_e4m3'"),
+        ("uint8 cache, auto", lambda a: a.update(kv_cache=a["kv_cache"].view(torch.uint8)[..., :12]
+                                                 .contiguous()),
+         TypeError, r"pass kv_cache_dtype='fp8_ds_mla'"),
         ("fp8, bf16 cache", lambda a: a.update(**f8), TypeError,
          r"kv_cache must be torch.float8_e4m3fn for kv_cache_dtype='fp8'"),
         ("fp8 no scale", lambda a: (fp8_cache(a), a.update(kv_cache_dtype="fp8_e4m3")), ValueError,
@@ -242,7 +256,9 @@ def _bad_cases():
         ("fp8 scale str", lambda a: (fp8_cache(a), a.update(f8, scale="1")), TypeError,
          r"scale must be a float"),
         ("unknown dtype", lambda a: a.update(kv_cache_dtype="int8"), ValueError,
-         r"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got 'int8'"),
+         r"kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_ds_mla', got 'int8'"),
+        ("fp8 without float8", lambda a: (fp8_cache(a), a.update(f8), a.update(no_fp8=True)),
+         RuntimeError, r"kv_cache_dtype='fp8' needs torch.float8_e4m3fn"),
         ("slot too big", lambda a: a["slot_mapping"].__setitem__(2, 24), ValueError,
          r"slot_mapping values must lie in \[-1, num_blocks \* block_size = 24\), got 24"),
         ("slot -2", lambda a: a["slot_mapping"].__setitem__(4, -2), ValueError,
@@ -263,21 +279,28 @@ def _bad_cases():
 BAD = _bad_cases()
 
 
-@pytest.mark.parametrize("backend", ["extension", "reference"])
-@pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
-def test_bad_input_raises_and_leaves_cache_unchanged(ext, backend, case):
-    _, change, exc, match = case
-    kv_c, k_pe = make_rows(6, 8, 4, torch.float32, "cpu", extra=2)
-    args = dict(kv_c=kv_c, k_pe=k_pe, kv_cache=make_cache(3, 8, 12, torch.float32, "cpu"),
-                slot_mapping=make_slots(6, 24, "cpu", skip_every=0), kv_cache_dtype="auto",
-                scale=None)
-    change(args)
+def assert_refused(args, exc, match, backend, monkeypatch):
+    """concat_and_cache(**args) raises exc matching `match` and leaves the cache as it was."""
+    if args.pop("no_fp8", False):
+        monkeypatch.setattr(fp8, "fp8_available", lambda: False)
     before = args["kv_cache"].clone()
     with pytest.raises(exc, match=match):
         concat_and_cache(args["kv_c"], args["k_pe"], args["kv_cache"], args["slot_mapping"],
                          kv_cache_dtype=args["kv_cache_dtype"], scale=args["scale"],
                          backend=backend)
     assert_bitwise_equal(args["kv_cache"], before)
+
+
+@pytest.mark.parametrize("backend", ["extension", "reference"])
+@pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_raises_and_leaves_cache_unchanged(ext, backend, case, monkeypatch):
+    _, change, exc, match = case
+    kv_c, k_pe = make_rows(6, 8, 4, torch.float32, "cpu", extra=2)
+    args = dict(kv_c=kv_c, k_pe=k_pe, kv_cache=make_cache(3, 8, 12, torch.float32, "cpu"),
+                slot_mapping=make_slots(6, 24, "cpu", skip_every=0), kv_cache_dtype="auto",
+                scale=None)
+    change(args)
+    assert_refused(args, exc, match, backend, monkeypatch)
 
 
 def test_bad_backend_name():
@@ -300,6 +323,8 @@ def _op(kv_c, k_pe, cache, slots, kv_cache_dtype="auto", scale=None):
         (lambda a: a.update(cache=a["cache"].half()), r"kv_cache dtype Half must equal"),
         (lambda a: a.update(cache=a["cache"][..., :-1].contiguous()), r"kv_cache last dim must be"),
         (lambda a: a.update(kv_cache_dtype="int4"), r"unknown kv_cache_dtype 'int4'"),
+        (lambda a: a.update(cache=a["cache"].view(torch.uint8)[..., :12].contiguous(),
+                            kv_cache_dtype="fp8_ds_mla"), r"c must be a positive multiple of 128"),
         (lambda a: a.update(cache=a["cache"].to(FP8), kv_cache_dtype="fp8"), r"scale is required"),
         (lambda a: a.update(cache=a["cache"].to(FP8), kv_cache_dtype="fp8",
                             scale=torch.tensor([-1.0])), r"scale must be positive and finite"),
@@ -315,6 +340,134 @@ def test_cpp_checks_defend_direct_callers(ext, change, match):
     before = a["cache"].clone()
     with pytest.raises(RuntimeError, match=match):
         _op(a["kv_c"], a["k_pe"], a["cache"], a["slots"], a["kv_cache_dtype"], a["scale"])
+    assert_bitwise_equal(a["cache"], before)
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8_ds_mla: FlashMLA's 656-byte token (mla.kernels.fp8 is its spec; tests/test_fp8.py checks
+# that against a float64 spelling of the layout)
+
+DS = dict(kv_cache_dtype="fp8_ds_mla")
+
+
+def ds_width(c, r):
+    return c + 4 * (c // 128) + 2 * r
+
+
+def make_ds_rows(T, c, r, dtype, device, *, extra=0, nonfinite=False, seed=0):
+    """Latent rows of very different sizes with a zero group, a -0 group, a group across e4m3's
+    subnormals and (nonfinite=True) a NaN and an inf, as row views of one projection output."""
+    g = torch.Generator().manual_seed(seed)
+    proj = torch.randn(T, c + r + extra, generator=g) * torch.logspace(-4, 3, T)[:, None]
+    # rows 1-4, 6, 7: make_slots skips every 5th token from 0
+    proj[1 % T, :128] = 0.0
+    proj[2 % T, :128] = -0.0
+    proj[3 % T, :128] = torch.logspace(-14, 1, 128) * torch.sign(torch.randn(128, generator=g))
+    if nonfinite:
+        proj[4 % T, 5], proj[6 % T, c - 1], proj[7 % T, c + 1] = math.nan, -math.inf, math.nan
+    proj = proj.to(dtype).to(device)
+    return proj[:, :c], proj[:, c: c + r]
+
+
+def assert_unwritten_rows_untouched(ours, before, slots):
+    """Rows whose slot no token names keep every byte (NaN poison included)."""
+    written = torch.zeros(ours.shape[0] * ours.shape[1], dtype=torch.bool)
+    written[slots[slots >= 0].cpu()] = True
+    flat_ours = bits(ours).reshape(written.numel(), -1).cpu()
+    flat_before = bits(before).reshape(written.numel(), -1).cpu()
+    assert torch.equal(flat_ours[~written], flat_before[~written])
+    assert not torch.equal(flat_ours[written], flat_before[written])
+
+
+def test_reference_ds_mla_matches_the_loop():
+    c, r, block_size = 256, 8, 4
+    kv_c, k_pe = make_ds_rows(9, c, r, torch.float32, "cpu", extra=3)
+    cache = make_cache(3, block_size, ds_width(c, r), torch.uint8, "cpu")
+    slots = make_slots(9, 12, "cpu", skip_every=4)
+    want = cache.clone()
+    concat_and_cache_reference(kv_c, k_pe, cache, slots, **DS)
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            want[slot // block_size, slot % block_size] = fp8.quantize_ds_mla(kv_c[i:i + 1],
+                                                                               k_pe[i:i + 1])[0]
+    assert_bitwise_equal(cache, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 64])
+# 656 bytes a row (V3); c = 1152 sweeps 512 values twice and then 128; r = 3 makes rows of 135
+# bytes, so scales sit off 4-byte boundaries
+@pytest.mark.parametrize("c,r,extra", [(512, 64, 0), (512, 64, 7), (1152, 64, 0), (128, 3, 1)])
+def test_cpu_ds_mla_matches_reference(ext, dtype, block_size, c, r, extra):
+    T = 37
+    num_blocks = -(-2 * T // block_size)
+    kv_c, k_pe = make_ds_rows(T, c, r, dtype, "cpu", extra=extra, nonfinite=True)
+    cache = make_cache(num_blocks, block_size, ds_width(c, r), torch.uint8, "cpu")
+    slots = make_slots(T, num_blocks * block_size, "cpu")
+    ours, ref = run_both(kv_c, k_pe, cache, slots, **DS)
+    assert_bitwise_equal(ours, ref)
+    assert_unwritten_rows_untouched(ours, cache, slots)
+
+
+def _ds_bad_cases():
+    """(name, change to a good V3 call, exception, message regex)."""
+    return [
+        ("width 655", lambda a: a.update(kv_cache=torch.zeros(3, 8, 655, dtype=torch.uint8)),
+         ValueError, r"kv_cache last dim must be c \+ 4\*c/128 \+ 2\*r = 512 \+ 16 \+ 128 = 656 "
+                     r"bytes for kv_cache_dtype='fp8_ds_mla', got shape \(3, 8, 655\)"),
+        ("width 657", lambda a: a.update(kv_cache=torch.zeros(3, 8, 657, dtype=torch.uint8)),
+         ValueError, r"= 656 bytes .*got shape \(3, 8, 657\)"),
+        ("width 576 fp8", lambda a: a.update(kv_cache=torch.zeros(3, 8, 576, dtype=FP8)),
+         ValueError, r"656 bytes for kv_cache_dtype='fp8_ds_mla'"),
+        ("int8 cache", lambda a: a.update(kv_cache=torch.zeros(3, 8, 656, dtype=torch.int8)),
+         TypeError, r"kv_cache must be torch.uint8 for kv_cache_dtype='fp8_ds_mla', got "
+                    r"torch.int8"),
+        ("c = 500", lambda a: a.update(kv_c=a["kv_c"][:, :500]), ValueError,
+         r"kv_c's last dim c must be a positive multiple of 128 .*got c = 500"),
+        ("a scale", lambda a: a.update(scale=1.0), ValueError,
+         r"scale must be None for kv_cache_dtype='fp8_ds_mla'"),
+        ("slot too big", lambda a: a["slot_mapping"].__setitem__(1, 24), ValueError,
+         r"slot_mapping values must lie in \[-1, num_blocks \* block_size = 24\), got 24"),
+        ("no float8", lambda a: a.update(no_fp8=True), RuntimeError,
+         r"kv_cache_dtype='fp8_ds_mla' needs torch.float8_e4m3fn"),
+    ]
+
+
+DS_BAD = _ds_bad_cases()
+
+
+@pytest.mark.parametrize("backend", ["extension", "reference"])
+@pytest.mark.parametrize("case", DS_BAD, ids=[b[0] for b in DS_BAD])
+def test_ds_mla_bad_input_raises_and_leaves_cache_unchanged(ext, backend, case, monkeypatch):
+    _, change, exc, match = case
+    kv_c, k_pe = make_ds_rows(6, 512, 64, torch.bfloat16, "cpu")
+    args = dict(kv_c=kv_c, k_pe=k_pe, kv_cache=make_cache(3, 8, 656, torch.uint8, "cpu"),
+                slot_mapping=make_slots(6, 24, "cpu", skip_every=0), scale=None, **DS)
+    change(args)
+    assert_refused(args, exc, match, backend, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda a: a.update(cache=torch.zeros(2, 4, 655, dtype=torch.uint8)),
+         r"kv_cache last dim must be c \+ 4 c/128 \+ 2 r = 656 bytes .*got 655"),
+        (lambda a: a.update(cache=torch.zeros(2, 4, 656, dtype=FP8)), r"kv_cache must be uint8"),
+        (lambda a: a.update(scale=torch.ones(1)), r"scale must be None"),
+        (lambda a: a.update(kv_c=a["kv_c"][:, :100].contiguous(),
+                            cache=torch.zeros(2, 4, 228, dtype=torch.uint8)),
+         r"multiple of 128 for kv_cache_dtype 'fp8_ds_mla', got 100"),
+        (lambda a: a.update(slots=torch.tensor([0, 8, 1])), r"slot_mapping\[1\] = 8 is outside"),
+    ],
+)
+def test_cpp_checks_ds_mla(ext, change, match):
+    kv_c, k_pe = make_ds_rows(3, 512, 64, torch.bfloat16, "cpu")
+    a = dict(kv_c=kv_c, k_pe=k_pe, cache=make_cache(2, 4, 656, torch.uint8, "cpu"),
+             slots=torch.tensor([0, 5, 7]), scale=None)
+    change(a)
+    before = a["cache"].clone()
+    with pytest.raises(RuntimeError, match=match):
+        _op(a["kv_c"], a["k_pe"], a["cache"], a["slots"], "fp8_ds_mla", a["scale"])
     assert_bitwise_equal(a["cache"], before)
 
 
@@ -369,14 +522,17 @@ def test_cuda_fp8_matches_reference(ext, dtype, scale, extra):
 
 @pytest.mark.gpu
 @requires_gpu
-def test_cuda_kernel_skips_out_of_range_slots(ext):
+@pytest.mark.parametrize("kv_cache_dtype,width,make", [("auto", 576, make_rows),
+                                                       ("fp8_ds_mla", 656, make_ds_rows)])
+def test_cuda_kernel_skips_out_of_range_slots(ext, kv_cache_dtype, width, make):
     """A direct op call with a bad slot must not write out of bounds (the wrapper rejects it)."""
-    kv_c, k_pe = make_rows(4, 512, 64, torch.bfloat16, "cuda")
-    cache = make_cache(2, 16, 576, torch.bfloat16, "cuda")
+    kv_c, k_pe = make(4, 512, 64, torch.bfloat16, "cuda")
+    cache = make_cache(2, 16, width, kv_c.dtype if width == 576 else torch.uint8, "cuda")
     slots = torch.tensor([3, 32, 1 << 40, 7], device="cuda")
     want = cache.clone()
-    concat_and_cache_reference(kv_c[[0, 3]], k_pe[[0, 3]], want, slots[[0, 3]])
-    _op(kv_c, k_pe, cache, slots)
+    concat_and_cache_reference(kv_c[[0, 3]], k_pe[[0, 3]], want, slots[[0, 3]],
+                               kv_cache_dtype=kv_cache_dtype)
+    _op(kv_c, k_pe, cache, slots, kv_cache_dtype)
     torch.cuda.synchronize()
     assert_bitwise_equal(cache, want)
 
@@ -390,6 +546,29 @@ def test_cuda_empty_and_all_skipped(ext):
     concat_and_cache(kv_c[:0], k_pe[:0], cache, torch.empty(0, dtype=torch.int64, device="cuda"))
     concat_and_cache(kv_c, k_pe, cache, torch.full((5,), -1, device="cuda"))
     assert_bitwise_equal(cache, before)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 64])
+# (512, 64, 0): 16-byte loads and stores; extra 7: scalar loads; c = 1152: a sweep with idle
+# lanes; r = 3: 135-byte rows, byte stores
+@pytest.mark.parametrize("c,r,extra", [(512, 64, 0), (512, 64, 7), (1152, 64, 8), (128, 3, 0)])
+def test_cuda_ds_mla_matches_reference(ext, dtype, block_size, c, r, extra):
+    """Every NaN is written as its format's positive quiet NaN, so NaN and inf inputs compare
+    bit for bit too."""
+    T = 301
+    num_blocks = -(-2 * T // block_size)
+    kv_c, k_pe = make_ds_rows(T, c, r, dtype, "cuda", extra=extra, nonfinite=True)
+    cache = make_cache(num_blocks, block_size, ds_width(c, r), torch.uint8, "cuda")
+    slots = make_slots(T, num_blocks * block_size, "cuda")
+    ours, ref = run_both(kv_c, k_pe, cache, slots, **DS)
+    assert_bitwise_equal(ours, ref)
+    assert_unwritten_rows_untouched(ours, cache, slots)
+    ours_cpu = cache.cpu()
+    concat_and_cache(kv_c.cpu(), k_pe.cpu(), ours_cpu, slots.cpu(), backend="extension", **DS)
+    assert_bitwise_equal(ours.cpu(), ours_cpu)
 
 
 @pytest.mark.gpu

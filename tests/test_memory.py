@@ -41,3 +41,27 @@ def test_flop_counts_name_a_bad_argument():
         memory.prefill_crossover(cfg, -1)
     with pytest.raises(ValueError, match="bits_per_element"):
         memory.paper_kv_reduction_vs_67b(0)
+
+
+def test_latent_cache_bytes_per_cache_dtype():
+    """DeepSeek-V3's latent cache a token a layer: 1152 bytes in bf16, 576 in fp8_e4m3, 656 in
+    fp8_ds_mla (512 e4m3 values, 4 float32 scales, 64 bf16 rope values)."""
+    v3 = MLAConfig.from_preset("deepseek-v3")
+    assert memory.latent_cache_bytes_per_token(v3) == 1152
+    assert memory.latent_cache_bytes_per_token(v3, "auto", bytes_per_element=4) == 2304
+    assert memory.latent_cache_bytes_per_token(v3, "fp8_e4m3") == 576
+    assert memory.latent_cache_bytes_per_token(v3, "fp8") == 576
+    assert memory.latent_cache_bytes_per_token(v3, "fp8_ds_mla") == 512 + 4 * 4 + 2 * 64 == 656
+    rows = {r["scheme"]: r for r in memory.kv_cache_table(v3, seq_len=10, num_layers=61)}
+    assert rows["mla"]["bytes_per_token"] == 1152 * 61
+    assert rows["mla-fp8_e4m3"]["bytes_per_token"] == 576 * 61
+    assert rows["mla-fp8_ds_mla"]["bytes_per_sequence"] == 656 * 61 * 10
+    assert rows["mla-fp8_ds_mla"]["elements_per_token_layer"] == 576
+    # the fp8 layouts fix their bytes: a float32 table changes only the other rows
+    rows32 = {r["scheme"]: r for r in memory.kv_cache_table(v3, 10, 61, bytes_per_element=4.0)}
+    assert rows32["mla"]["bytes_per_token"] == 2304 * 61
+    assert rows32["mla-fp8_ds_mla"]["bytes_per_token"] == 656 * 61
+    with pytest.raises(ValueError, match="kv_cache_dtype must be .*got 'int4'"):
+        memory.latent_cache_bytes_per_token(v3, "int4")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        memory.latent_cache_bytes_per_token(MLAConfig.from_preset("tiny"), "fp8_ds_mla")

@@ -10,7 +10,10 @@ then the rotated rope key ``k_pe``; 512 + 64 = 576 for DeepSeek-V2/V3). Blocks o
 
 ``q`` is the identity for ``kv_cache_dtype="auto"`` (the cache has the inputs' dtype) and
 ``e4m3(clamp(x / scale, -448, 448))`` for ``"fp8"`` / ``"fp8_e4m3"`` (a ``float8_e4m3fn``
-cache; read back as ``x ~= cache.float() * scale``). Slot -1 skips the token (padding).
+cache; read back as ``x ~= cache.float() * scale``). ``"fp8_ds_mla"`` stores FlashMLA's token
+instead, a ``uint8`` row of c + 4·c/128 + 2·r bytes (656 for DeepSeek): the latent in e4m3 with
+one float32 scale per 128 values, computed as the row is written, then k_pe in bf16
+(``mla.kernels.fp8`` spells out the layout and its rounding). Slot -1 skips the token (padding).
 
 Three implementations of the same op:
 
@@ -30,13 +33,12 @@ import warnings
 
 import torch
 
+from . import fp8
 from .extension import extension_available, load_extension
 
 __all__ = ["concat_and_cache", "concat_and_cache_reference"]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_FP8_NAMES = ("fp8", "fp8_e4m3")
-_FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 # ----------------------------------------------------------------------------------------------
 # The fallback when the extension does not serve the device
@@ -63,26 +65,52 @@ def _warn_fallback_once(device: torch.device) -> None:
 # Validation (shared by every backend, before anything is written)
 
 
-def _fp8_cache(kv_cache_dtype: str) -> bool:
-    if kv_cache_dtype == "auto":
-        return False
-    if kv_cache_dtype in _FP8_NAMES:
-        return True
-    raise ValueError(
-        f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {kv_cache_dtype!r}"
-    )
+def _check_cache_layout(kind, kv_cache_dtype, kv_c, kv_cache, c, r) -> None:
+    """The cache's width and dtype for the layout ``kind`` (the canonical name)."""
+    if kind != "auto":
+        fp8._require_fp8(kv_cache_dtype)
+    if kind == "fp8_ds_mla":
+        if c % fp8.DS_MLA_GROUP or c == 0:
+            raise ValueError(
+                f"kv_c's last dim c must be a positive multiple of {fp8.DS_MLA_GROUP} for "
+                f"kv_cache_dtype='fp8_ds_mla' (one float32 scale per {fp8.DS_MLA_GROUP} "
+                f"values), got c = {c}"
+            )
+        width = fp8.bytes_per_token(kind, c, r)
+        formula = f"c + 4*c/128 + 2*r = {c} + {4 * c // 128} + {2 * r} = {width} bytes"
+        dtype, what = torch.uint8, "be torch.uint8"
+    else:
+        width, formula = c + r, f"c + r = {c} + {r} = {c + r}"
+        if kind == "auto":
+            dtype, what = kv_c.dtype, f"have the inputs' dtype {kv_c.dtype}"
+        else:
+            dtype, what = torch.float8_e4m3fn, "be torch.float8_e4m3fn"
+    if kv_cache.shape[2] != width:
+        raise ValueError(
+            f"kv_cache last dim must be {formula} for kv_cache_dtype={kv_cache_dtype!r}, got "
+            f"shape {tuple(kv_cache.shape)}"
+        )
+    if kv_cache.dtype != dtype:
+        hint = {"float8_e4m3fn": " (pass kv_cache_dtype='fp8_e4m3')",
+                "uint8": " (pass kv_cache_dtype='fp8_ds_mla')"}.get(
+                    str(kv_cache.dtype).removeprefix("torch."), "") if kind == "auto" else ""
+        raise TypeError(
+            f"kv_cache must {what} for kv_cache_dtype={kv_cache_dtype!r}, got "
+            f"{kv_cache.dtype}{hint}"
+        )
 
 
 def _validate(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale) -> torch.Tensor | None:
-    """Check every argument; return the fp8 scale as a (1,) float32 tensor on the cache's device
-    (None for "auto"). Raises ValueError / TypeError naming the argument and what was expected."""
-    fp8 = _fp8_cache(kv_cache_dtype)
+    """Check every argument; return the fp8_e4m3 scale as a (1,) float32 tensor on the cache's
+    device (None for the other layouts). Raises ValueError / TypeError / RuntimeError naming the
+    argument and what was expected."""
+    kind = fp8.canonical_kv_cache_dtype(kv_cache_dtype)
     for name, t in (("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache),
                     ("slot_mapping", slot_mapping)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
-    # ---- shapes
+    # ---- shapes and dtypes of the inputs
     if kv_c.dim() != 2:
         raise ValueError(f"kv_c must be (T, c), got shape {tuple(kv_c.shape)}")
     if k_pe.dim() != 2:
@@ -91,38 +119,23 @@ def _validate(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale) -> torc
     r = k_pe.shape[1]
     if k_pe.shape[0] != T:
         raise ValueError(f"k_pe must have T = {T} rows like kv_c, got shape {tuple(k_pe.shape)}")
-    if kv_cache.dim() != 3:
-        raise ValueError(
-            f"kv_cache must be (num_blocks, block_size, c + r), got shape {tuple(kv_cache.shape)}"
-        )
-    if kv_cache.shape[2] != c + r:
-        raise ValueError(
-            f"kv_cache last dim must be c + r = {c} + {r} = {c + r}, got shape "
-            f"{tuple(kv_cache.shape)}"
-        )
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != T:
         raise ValueError(
             f"slot_mapping must be (T,) = ({T},), got shape {tuple(slot_mapping.shape)}"
         )
-
-    # ---- dtypes
     if kv_c.dtype not in _INPUT_DTYPES:
         raise TypeError(f"kv_c must be bfloat16, float16 or float32, got {kv_c.dtype}")
     if k_pe.dtype != kv_c.dtype:
         raise TypeError(f"k_pe must have kv_c's dtype {kv_c.dtype}, got {k_pe.dtype}")
-    if fp8 and kv_cache.dtype != torch.float8_e4m3fn:
-        raise TypeError(
-            f"kv_cache must be torch.float8_e4m3fn for kv_cache_dtype={kv_cache_dtype!r}, "
-            f"got {kv_cache.dtype}"
-        )
-    if not fp8 and kv_cache.dtype != kv_c.dtype:
-        raise TypeError(
-            f"kv_cache must have the inputs' dtype {kv_c.dtype} for kv_cache_dtype='auto', got "
-            f"{kv_cache.dtype}" + (" (pass kv_cache_dtype='fp8')"
-                                   if kv_cache.dtype == torch.float8_e4m3fn else "")
-        )
     if slot_mapping.dtype != torch.int64:
         raise TypeError(f"slot_mapping must be torch.int64, got {slot_mapping.dtype}")
+
+    # ---- the cache: its layout's dtype and width
+    if kv_cache.dim() != 3:
+        raise ValueError(
+            f"kv_cache must be (num_blocks, block_size, width), got shape {tuple(kv_cache.shape)}"
+        )
+    _check_cache_layout(kind, kv_cache_dtype, kv_c, kv_cache, c, r)
 
     # ---- devices and layout
     device = kv_cache.device
@@ -137,9 +150,14 @@ def _validate(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale) -> torc
     if not kv_cache.is_contiguous():
         raise ValueError(f"kv_cache must be contiguous, got strides {kv_cache.stride()}")
 
-    # ---- fp8 scale
+    # ---- the scale: given for fp8_e4m3, computed per group for fp8_ds_mla
     scale_t = None
-    if fp8:
+    if kind == "fp8_ds_mla" and scale is not None:
+        raise ValueError(
+            "scale must be None for kv_cache_dtype='fp8_ds_mla': its scales are computed per "
+            "token and per 128-value group as the row is written"
+        )
+    if kind == "fp8_e4m3":
         if scale is None:
             raise ValueError(f"scale is required for kv_cache_dtype={kv_cache_dtype!r}")
         if isinstance(scale, torch.Tensor):
@@ -185,12 +203,15 @@ def concat_and_cache_reference(
 ) -> torch.Tensor:
     """The spec in plain torch: same arguments and result as ``concat_and_cache``."""
     scale_t = _validate(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale)
-    rows = torch.cat([kv_c, k_pe], dim=-1)  # (T, c + r)
-    flat = kv_cache.view(-1, kv_cache.shape[-1])  # (num_blocks * block_size, c + r)
-    if scale_t is not None:
-        # Divide by a tensor (never a Python scalar: CUDA would multiply by the reciprocal).
-        rows = (rows.float() / scale_t).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
-        rows, flat = rows.view(torch.uint8), flat.view(torch.uint8)  # index_put_ on the bytes
+    kind = fp8.canonical_kv_cache_dtype(kv_cache_dtype)
+    flat = kv_cache.view(-1, kv_cache.shape[-1])  # (num_blocks * block_size, width)
+    if kind == "auto":
+        rows = torch.cat([kv_c, k_pe], dim=-1)  # (T, c + r)
+    elif kind == "fp8_e4m3":
+        rows = fp8.quantize_e4m3(kv_c, k_pe, scale_t).view(torch.uint8)  # (T, c + r)
+        flat = flat.view(torch.uint8)  # index_put_ on the bytes
+    else:
+        rows = fp8.quantize_ds_mla(kv_c, k_pe)  # (T, c + 4·c/128 + 2·r) uint8
     keep = slot_mapping >= 0  # (T,)
     flat.index_put_((slot_mapping[keep],), rows[keep])
     return kv_cache
@@ -212,12 +233,17 @@ def concat_and_cache(
         kv_c: (T, c) bf16 / fp16 / fp32, the normed latent; any row stride, last dim contiguous
             (usually ``proj[:, :c]`` of the ``kv_a_proj_with_mqa`` output ``proj`` (T, c + r)).
         k_pe: (T, r), kv_c's dtype, the rotated rope key; any row stride, last dim contiguous.
-        kv_cache: (num_blocks, block_size, c + r), contiguous; kv_c's dtype for
-            ``kv_cache_dtype="auto"``, ``torch.float8_e4m3fn`` for ``"fp8"`` / ``"fp8_e4m3"``.
+        kv_cache: (num_blocks, block_size, width), contiguous: width c + r in kv_c's dtype for
+            ``kv_cache_dtype="auto"``, c + r ``torch.float8_e4m3fn`` for ``"fp8_e4m3"``,
+            c + 4·c/128 + 2·r ``torch.uint8`` for ``"fp8_ds_mla"`` (656 for c = 512, r = 64).
         slot_mapping: (T,) int64, ``block * block_size + offset`` per token; -1 skips it.
-        kv_cache_dtype: ``"auto"`` (store as is) or ``"fp8"`` / ``"fp8_e4m3"`` (store
-            ``e4m3(clamp(x / scale, -448, 448))``).
-        scale: fp8 only (ignored for "auto"): a positive float or a 1-element float32 tensor.
+        kv_cache_dtype: ``"auto"`` (store as is), ``"fp8_e4m3"`` or its alias ``"fp8"`` (store
+            ``e4m3(clamp(x / scale, -448, 448))``), or ``"fp8_ds_mla"`` (FlashMLA's token: the
+            latent in e4m3 with a float32 scale per 128 values, then k_pe in bf16; the layout
+            and its rounding are in ``mla.kernels.fp8``). Both fp8 layouts need a torch with
+            ``torch.float8_e4m3fn``.
+        scale: ``"fp8_e4m3"`` only: a positive finite float or a 1-element float32 tensor;
+            ignored for ``"auto"``, refused for ``"fp8_ds_mla"`` (which computes its scales).
         backend: ``None`` (the extension if it loads, else the reference with one warning),
             ``"extension"`` (raise if it is not available) or ``"reference"``.
 

@@ -1,0 +1,216 @@
+"""The two fp8 layouts of the latent cache, as plain torch: how a row is quantised and read back.
+
+A cache row holds one token's ``[kv_c | k_pe]`` (c latent values, then r rope values). Two fp8
+layouts keep it in fewer bytes than the weights' dtype (``"auto"``, 2·(c + r) bytes in bf16):
+
+``"fp8_e4m3"`` (alias ``"fp8"``): a ``float8_e4m3fn`` cache of width c + r and ONE float32 scale
+for the whole cache, given by the caller::
+
+    row = e4m3(clamp([kv_c | k_pe] / scale, -448, 448))          # (c + r,) one byte a value
+                                                                  # (a NaN as 0x7F)
+    [kv_c | k_pe] ~= row.float() * scale
+
+``"fp8_ds_mla"`` (FlashMLA's "FP8 with scale" token, vLLM's name): a ``uint8`` cache of
+c + 4·c/128 + 2·r bytes a token (656 for c = 512, r = 64), scales computed per token and per
+group of 128 latent values as the row is written::
+
+    bytes [0, c)                    e4m3(clamp(kv_c[g·128 + j] / scale[g], -448, 448))
+    bytes [c, c + 4·c/128)          scale[g] = max(amax_g / 448, 2^-126), float32 little-endian
+    bytes [c + 4·c/128, ... + 2·r)  k_pe in bfloat16, little-endian
+
+with amax_g = max |kv_c| over group g. Every rounding is to nearest, ties to even: the scale is
+the float32 quotient amax_g / 448 (IEEE division), the value the float32 quotient x / scale
+clamped to +-448 (the clamp catches the one-ulp overshoot of amax_g / scale), then rounded to
+e4m3; k_pe is rounded to bfloat16. A group of zeros (or of values below 448·2^-126) takes the
+floor scale 2^-126, a normal float32, so no reader ever divides by zero or multiplies by a
+denormal; its values encode as zeros of their sign. A NaN (inf) in a group makes that group's
+scale NaN (inf) and its values NaN (NaN or zero): one bad value spoils its 128 neighbours and
+no more. Every NaN is stored as the positive quiet NaN of its format (float32 0x7FC00000, e4m3
+0x7F, bf16 0x7FC0), so all writers agree on its bits. docs/derivations/fp8-cache.md derives the error
+bound the tests check.
+
+These functions are the spec that ``concat_and_cache`` (torch reference, C++ twin, CUDA kernel)
+writes to and that the decode kernels read against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "KV_CACHE_DTYPES", "DS_MLA_GROUP", "E4M3_MAX", "MIN_SCALE", "canonical_kv_cache_dtype",
+    "fp8_available", "bytes_per_token", "ds_mla_layout", "quantize_e4m3", "dequantize_e4m3",
+    "calibrate_e4m3_scale", "quantize_ds_mla", "dequantize_ds_mla",
+]
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
+DS_MLA_GROUP = 128  # latent values sharing one float32 scale in fp8_ds_mla
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn: 2^8 · 1.75
+MIN_SCALE = 2.0**-126  # the smallest normal float32: the floor of every computed scale
+
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def canonical_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    """``"auto"``, ``"fp8_e4m3"`` or ``"fp8_ds_mla"`` (``"fp8"`` is ``"fp8_e4m3"``); ValueError
+    naming ``kv_cache_dtype`` for anything else."""
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return "fp8_e4m3"
+    if kv_cache_dtype in ("auto", "fp8_ds_mla"):
+        return kv_cache_dtype
+    raise ValueError(
+        f"kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_ds_mla', got {kv_cache_dtype!r}"
+    )
+
+
+def fp8_available() -> bool:
+    """Whether this torch build has ``torch.float8_e4m3fn`` (torch >= 2.1)."""
+    return hasattr(torch, "float8_e4m3fn")
+
+
+def _require_fp8(kv_cache_dtype: str) -> None:
+    if not fp8_available():
+        raise RuntimeError(
+            f"kv_cache_dtype={kv_cache_dtype!r} needs torch.float8_e4m3fn, which this torch "
+            f"{torch.__version__} lacks (torch >= 2.1 has it); use kv_cache_dtype='auto'"
+        )
+
+
+def _ds_mla_groups(kv_lora_rank: int) -> int:
+    if kv_lora_rank <= 0 or kv_lora_rank % DS_MLA_GROUP:
+        raise ValueError(
+            f"kv_lora_rank c must be a positive multiple of {DS_MLA_GROUP} for "
+            f"kv_cache_dtype='fp8_ds_mla' (one float32 scale per {DS_MLA_GROUP} values), got "
+            f"c = {kv_lora_rank}"
+        )
+    return kv_lora_rank // DS_MLA_GROUP
+
+
+def bytes_per_token(kv_cache_dtype: str, kv_lora_rank: int, rope_dim: int,
+                    dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes one token takes in one layer's cache: (c + r)·itemsize for ``"auto"`` (``dtype`` is
+    the weights' dtype), c + r for ``"fp8_e4m3"``, c + 4·c/128 + 2·r for ``"fp8_ds_mla"``.
+    DeepSeek-V3 (c = 512, r = 64): 1152 (bf16), 576, 656."""
+    kind = canonical_kv_cache_dtype(kv_cache_dtype)
+    c, r = int(kv_lora_rank), int(rope_dim)
+    if kind == "auto":
+        return (c + r) * torch.empty((), dtype=dtype).element_size()
+    if kind == "fp8_e4m3":
+        return c + r
+    return c + 4 * _ds_mla_groups(c) + 2 * r
+
+
+def ds_mla_layout(kv_lora_rank: int, rope_dim: int) -> dict[str, tuple[int, int]]:
+    """Byte ranges [start, end) of one fp8_ds_mla token: ``values``, ``scales``, ``rope``.
+    For c = 512, r = 64: (0, 512), (512, 528), (528, 656)."""
+    groups = _ds_mla_groups(kv_lora_rank)
+    c, r = kv_lora_rank, rope_dim
+    return {"values": (0, c), "scales": (c, c + 4 * groups),
+            "rope": (c + 4 * groups, c + 4 * groups + 2 * r)}
+
+
+def _check_rows(kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
+    for name, t, shape in (("kv_c", kv_c, "(T, c)"), ("k_pe", k_pe, "(T, r)")):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D tensor {shape}")
+        if t.dtype not in _INPUT_DTYPES:
+            raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
+    if k_pe.shape[0] != kv_c.shape[0]:
+        raise ValueError(f"k_pe must have kv_c's T = {kv_c.shape[0]} rows, got {k_pe.shape[0]}")
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8_e4m3: one scale for the whole cache
+
+
+def _scale_tensor(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``scale`` as a (1,) float32 tensor on ``device``; ValueError unless positive and finite."""
+    s = torch.as_tensor(scale, dtype=torch.float32).reshape(-1).to(device)
+    if s.numel() != 1 or not (torch.isfinite(s).all() and (s > 0).all()):
+        raise ValueError(f"scale must be one positive finite number, got {scale!r}")
+    return s
+
+
+def quantize_e4m3(kv_c: torch.Tensor, k_pe: torch.Tensor,
+                  scale: float | torch.Tensor) -> torch.Tensor:
+    """(T, c), (T, r) -> (T, c + r) float8_e4m3fn rows: e4m3(clamp([kv_c | k_pe] / s, ±448))."""
+    _require_fp8("fp8_e4m3")
+    _check_rows(kv_c, k_pe)
+    s = _scale_tensor(scale, kv_c.device)
+    rows = torch.cat([kv_c, k_pe], dim=-1).float()  # (T, c + r)
+    # Divide by a tensor, never a Python scalar: CUDA would multiply by the reciprocal.
+    v = (rows / s).clamp(-E4M3_MAX, E4M3_MAX)
+    return v.masked_fill(v.isnan(), math.nan).to(torch.float8_e4m3fn)  # a NaN as 0x7F
+
+
+def dequantize_e4m3(rows: torch.Tensor, kv_lora_rank: int,
+                    scale: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, c + r) float8_e4m3fn rows -> kv_c (T, c), k_pe (T, r) float32 = row · scale."""
+    _require_fp8("fp8_e4m3")
+    if rows.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"rows must be torch.float8_e4m3fn, got {rows.dtype}")
+    x = rows.float() * _scale_tensor(scale, rows.device)  # (T, c + r)
+    return x[..., :kv_lora_rank], x[..., kv_lora_rank:]
+
+
+def calibrate_e4m3_scale(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """The per-cache scale that maps the largest |value| of these rows to 448: a (1,) float32
+    tensor max(amax / 448, 2^-126), the fp8_ds_mla rule applied to all of them at once."""
+    _check_rows(kv_c, k_pe)
+    amax = torch.zeros(1, dtype=torch.float32, device=kv_c.device)
+    for t in (kv_c, k_pe):
+        if t.numel():
+            amax = torch.maximum(amax, t.abs().amax().float())  # NaN propagates
+    if not torch.isfinite(amax).all():
+        raise ValueError("kv_c and k_pe must be finite to calibrate a scale")
+    return (amax / torch.tensor(E4M3_MAX, device=amax.device)).clamp_min(MIN_SCALE)
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8_ds_mla: 128-value groups with their own scale, rope kept in bf16
+
+
+def quantize_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """(T, c), (T, r) -> (T, c + 4·c/128 + 2·r) uint8 rows in FlashMLA's layout (module doc)."""
+    _require_fp8("fp8_ds_mla")
+    _check_rows(kv_c, k_pe)
+    T, c = kv_c.shape
+    groups = _ds_mla_groups(c)
+    x = kv_c.float().reshape(T, groups, DS_MLA_GROUP)  # (T, c/128, 128)
+    amax = x.abs().amax(dim=-1)  # (T, c/128); NaN propagates
+    scale = (amax / torch.tensor(E4M3_MAX, device=x.device)).clamp_min(MIN_SCALE)  # (T, c/128)
+    values = (x / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX)  # (T, c/128, 128)
+    rope = k_pe.to(torch.bfloat16).contiguous()  # (T, r)
+    # every NaN stored as the positive quiet NaN of its format (float32 0x7FC00000, e4m3 0x7F,
+    # bf16 0x7FC0), so all writers agree on its bits
+    scale = scale.masked_fill(scale.isnan(), math.nan)
+    values = values.masked_fill(values.isnan(), math.nan).to(torch.float8_e4m3fn)
+    rope = rope.masked_fill(rope.isnan(), math.nan)
+    return torch.cat([values.view(torch.uint8).reshape(T, c),
+                      scale.contiguous().view(torch.uint8).reshape(T, 4 * groups),
+                      rope.view(torch.uint8).reshape(T, 2 * k_pe.shape[1])], dim=-1)
+
+
+def dequantize_ds_mla(rows: torch.Tensor, kv_lora_rank: int,
+                      rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., c + 4·c/128 + 2·r) uint8 rows -> kv_c (..., c) = value · scale of its group and
+    k_pe (..., r), both float32."""
+    _require_fp8("fp8_ds_mla")
+    layout = ds_mla_layout(kv_lora_rank, rope_dim)
+    width = layout["rope"][1]
+    if rows.dtype != torch.uint8 or rows.shape[-1] != width:
+        raise ValueError(
+            f"rows must be uint8 (..., {width}) for c = {kv_lora_rank}, r = {rope_dim}, got "
+            f"{rows.dtype} {tuple(rows.shape)}"
+        )
+    lead = rows.shape[:-1]
+    rows = rows.reshape(-1, width).contiguous()  # (N, width)
+    groups = kv_lora_rank // DS_MLA_GROUP
+    (v0, v1), (s0, s1), (p0, p1) = layout["values"], layout["scales"], layout["rope"]
+    values = rows[:, v0:v1].contiguous().view(torch.float8_e4m3fn).float()  # (N, c)
+    scale = rows[:, s0:s1].contiguous().view(torch.float32)  # (N, c/128)
+    kv_c = (values.reshape(-1, groups, DS_MLA_GROUP) * scale[..., None]).reshape(-1, kv_lora_rank)
+    k_pe = rows[:, p0:p1].contiguous().view(torch.bfloat16).float()  # (N, r)
+    return kv_c.reshape(*lead, kv_lora_rank), k_pe.reshape(*lead, rope_dim)
