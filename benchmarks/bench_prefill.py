@@ -8,6 +8,10 @@ empty cache):
 
 - ``layer``: the paged tier's whole call, x (b, s, hidden) -> y, projections included, through
   whatever prefill path the layer takes (the cache's lengths are reset to t before each call);
+- ``layer_attention``: the same call's attention alone, ``PagedMLA.attend_prefill`` replayed on
+  the arguments the layer gave it (the flash kernels, the context workspace and the merge, or
+  the decode kernel for rows attending absorbed), projections and cache write left out: the
+  number to hold against SDPA's;
 - ``sdpa_cudnn``, ``sdpa_efficient``, ``sdpa_flash``: ``scaled_dot_product_attention`` alone on
   up-projected q, k (b, h, ·, d + r) and v (b, h, ·, v), causal with the new tokens at the end
   (flash takes one head dim, so its v is padded to d + r and the output cut back);
@@ -18,8 +22,9 @@ Each gets ``*_ms`` (median of event-timed calls, the first call not counted), ``
 its projections out, so it reads low) and ``*_peak_mib`` (memory allocated above what was
 there before the call: for SDPA its up-projected inputs included, for the layer its cache and
 weights not). A contender that fails (out of memory, no kernel for these shapes) records
-``*_error``. The bf16 matmul rate of the same run is ``matmul_TFLOPs``. Prints a table and
-writes ``DEVICE-prefill.json``.
+``*_error``. ``layer_over_best_sdpa`` and ``layer_attention_over_best_sdpa`` are the layer's and
+its attention's time over the fastest SDPA backend's. The bf16 matmul rate of the same run is
+``matmul_TFLOPs``. Prints a table and writes ``DEVICE-prefill.json``.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ SHAPES = [  # (b, s, t): s new tokens a sequence over t cached ones
     (1, 4096, 32768), (1, 4096, 131072),
 ]
 SDPA = ("cudnn", "efficient", "flash")
-CONTENDERS = ("layer", *(f"sdpa_{name}" for name in SDPA), "flex")
+CONTENDERS = ("layer", "layer_attention", *(f"sdpa_{name}" for name in SDPA), "flex")
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -79,6 +84,8 @@ def add_rates(row: dict, flops: int) -> dict:
     times = [row.get(f"sdpa_{name}_ms") for name in SDPA]
     best = min((ms for ms in times if ms), default=None)
     row["layer_over_best_sdpa"] = row["layer_ms"] / best if best and row.get("layer_ms") else None
+    attention = row.get("layer_attention_ms")
+    row["layer_attention_over_best_sdpa"] = attention / best if best and attention else None
     return row
 
 
@@ -139,7 +146,8 @@ def _try(row: dict, name: str, run) -> None:
     torch.cuda.empty_cache()
 
 
-def bench_layer(paged, b: int, s: int, t: int) -> tuple[float, float]:
+def _layer_inputs(paged, b: int, s: int, t: int):
+    """(cache, x, reset): a cache of b rows holding t random tokens each, the new tokens x."""
     cfg = paged.config
     gen = torch.Generator(device="cuda").manual_seed(s + t)
     cache = paged.new_cache(b, t + s)
@@ -151,8 +159,35 @@ def bench_layer(paged, b: int, s: int, t: int) -> tuple[float, float]:
     def reset():
         cache.seq_lens[:] = t
 
+    return cache, x, reset
+
+
+def bench_layer(paged, b: int, s: int, t: int) -> tuple[float, float]:
+    cache, x, reset = _layer_inputs(paged, b, s, t)
     with torch.no_grad():
         return measure(lambda: paged(x, cache), reset)
+
+
+def bench_layer_attention(paged, b: int, s: int, t: int) -> tuple[float, float]:
+    """The layer's ``attend_prefill`` calls of one whole call, replayed: they read the cache and
+    write nothing, so the same arguments time the same work again."""
+    cache, x, reset = _layer_inputs(paged, b, s, t)
+    calls = []
+
+    def record(*args):
+        calls.append(args)
+        return type(paged).attend_prefill(paged, *args)
+
+    paged.attend_prefill = record
+    try:
+        reset()
+        with torch.no_grad():
+            paged(x, cache)
+    finally:
+        del paged.attend_prefill
+    del x
+    with torch.no_grad():
+        return measure(lambda: [type(paged).attend_prefill(paged, *args) for args in calls])
 
 
 def bench_sdpa(cfg, backend: str, b: int, s: int, t: int) -> tuple[float, float]:
@@ -216,6 +251,7 @@ def run(args) -> dict:
     for b, s, t in args.shapes:
         row = dict(b=b, s=s, t=t)
         _try(row, "layer", lambda: bench_layer(paged, b, s, t))
+        _try(row, "layer_attention", lambda: bench_layer_attention(paged, b, s, t))
         for backend in SDPA:
             _try(row, f"sdpa_{backend}", lambda: bench_sdpa(cfg, backend, b, s, t))
         if args.flex:

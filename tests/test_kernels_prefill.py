@@ -355,6 +355,18 @@ def test_chunked_context_bad_input_raises_and_writes_nothing():
         torch.testing.assert_close(case[k], t, rtol=0, atol=0, equal_nan=True)
 
 
+def test_chunked_context_with_host_context_lens():
+    """The host lengths a layer's plan holds: the same result; on the CPU a mismatch raises."""
+    case, context_rows = make_context_case([5, 12], [40, 3], page=16)
+    out, lse = chunked_context_prefill(**case, workspace_tokens=16, max_seqlen_q=12, context_lens_host=[40, 3])
+    ref_out, ref_lse = context_reference(case, context_rows)
+    assert rel_err(out, ref_out) < 1e-5
+    assert_lse_close(lse, ref_lse, 1e-5)
+    for bad in ([40, 4], [40]):
+        with pytest.raises(ValueError, match="context_lens_host must hold context_lens' 2 values"):
+            chunked_context_prefill(**case, max_seqlen_q=12, context_lens_host=bad)
+
+
 # ---- memory: the scores are never materialised -------------------------------------------------
 
 _MEMORY_SCRIPT = textwrap.dedent(

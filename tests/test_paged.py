@@ -726,10 +726,14 @@ def test_decode_step_checks_its_arguments_before_the_write():
 
 
 @pytest.mark.gpu
-def test_gpu_eager_call_moves_its_metadata_in_one_copy():
+@pytest.mark.parametrize("prefill", ["auto", "up-project"])
+def test_gpu_eager_call_moves_its_metadata_in_one_copy(prefill):
+    """Decode rows, short rows (the decode kernel) and, with "up-project", the flash kernels
+    over contexts of several 8-token workspace chunks: one copy in, none out."""
     from torch.profiler import ProfilerActivity, profile
     weights = mla.MLAWeights(TINY, dtype=torch.float16, device="cuda", seed=2)
-    paged = mla.build(weights, "paged", block_size=16, shuffle=5, num_kv_splits=2)
+    paged = mla.build(weights, "paged", block_size=16, shuffle=5, num_kv_splits=2,
+                      prefill=prefill, workspace_tokens=8)
     cache = paged.new_cache(4, 96)
     h = TINY.hidden_size
     with torch.no_grad():   # warm up: Triton compiles, the extension loads
@@ -781,3 +785,203 @@ def test_property_paged_equals_naive(batch, block_size, prefill, crossover, ragg
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
         assert p_cache.seq_lens.tolist() == n_cache.seq_lens.tolist()
+
+
+# ---- rows of several new tokens: the flash kernels (MHA mode) and the decode kernel (MQA) ----
+def spy_on_prefill(paged, taken, in_reference=None):
+    """Wrap paged.attend_prefill: each call's output is compared with attend_prefill_reference
+    on the same arguments (the cache as the kernels see it) and its path recorded in `taken`;
+    `in_reference` (a one-item list) is True while the reference runs."""
+    from mla.paged.layer import attend_prefill_reference
+    original = paged.attend_prefill
+    in_reference = [False] if in_reference is None else in_reference
+
+    def spy(path, q_nope, q_pe, kv_cache, rows):
+        out = original(path, q_nope, q_pe, kv_cache, rows)
+        in_reference[0] = True
+        ref = attend_prefill_reference(paged, path, q_nope, q_pe, kv_cache, rows)
+        in_reference[0] = False
+        assert torch.isfinite(out).all() and rel(out, ref) < 1e-5, path
+        taken.append((path, rows.max_new_len, max(rows.context_lens_host)))
+        return out
+
+    paged.attend_prefill = spy
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_flash_prefill_in_a_small_workspace_matches_the_reference(block_size, monkeypatch):
+    """Ragged prefill, extends over contexts of several 7-token workspace chunks, short rows of
+    2..8 tokens through the decode kernel; every unused page NaN. The score-materialising
+    functions are not called outside the reference."""
+    import mla.paged.layer as layer
+    absorbed, paged = pair(block_size, prefill="auto", prefill_crossover=9, workspace_tokens=7)
+    taken, in_reference = [], [False]
+    spy_on_prefill(paged, taken, in_reference)
+
+    def only_in_the_reference(real):
+        def guarded(*args, **kwargs):
+            assert in_reference[0], f"{real.__name__} called outside the reference"
+            return real(*args, **kwargs)
+        return guarded
+
+    for name in ("attend_up_projected", "attend_absorbed", "gather_pages"):
+        monkeypatch.setattr(layer, name, only_in_the_reference(getattr(layer, name)))
+    b, max_len = 3, 80
+    a_cache, p_cache = absorbed.new_cache(b, max_len), poisoned(paged, b, max_len)
+    for lengths in ([20, 0, 13], [12, 30, 1], [3, 8, 2], [9, 1, 0], [1, 4, 7]):
+        check_step(absorbed, paged, a_cache, p_cache, padded_batch(lengths, max(lengths)),
+                   lengths)
+    # prefill, extends over 13..20 cached tokens (2..3 chunks of 7), short rows, a 9-token row
+    assert taken == [("up-project", 20, 0), ("up-project", 30, 20), ("absorbed", 8, 32),
+                     ("up-project", 9, 35), ("absorbed", 7, 39)]
+
+
+def test_absorbed_rows_go_through_the_decode_kernel_in_queries_of_up_to_8(monkeypatch):
+    """prefill="absorbed": rows of 2..8 new tokens are one query each, (b, s_q, h, c + r) with
+    s_q their longest; longer rows are cut into pieces of 8; decode rows stay (b, h, c + r)."""
+    import mla.paged.layer as layer
+    absorbed, paged = pair(16, prefill="absorbed")
+    taken, shapes = [], []
+    spy_on_prefill(paged, taken)
+    original = layer.mla_decode
+
+    def decode_spy(q, *args, **kwargs):
+        shapes.append(tuple(q.shape[:-1]))
+        return original(q, *args, **kwargs)
+
+    monkeypatch.setattr(layer, "mla_decode", decode_spy)
+    a_cache, p_cache = absorbed.new_cache(3, 64), poisoned(paged, 3, 64)
+    h = TINY.num_heads
+    for lengths, expected in (([5, 2, 3], [(3, 5, h)]),
+                              ([1, 17, 9], [(1, h), (5, 8, h)]),         # 17 = 8 + 8 + 1, 9 = 8 + 1
+                              ([8, 0, 1], [(1, h), (1, 8, h)])):
+        shapes.clear()
+        check_step(absorbed, paged, a_cache, p_cache, padded_batch(lengths, max(lengths)), lengths)
+        assert shapes == expected, lengths
+
+
+def test_query_pieces_see_exactly_their_causal_prefix():
+    """Under FlashMLA's convention (query j of s_q sees seq_len - (s_q - 1 - j) rows), token j of
+    a row with t cached tokens sees t + j + 1 rows, in the row's own pieces."""
+    from mla.paged.layer import query_pieces
+    new_lens, context_lens = torch.tensor([2, 8, 9, 17, 3, 1]), torch.tensor([0, 5, 40, 1, 0, 7])
+    s_q, piece_row, seq_lens, slots = query_pieces(new_lens, context_lens)
+    assert s_q == 8 and piece_row.tolist() == [0, 1, 2, 2, 3, 3, 3, 4, 5]
+    assert len(set(slots.tolist())) == int(new_lens.sum())
+    token = 0
+    for k, (s, t) in enumerate(zip(new_lens.tolist(), context_lens.tolist())):
+        for j in range(s):
+            piece, place = divmod(int(slots[token]), s_q)
+            assert piece_row[piece] == k
+            assert int(seq_lens[piece]) - (s_q - 1 - place) == t + j + 1, (k, j)
+            token += 1
+    assert query_pieces(torch.tensor([3, 2]), torch.tensor([0, 0]))[0] == 3
+
+
+def test_workspace_tokens_is_checked_at_construction():
+    from mla.kernels.prefill import DEFAULT_WORKSPACE_TOKENS
+    weights = mla.MLAWeights(TINY)
+    assert mla.build(weights, "paged").workspace_tokens == DEFAULT_WORKSPACE_TOKENS
+    assert "workspace_tokens=5" in repr(mla.build(weights, "paged", workspace_tokens=5))
+    for bad in (0, -4, 2.5, True, "16", None.__class__):
+        with pytest.raises(ValueError, match="workspace_tokens must be a positive int"):
+            mla.build(weights, "paged", workspace_tokens=bad)
+
+
+_LONG_CONTEXT_SCRIPT = """
+import resource, sys, torch
+sys.path.insert(0, {root!r})
+import mla
+torch.manual_seed(0)
+cfg = mla.MLAConfig.from_preset("tiny")
+paged = mla.build(mla.MLAWeights(cfg, seed=0), "paged", prefill="up-project", block_size=64)
+context, prompt = {context}, {prompt}
+cache = paged.new_cache(3, context + 8)
+c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+cache.append(torch.randn(context, c), torch.randn(context, r), [0], [context])
+cache.append(torch.randn(40, c), torch.randn(40, r), [2], [40])
+with torch.no_grad():   # a small call first: the interpreter's imports and caches
+    paged(torch.randn(3, 2, cfg.hidden_size), cache, [0, 0, 2])
+    x = torch.randn(3, prompt, cfg.hidden_size)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    y = paged(x, cache, [2, prompt, 0])
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+assert torch.isfinite(y).all()
+print((peak - base) * 1024)  # ru_maxrss is in KiB on Linux
+"""
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"),
+                    reason="ru_maxrss is in KiB on Linux only")
+def test_prefill_over_a_long_context_runs_in_megabytes():
+    """Row 0 adds 2 tokens to 2^17 cached ones, row 1 is a 512-token prompt: padded to the
+    batch, the materialised scores are (2, 512, h, 2^17 + 2) float32 = 2 GiB (and the softmax
+    as much again); the kernels hold the outputs and one 16384-token workspace (a few MiB)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    context, prompt = 2**17, 512
+    assert 2 * prompt * TINY.num_heads * (context + 2) * 4 >= 2 * 2**30
+    script = _LONG_CONTEXT_SCRIPT.format(root=str(Path(__file__).resolve().parents[1]),
+                                         context=context, prompt=prompt)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600, env={"TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin",
+                                            "CUDA_VISIBLE_DEVICES": "",
+                                            "OPENBLAS_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    grown = int(proc.stdout.strip().splitlines()[-1])
+    assert grown < 64 * 2**20, f"peak RSS grew by {grown / 2**20:.1f} MiB"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [1, 64])
+def test_gpu_bf16_v2_lite_flash_prefill_matches_the_reference(block_size):
+    """bf16 at V2-Lite's size (16 heads, c = 512): ragged prefill, extends over contexts of
+    several 700-token workspace chunks, short rows through the decode kernel, NaN pages."""
+    cfg = mla.MLAConfig.from_preset("deepseek-v2-lite")
+    weights = mla.MLAWeights(cfg, dtype=torch.bfloat16, device="cuda", seed=0)
+    absorbed = mla.build(weights, "absorbed")
+    paged = mla.build(weights, "paged", block_size=block_size, shuffle=3, workspace_tokens=700,
+                      prefill_crossover=9)
+    taken = []
+    original = paged.attend_prefill
+
+    def spy(path, q_nope, q_pe, kv_cache, rows):
+        from mla.paged.layer import attend_prefill_reference
+        out = original(path, q_nope, q_pe, kv_cache, rows)
+        ref = attend_prefill_reference(paged, path, q_nope, q_pe, kv_cache, rows)
+        assert torch.isfinite(out).all() and rel(out, ref) < 2e-2, path
+        taken.append(path)
+        return out
+
+    paged.attend_prefill = spy
+    b, max_len = 3, 2048
+    a_cache, p_cache = absorbed.new_cache(b, max_len), paged.new_cache(b, max_len)
+    p_cache.kv_cache.fill_(NAN)
+    for lengths in ([1000, 0, 300], [5, 1500, 8], [300, 2, 1]):
+        x = torch.randn(b, max(lengths), cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            ref, out = absorbed(x, a_cache, lengths), paged(x, p_cache, lengths)
+        assert torch.isfinite(out).all() and rel(out, ref) < 2e-2, lengths
+    assert taken == ["up-project", "absorbed", "up-project", "up-project", "absorbed"]
+
+
+@pytest.mark.gpu
+def test_gpu_long_prompt_and_extend_memory():
+    """V2-Lite, bf16: a 16k-token prompt, then 4k new tokens over it. Materialised, the scores
+    alone are 16 GiB (16384^2 x 16 heads x 4 bytes); the kernels' peak is the call's
+    activations and one workspace, under 2 GiB."""
+    cfg = mla.MLAConfig.from_preset("deepseek-v2-lite")
+    weights = mla.MLAWeights(cfg, dtype=torch.bfloat16, device="cuda", seed=0)
+    paged = mla.build(weights, "paged", prefill="up-project")
+    cache = paged.new_cache(1, 16384 + 4096)
+    for s in (16384, 4096):
+        x = torch.randn(1, s, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with torch.no_grad():
+            y = paged(x, cache)
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - before < 2 * 2**30, s
+        assert torch.isfinite(y).all()

@@ -170,7 +170,8 @@ print("block tables, free list and seq_lens unchanged")
 
 # %% [markdown]
 # `gather(i)` reads a sequence back in token order through its block table, which is how the
-# paged tier's prefill path and the reference decode see the cache.
+# plain-torch references (the prefill reference and the reference decode) see the cache; the
+# kernels read the pages through the block table themselves.
 
 # %%
 kv_c_1, k_pe_1 = cache.gather(1)
@@ -350,9 +351,14 @@ for b_, h_, t_ in [(4, 16, 22), (1, 16, 32768), (1, 128, 32768), (8, 16, 4096),
 # `mla_decode` with $W^{UK}$ absorbed into the query and $W^{UV}$ into the output. Prefill rows (more
 # than one new token) go the way `paged.prefill_path(new_len, context_len)` says: under the
 # default `prefill="auto"`, a row with fewer than `prefill_crossover` new tokens (a threshold
-# measured on an H200 by benchmarks/lab/prefill_crossover.py) attends absorbed over the gathered pages
-# too, and a longer one is up-projected over them (keys and values of the whole context, as in
-# notebook 1). `prefill="absorbed"` or `"up-project"` forces one path for every row.
+# measured on an H200 by benchmarks/lab/prefill_crossover.py) attends absorbed, in MQA mode,
+# through the same decode kernel, which takes up to 8 new tokens a sequence, causal among
+# themselves (longer rows in pieces of 8). A longer row is up-projected, in MHA mode (keys and
+# values per head, as in notebook 1), through the tiled prefill kernel `mla_prefill`: the new
+# tokens over themselves causally, and over their cached context gathered from the pages and
+# up-projected `workspace_tokens` tokens at a time, the pieces merged by log-sum-exp. Neither
+# path stores a (query, key) score. `prefill="absorbed"` or `"up-project"` forces one path for
+# every row.
 #
 # Same weights, same inputs, against the absorbed tier: a ragged prefill of at most 12 tokens,
 # then decode steps; pages of 4 tokens, handed out in a shuffled order so that no sequence's

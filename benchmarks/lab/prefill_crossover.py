@@ -4,12 +4,12 @@
 
 DeepSeek-V3 sizes (one layer, random weights, bf16, page 64). Each row of the batch holds a
 ``--context`` (4096) token prefix plus s new tokens already in the paged cache; both paths run
-the code the layer runs for such a row, ``PagedMLA.attend_prefill(path, ...)``: gather the row's pages,
-build the causal mask, then ``attend_up_projected`` (kv_b_proj over the whole context, MHA) or
-W_UK into the query, ``attend_absorbed`` (MQA over the latent), W_UV out. The projections before
-and o_proj after are the same for both paths and left out. s = 1, 2, 4, ..., 4096 for one
-sequence and up to ``--max-b4`` for a batch of 4 (the float32 score tensor b·s·h·(t+s) grows
-past the GPU's memory beyond that).
+the code the layer runs for such a row, ``PagedMLA.attend_prefill(path, ...)`` on the rows the
+layer's own plan builds: "up-project" (MHA mode: the flash prefill kernels, the context
+up-projected a workspace at a time) or "absorbed" (MQA mode: W_UK into the query, the decode
+kernel in queries of up to 8 new tokens, W_UV out). The projections before and o_proj after are
+the same for both paths and left out. s = 2, 4, ..., 4096 for one sequence and up to
+``--max-b4`` for a batch of 4.
 
 The measured crossover is the smallest s from which up-projection is faster at every larger s
 measured (and the first s where it is faster at all), reported next to
@@ -44,7 +44,6 @@ def crossover(rows: list[dict]) -> tuple[int | None, int | None]:
 
 def bench(paged, b: int, context: int, sizes: list[int], budget_s: float) -> list[dict]:
     from benchmarks.timing import mean_us
-    from mla.paged.layer import PrefillRows
 
     cfg, w = paged.config, paged.weights
     h, d, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
@@ -63,17 +62,14 @@ def bench(paged, b: int, context: int, sizes: list[int], budget_s: float) -> lis
             row["skipped"] = "time budget"
             out.append(row)
             continue
-        cache.seq_lens[:] = context + s
         q_nope = torch.randn(b * s, h, d, dtype=dt, device=dev, generator=gen)
         q_pe = torch.randn(b * s, h, r, dtype=dt, device=dev, generator=gen)
-        prefill_rows = PrefillRows(tokens=torch.arange(b * s, device=dev),
-                                   query_start_loc=torch.arange(b + 1, device=dev) * s,
-                                   context_lens=torch.full((b,), context, device=dev),
-                                   block_table=cache.block_table, max_new_len=s,
-                                   max_seq_len=context + s)
         # work ~ s: fewer repetitions for the long chunks
         reps = max(2, min(20, 4096 // (s * b)))
         for path, key in (("up-project", "up_project_ms"), ("absorbed", "absorbed_ms")):
+            # the layer's plan for s new tokens a row over the context (the pages are held)
+            paged.prefill, cache.seq_lens[:] = path, context
+            _, prefill_rows = paged._plan(cache, seq_ids, torch.full((b,), s), seq_ids * s).prefill[0]
             try:
                 with torch.no_grad():
                     row[key] = 1e-3 * mean_us(lambda: paged.attend_prefill(path, q_nope, q_pe,
@@ -112,7 +108,7 @@ def main() -> None:
     cfg = mla.MLAConfig.from_preset("deepseek-v3")
     weights = mla.MLAWeights(cfg, dtype=torch.bfloat16, device="cuda", seed=0)
     paged = mla.build(weights, "paged", block_size=64, shuffle=0)
-    sizes = [1 << k for k in range(13) if 1 << k <= args.max_s]
+    sizes = [1 << k for k in range(1, 13) if 1 << k <= args.max_s]  # s = 1 is a decode row
     print(f"{'b':>3} {'s':>6} {'t':>6} {'up-project ms':>14} {'absorbed ms':>12}  faster")
     rows = bench(paged, 1, args.context, sizes, args.budget_s)
     rows += bench(paged, 4, args.context, [s for s in sizes if s <= args.max_b4], args.budget_s)

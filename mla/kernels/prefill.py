@@ -370,8 +370,12 @@ def merge_attention_states(
 
 
 def _check_context_inputs(fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, block_table, context_lens,
-                          W_UK, W_UV, workspace_tokens):
-    """The arguments chunked_context_prefill adds to mla_prefill's; returns the host context lengths."""
+                          W_UK, W_UV, workspace_tokens, context_lens_host, check_values):
+    """The arguments chunked_context_prefill adds to mla_prefill's; returns the host context lengths.
+
+    ``check_values`` False (a GPU caller that gave the host lengths) trusts block_table's entries:
+    checking them reads the device.
+    """
     total_q, h, d = q_nope.shape
     _check_tensor(fn, "kv_c", kv_c, ("total_q", "c"), q_nope.dtype)
     c = kv_c.shape[1]
@@ -409,7 +413,9 @@ def _check_context_inputs(fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, 
     if workspace_tokens < 1:
         raise ValueError(f"{fn}: workspace_tokens must be >= 1, got {workspace_tokens}")
 
-    lens = context_lens.tolist()
+    lens = context_lens.tolist() if context_lens_host is None else [int(n) for n in context_lens_host]
+    if len(lens) != b or (check_values and context_lens_host is not None and lens != context_lens.tolist()):
+        raise ValueError(f"{fn}: context_lens_host must hold context_lens' {b} values, got {context_lens_host!r}")
     if any(n < 0 for n in lens):
         raise ValueError(f"{fn}: context_lens must be >= 0, got a min of {min(lens)}")
     page = kv_cache.shape[1]
@@ -420,6 +426,8 @@ def _check_context_inputs(fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, 
             f"{fn}: block_table is too short: sequence {i}'s context of {lens[i]} tokens needs {pages[i]} pages "
             f"of {page}, but block_table has {block_table.shape[1]} columns"
         )
+    if not check_values:
+        return lens
     used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < torch.tensor(
         pages, device=block_table.device
     )[:, None]
@@ -448,6 +456,7 @@ def chunked_context_prefill(
     softmax_scale: float,
     workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
     max_seqlen_q: int | None = None,
+    context_lens_host: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """New tokens attend causally to themselves and fully to their cached context, in bounded memory.
 
@@ -480,6 +489,10 @@ def chunked_context_prefill(
         softmax_scale: multiplies q . k before the softmax.
         workspace_tokens: the most cached tokens up-projected at once (>= 1).
         max_seqlen_q: the most new tokens of a sequence; None: read from cu_seqlens_q.
+        context_lens_host: context_lens as host ints, where the caller holds them (a layer's host
+            plan does); None: read from context_lens. Give it and max_seqlen_q to launch without
+            a host sync on a GPU: cu_seqlens_q's values and block_table's entries are then trusted
+            there (still checked on the CPU, where that costs nothing).
 
     Returns:
         out (total_q, h, v) in q's dtype, lse (total_q, h) float32 natural log.
@@ -487,12 +500,13 @@ def chunked_context_prefill(
     fn = "chunked_context_prefill"
     # q_nope, q_pe, k_pe and the offsets as mla_prefill checks them (the new tokens are their own
     # keys; q_nope stands in for the keys and values, which are computed below), before any work
+    check_values = max_seqlen_q is None or context_lens_host is None or q_nope.device.type == "cpu"
     max_seqlen_q, _ = _check_prefill_inputs(
         fn, q_nope, q_pe, q_nope, k_pe, q_nope, cu_seqlens_q, cu_seqlens_q, softmax_scale, True,
-        max_seqlen_q, None, True,
+        max_seqlen_q, None, check_values,
     )
     lens = _check_context_inputs(fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, block_table, context_lens,
-                                 W_UK, W_UV, workspace_tokens)
+                                 W_UK, W_UV, workspace_tokens, context_lens_host, check_values)
     h, d = q_nope.shape[1:]
     c, dv = kv_c.shape[1], W_UV.shape[1]
     page = kv_cache.shape[1]

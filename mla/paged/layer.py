@@ -1,34 +1,43 @@
 """Tier 3, paged: MLA over a paged latent cache, with the kernels of mla.kernels.
 
-The math is the absorbed tier's (mla/absorbed.py) for decode rows and the naive or absorbed
-dataflow for rows with several new tokens; what changes is where the latent lives and who
+The math is the absorbed tier's (mla/absorbed.py) for decode rows and short rows, and the naive
+tier's up-projected dataflow for long rows; what changes is where the latent lives and who
 computes. One call, for the new tokens of n sequences packed into N rows:
 
-    plan (host)   positions, slot mapping, seq_lens, block-table growth: built on the host from
-                  the lengths, moved to the device in one packed copy
+    plan (host)   positions, slot mapping, seq_lens, block-table growth, query offsets: built on
+                  the host from the lengths, moved to the device in one packed copy
     x (N, hidden) -> q_nope (N, h, d), q_pe (N, h, r)             naive.query_* (eqs. 37-40)
                   -> [kv_c_normed | k_pe] (N, c + r)               naive.latent (eqs. 41, 43)
     append        each row into its slot of the pages               concat_and_cache
-    decode rows (1 new token):
+    decode rows (1 new token), MQA mode:
         q = [q_nope · W_UK | q_pe] (b, h, c + r)                   W_UK absorbed into the query
         o_lat (b, h, c) = mla_decode(q, pages)                     split-KV, MQA over the latent,
                                                                    value = first c dims
         o = o_lat · W_UV (b, h, v)                                 W_UV absorbed on the way out
-    prefill / extend rows (> 1 new token):
-        o (T_p, h, v) = attend_prefill(path, q, pages)             up-projected (eqs. 42, 44-46)
-                                                                   or absorbed, over the context
+    prefill / extend rows (> 1 new token): o (T_p, h, v) = attend_prefill(path, q, pages)
+        "absorbed", MQA mode: as a decode row, with up to 8 new tokens a query
+                  (b, s_q, h, c + r), causal among them; longer rows in pieces of 8
+        "up-project", MHA mode (eqs. 42, 44-46): keys and values up-projected from the latent;
+                  the new tokens over themselves, causal (mla_prefill), and over their cached
+                  context a workspace of `workspace_tokens` tokens at a time, merged by
+                  log-sum-exp (chunked_context_prefill)
     y = W_O o (N, hidden)                                          eq. (47), all-reduced under TP
+
+No path stores a (query, key) score: a call's memory grows with its new tokens and the
+workspace, never with new tokens x context. `attend_prefill_reference` is the same attention in
+plain torch, every score materialised: the readable version the kernels are tested against.
 
 The eager call (`forward`, `forward_ragged`) and the CUDA-graph step (`decode_step`) run the same
 `_run`; they differ only in who builds the metadata: the host plan, or the caller's device
 buffers (`decode_inputs`).
 
-Why prefill up-projects: for s new tokens over t cached ones the up-projection costs
-2·t·c·(d+v) a head once, shared by the s queries, while absorbed attention costs
-(c+r+c)/(d+r+v) = 3.4x more per score (V3 sizes; mla/absorbed.py has the derivation), so long
-chunks are cheaper up-projected and single tokens absorbed. `prefill_path` chooses per row: with
-`prefill="auto"` (default) rows of fewer than `prefill_crossover` new tokens attend absorbed,
-longer ones up-projected; "up-project" / "absorbed" force one path.
+Why two modes: MQA mode scores a (query, key) pair over c + r and sums c values, MHA mode over
+d + r and v: (c+r+c)/(d+r+v) = 3.4x fewer FLOPs a score up-projected (V3 sizes; mla/absorbed.py
+has the derivation), paid for by up-projecting the context, 2·t·c·(d+v) a head once, shared by
+the row's queries. So long rows are cheaper in MHA mode and short ones in MQA mode.
+`prefill_path` chooses per row: with `prefill="auto"` (default) rows of fewer than
+`prefill_crossover` new tokens attend absorbed, longer ones up-projected; "up-project" /
+"absorbed" force one path.
 
 The tier is inference-only: its calls run without autograd (outputs never require grad), because
 the kernels have no backward. The naive and absorbed tiers are differentiable.
@@ -43,7 +52,9 @@ import torch
 
 from ..absorbed import PREFILL_MODES, attend_absorbed
 from ..base import MLAAttention
-from ..kernels import mla_decode
+from ..kernels import chunked_context_prefill, mla_decode
+from ..kernels.decode import MAX_QUERY_TOKENS
+from ..kernels.prefill import DEFAULT_WORKSPACE_TOKENS
 from ..naive import (attend_up_projected, causal_mask, latent, query_latent, query_nope,
                      query_rope)
 from ..rope import rope_cos_sin
@@ -54,12 +65,13 @@ from .cache import (CACHE_DTYPES, PagedLatentCache, as_int, as_int_tensor, gathe
 # The options of `PagedMLA(prefill=...)`: "auto" chooses per row by `prefill_crossover`.
 PAGED_PREFILL_MODES = ("auto", *PREFILL_MODES)
 
-# Rows with at least this many new tokens up-project under prefill="auto"; shorter ones absorb.
-# Measured by benchmarks/bench_prefill.py on one H200 (bf16, DeepSeek-V3 sizes, 4096 cached
-# tokens; benchmarks/results/h200-prefill.json): one sequence attends faster absorbed up to
-# s = 32 (1.74 vs 1.95 ms) and up-projected from s = 64 (2.46 vs 2.79 ms; 1.9x at s = 4096).
-# The FLOP model (mla.memory.prefill_crossover) says 168: the absorbed path's float32 scores
-# over 1088-wide rows cost more than its FLOP count says, the up-projection (one GEMM) less.
+# Rows with at least this many new tokens attend in MHA mode (up-projected) under
+# prefill="auto"; shorter ones in MQA mode (absorbed). The FLOP model
+# (mla.memory.prefill_crossover) puts the break-even at 168 new tokens over 4096 cached ones
+# (V3 sizes); benchmarks/results/h200-prefill.json holds the timing behind 64 (one sequence over
+# 4096 cached tokens, bf16, H200: absorbed faster up to s = 32, up-projected from s = 64), taken
+# with both paths in plain torch. benchmarks/lab/prefill_crossover.py measures it again with the
+# kernels both modes run on.
 PREFILL_CROSSOVER = 64
 
 # The most pieces a decode row is cut into: CUDA's limit on a grid's y and z dimensions, which
@@ -70,17 +82,27 @@ MAX_KV_SPLITS = 65535
 # ---- what one call needs on the device -----------------------------------------------------
 @dataclass
 class DecodeRows:
-    """The rows of a call with one new token, decoded by the split-KV kernel over their pages.
+    """Rows attending in MQA mode through mla_decode: b queries of s_q new tokens each, every
+    token already in its pages. A decode row is one token; a row of several new tokens is cut
+    into pieces of at most MAX_QUERY_TOKENS, each piece a query of its own.
 
-    tokens: (b,) int64, the rows' tokens among the call's N; None = all N tokens, in order.
-    block_table: (b, max_blocks) int32.  seq_lens: (b,) int32, cached tokens, the new included.
+    tokens: (b,) int64, the one-token rows' tokens among the call's N; None = all N tokens, in
+        order (or, for pieces, unused: their tokens are the PrefillRows' ones).
+    block_table: (b, max_blocks) int32.  seq_lens: (b,) int32, cached tokens a query sees, its
+        new tokens included (a piece: its row's context and new tokens up to the piece's last).
     num_kv_splits: mla_decode's split count; None lets it choose (one host sync).
+    s_q: host int in 1..MAX_QUERY_TOKENS, tokens a query.
+    query_slots: (T,) int64 for s_q > 1: token k's place in the (b · s_q) query rows. A piece of
+        L < s_q tokens takes the last L places: under FlashMLA's causal convention (query j of s_q
+        sees seq_len - (s_q - 1 - j) rows) its tokens then see exactly their causal prefix.
     """
 
     tokens: torch.Tensor | None
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     num_kv_splits: int | None
+    s_q: int = 1
+    query_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -88,19 +110,26 @@ class PrefillRows:
     """m rows of a call with several new tokens each, all attending one way.
 
     tokens: (T_p,) int64, the rows' new tokens among the call's N, row after row.
+    slots: (T_p,) int64, the new tokens' cache slots (MHA mode reads their latent rows there).
     query_start_loc: (m + 1,) int64, row k's tokens are tokens[query_start_loc[k]:...[k+1]].
     context_lens: (m,) int64, tokens each row held before this call.
     block_table: (m, max_blocks) int32, each row's pages (the new tokens already written).
     max_new_len, max_seq_len: host ints, max(new tokens) and max(context + new tokens).
+    context_lens_host: context_lens as host ints (the MHA mode's chunks are planned from them).
+    pieces: MQA mode's queries (path "absorbed"): the rows cut into pieces of at most
+        MAX_QUERY_TOKENS new tokens; None on the "up-project" path.
     All tensors on the cache's device.
     """
 
     tokens: torch.Tensor
+    slots: torch.Tensor
     query_start_loc: torch.Tensor
     context_lens: torch.Tensor
     block_table: torch.Tensor
     max_new_len: int
     max_seq_len: int
+    context_lens_host: list[int]
+    pieces: DecodeRows | None = None
 
 
 @dataclass
@@ -117,6 +146,27 @@ class CallPlan:
     token_rows: torch.Tensor | None
     decode: DecodeRows | None
     prefill: list[tuple[str, PrefillRows]] = field(default_factory=list)
+
+
+def query_pieces(new_lens: torch.Tensor, context_lens: torch.Tensor
+                 ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cut m rows of new tokens into MQA-mode queries of at most MAX_QUERY_TOKENS tokens (host).
+
+    new_lens, context_lens: (m,) int64 on the host. Returns s_q (tokens a query), piece_row (P,)
+    each piece's row among the m, piece_seq_lens (P,) the cached tokens each piece sees (its
+    row's context and new tokens up to its last one), query_slots (T_p,) each new token's place
+    in the (P · s_q) query rows, its piece's tokens in the last places.
+    """
+    s_q = min(MAX_QUERY_TOKENS, int(new_lens.max()))
+    n_pieces = (new_lens + s_q - 1) // s_q                                  # (m,)
+    first_piece = torch.cumsum(n_pieces, 0) - n_pieces                      # (m,)
+    piece_row, piece_k = ragged_index(n_pieces)                             # (P,) each
+    piece_end = torch.minimum((piece_k + 1) * s_q, new_lens[piece_row])     # (P,) new tokens seen
+    piece_len = piece_end - piece_k * s_q                                   # (P,) 1 .. s_q
+    token_row, j = ragged_index(new_lens)                                   # (T_p,) each
+    piece = first_piece[token_row] + j // s_q                               # (T_p,)
+    query_slots = piece * s_q + (s_q - piece_len[piece]) + j % s_q          # (T_p,)
+    return s_q, piece_row, context_lens[piece_row] + piece_end, query_slots
 
 
 def to_device(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -158,7 +208,7 @@ def check_num_kv_splits(num_kv_splits, *, allow_none: bool) -> None:
 
 
 class PagedMLA(MLAAttention):
-    """MLA over a paged latent cache: split-KV decode kernel, prefill over the gathered pages.
+    """MLA over a paged latent cache: split-KV decode kernel, flash prefill in a fixed workspace.
 
     Inference only: every call runs under `torch.no_grad()` and its output never requires grad
     (the kernels have no backward); train with the naive or absorbed tier.
@@ -170,12 +220,21 @@ class PagedMLA(MLAAttention):
         num_blocks: pages in a cache from `new_cache`; None = batch_size · ceil(max_seq_len / n),
             room for every row at full length.
         prefill: how rows with more than one new token attend: "auto" (default: absorbed below
-            `prefill_crossover` new tokens, up-projected from there on), "up-project" (keys and
-            values up-projected from the gathered latent, the naive dataflow) or "absorbed" (MQA
-            over the gathered latent, the absorbed tier's `attend_absorbed`). The last two are
-            `mla.absorbed.AbsorbedMLA`'s option values.
+            `prefill_crossover` new tokens, up-projected from there on), "up-project" (MHA mode:
+            keys and values up-projected from the latent, the naive dataflow, through the flash
+            prefill kernels) or "absorbed" (MQA mode over the latent, the absorbed tier's
+            dataflow, through the decode kernel in queries of up to 8 new tokens). The last two
+            are `mla.absorbed.AbsorbedMLA`'s option values.
         prefill_crossover: the "auto" threshold in new tokens a row; None = PREFILL_CROSSOVER
             (this module's measured constant).
+        workspace_tokens: the most cached tokens MHA mode up-projects at once, an int >= 1;
+            None = DEFAULT_WORKSPACE_TOKENS (16384). The workspace holds h·(d+v) values a token:
+            16384 tokens are 1 GiB at DeepSeek-V3's 128 heads in bf16, 128 MiB at the 16 a GPU
+            holds under tensor parallelism 8, the size of a 4k-token call's own activations,
+            and each chunk is one kernel launch over 16k keys, long enough that the launches
+            and merges cost little. vLLM sizes its workspace min(max(8 x max_model_len, 4 x
+            max_num_seqs x block_size), 64k) tokens; a layer does not know the model length, so
+            the default is fixed and the option lets a server size it.
         num_kv_splits: passed to `mla.kernels.mla_decode`; None lets it choose from the batch,
             lengths and SM count (one host sync a call with decode rows).
         shuffle: default seed of `new_cache`'s random page order (None: pages in order).
@@ -190,7 +249,7 @@ class PagedMLA(MLAAttention):
 
     def __init__(self, weights: MLAWeights, *, block_size: int = 64, num_blocks: int | None = None,
                  prefill: str = "auto", prefill_crossover: int | None = None,
-                 num_kv_splits: int | None = None,
+                 workspace_tokens: int | None = None, num_kv_splits: int | None = None,
                  shuffle: int | None = None, process_group=None):
         super().__init__(weights, process_group=process_group)
         if weights.dtype not in CACHE_DTYPES:
@@ -209,6 +268,9 @@ class PagedMLA(MLAAttention):
                 or prefill_crossover < 1):
             raise ValueError(f"prefill_crossover must be an int >= 1 or None, got "
                              f"{prefill_crossover!r}")
+        workspace_tokens = positive_int(
+            "workspace_tokens",
+            DEFAULT_WORKSPACE_TOKENS if workspace_tokens is None else workspace_tokens)
         check_num_kv_splits(num_kv_splits, allow_none=True)
         if shuffle is not None:
             shuffle = as_int("shuffle", shuffle)
@@ -216,6 +278,7 @@ class PagedMLA(MLAAttention):
         self.num_blocks = num_blocks
         self.prefill = prefill
         self.prefill_crossover = prefill_crossover
+        self.workspace_tokens = workspace_tokens
         self.num_kv_splits = num_kv_splits
         self.shuffle = shuffle
 
@@ -244,11 +307,13 @@ class PagedMLA(MLAAttention):
 
         Host-device traffic on a GPU: the lengths and seq_lens live on the host, where the
         call's metadata (positions, slot mapping, seq_lens, block-table growth) is built; it
-        moves to the device in one copy from pinned memory, without a sync. One call: 1
-        host-to-device copy, 0 device-to-host copies, and 1 sync only where a row decodes and
-        `num_kv_splits` is None (mla_decode reads max(seq_lens) to choose the split count).
-        (Without the compiled extension, the torch write that replaces it reads the slot range:
-        one sync more.)
+        moves to the device in one copy from pinned memory, without a sync; the prefill
+        kernels take their longest lengths and the context chunks from the host plan. One call:
+        1 host-to-device copy, 0 device-to-host copies, and 1 sync a mla_decode launch where
+        `num_kv_splits` is None (it reads max(seq_lens) to choose the split count): one for the
+        decode rows, one for the rows attending absorbed, none for the rows attending
+        up-projected. (Without the compiled extension, the torch write that replaces it reads
+        the slot range: one sync more.)
         """
         lengths = self.check_inputs(x, cache, lengths, cache_type=PagedLatentCache)
         b, s, hidden = x.shape
@@ -311,13 +376,20 @@ class PagedMLA(MLAAttention):
     def prefill_path(self, new_len: int, context_len: int) -> str:
         """How a row with `new_len` > 1 new tokens over `context_len` cached ones attends.
 
-        "up-project" or "absorbed". A forced `prefill` option wins; under "auto", rows of fewer
-        than `prefill_crossover` new tokens attend absorbed (the per-score cost dominates and
-        absorption skips the up-projection of the whole context), longer rows up-project (its
-        cost is shared by the row's queries). `context_len` is not used: the threshold was
-        measured at 4096 cached tokens only, and the FLOP model's crossover moves little with
-        the context (97 tokens at 64, 168 at 4096, 171 in the limit, V3 sizes). Called for
-        every such row before anything is written; another value raises then.
+        "up-project" (MHA mode, the flash prefill kernels) or "absorbed" (MQA mode, the decode
+        kernel, in queries of up to 8 new tokens). A forced `prefill` option wins; under
+        "auto", rows of fewer than `prefill_crossover` new tokens attend absorbed (the per-score
+        cost dominates and absorption skips the up-projection of the whole context), longer
+        rows up-project (its cost is shared by the row's queries). `context_len` is not used:
+        the FLOP model's crossover moves little with the context (97 tokens at 64, 168 at 4096,
+        171 in the limit, V3 sizes). Rows of 9 or more tokens attending absorbed go through
+        the decode kernel in pieces of 8, each piece reading the row's context again: at 16 or
+        more heads a piece is compute-bound on an H200 (8·h query rows do 8·h·2·(c+r+c) =
+        278k FLOPs a cached token of 1152 bytes at h = 16, V3 sizes, bf16: 242 FLOPs a byte,
+        above the 690 TFLOP/s / 4.2 TB/s = 164 where the GPU turns compute-bound), so the
+        re-reads hide behind the FLOPs, and the FLOP count, which favours MQA mode up to ~171
+        new tokens, decides.
+        Called for every such row before anything is written; another value raises then.
         """
         if self.prefill != "auto":
             return self.prefill
@@ -371,6 +443,7 @@ class PagedMLA(MLAAttention):
                 host["decode_tokens"] = packed_starts[decode_ks]
             if not every_row:
                 host["decode_rows"] = decode_rows
+        pieces = {}
         for path, ks in by_path.items():
             ks = torch.tensor(ks)
             p_seq, p_off = ragged_index(new_lens[ks])
@@ -379,6 +452,13 @@ class PagedMLA(MLAAttention):
                                                          torch.cumsum(new_lens[ks], 0)])
             host[path + "/context_lens"] = context_lens[ks]
             host[path + "/rows"] = seq_ids[ks]
+            if path == "absorbed":                  # MQA mode: queries of <= 8 new tokens
+                s_q, piece_row, piece_seq_lens, query_slots = query_pieces(new_lens[ks],
+                                                                           context_lens[ks])
+                pieces[path] = s_q
+                host[path + "/piece_rows"] = seq_ids[ks][piece_row]
+                host[path + "/piece_seq_lens"] = piece_seq_lens
+                host[path + "/query_slots"] = query_slots
 
         dev = to_device(host, cache.device)
         if grown.numel():
@@ -392,11 +472,21 @@ class PagedMLA(MLAAttention):
                                      num_kv_splits=self.num_kv_splits)
         for path, ks in by_path.items():
             total = context_lens[ks] + new_lens[ks]
-            plan.prefill.append((path, PrefillRows(
-                tokens=dev[path + "/tokens"], query_start_loc=dev[path + "/query_start_loc"],
+            tokens = dev[path + "/tokens"]
+            rows = PrefillRows(
+                tokens=tokens, slots=plan.slot_mapping[tokens],
+                query_start_loc=dev[path + "/query_start_loc"],
                 context_lens=dev[path + "/context_lens"],
                 block_table=cache.block_table[dev[path + "/rows"]],
-                max_new_len=int(new_lens[ks].max()), max_seq_len=int(total.max()))))
+                max_new_len=int(new_lens[ks].max()), max_seq_len=int(total.max()),
+                context_lens_host=context_lens[ks].tolist())
+            if path in pieces:
+                rows.pieces = DecodeRows(
+                    tokens=None, block_table=cache.block_table[dev[path + "/piece_rows"]],
+                    seq_lens=dev[path + "/piece_seq_lens"].to(torch.int32),
+                    num_kv_splits=self.num_kv_splits, s_q=pieces[path],
+                    query_slots=dev[path + "/query_slots"])
+            plan.prefill.append((path, rows))
         return plan
 
     # ---- the dataflow, shared by the eager call and the CUDA-graph step ---------------------
@@ -447,59 +537,55 @@ class PagedMLA(MLAAttention):
 
     def attend_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                       rows: DecodeRows) -> torch.Tensor:
-        """One new token a row, already in the pages: q_nope (b, h, d), q_pe (b, h, r) ->
-        o (b, h, v). Absorbed attention: MQA over the latent by the split-KV kernel."""
+        """MQA mode: T new tokens, already in the pages, q_nope (T, h, d), q_pe (T, h, r) ->
+        o (T, h, v). Absorbed attention over the latent by the split-KV kernel: one token a
+        query (T = b), or `rows.s_q` a query, placed by `rows.query_slots`."""
         w = self.weights
         # Absorb W_UK into the query: q_lat,i = (W^{UK}_i)^T q_C,i; the kernel's query is
         # [q_lat | q_pe], scored against whole cache rows [kv_c | k_pe].
-        q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w.W_UK)                 # (b, h, c)
-        q = torch.cat([q_lat, q_pe], dim=-1)                                # (b, h, c + r)
+        q_lat = torch.einsum("Thd,hdc->Thc", q_nope, w.W_UK)                 # (T, h, c)
+        q = torch.cat([q_lat, q_pe], dim=-1)                                # (T, h, c + r)
+        if rows.query_slots is not None:        # b queries of s_q tokens, unused places zero
+            b, (T, h, cr) = rows.block_table.shape[0], q.shape
+            q = q.new_zeros(b * rows.s_q, h, cr).index_copy_(0, rows.query_slots, q)
+            q = q.view(b, rows.s_q, h, cr)                                  # (b, s_q, h, c + r)
         o_lat = decode_attention(q, kv_cache, rows.block_table, rows.seq_lens,
                                  kv_lora_rank=self.config.kv_lora_rank,
                                  softmax_scale=self.softmax_scale,
-                                 num_kv_splits=rows.num_kv_splits)          # (b, h, c)
+                                 num_kv_splits=rows.num_kv_splits)  # (b, h, c) / (b, s_q, h, c)
+        if rows.query_slots is not None:
+            o_lat = o_lat.flatten(0, 1)[rows.query_slots]                   # (T, h, c)
         # Absorb W_UV on the way out: o_i = W^{UV}_i o_lat,i
-        return torch.einsum("bhc,hvc->bhv", o_lat, w.W_UV)                  # (b, h, v)
+        return torch.einsum("Thc,hvc->Thv", o_lat, w.W_UV)                  # (T, h, v)
 
     def attend_prefill(self, path: str, q_nope: torch.Tensor, q_pe: torch.Tensor,
                        kv_cache: torch.Tensor, rows: PrefillRows) -> torch.Tensor:
         """The new tokens of m rows, packed row after row, over their cached context and
         themselves (causal): q_nope (T_p, h, d), q_pe (T_p, h, r) -> o (T_p, h, v).
 
-        `path` is "up-project" (eqs. 42, 44-46: keys and values up-projected from the latent)
-        or "absorbed" (MQA over the latent). Plain torch, padded to (m, s_max) and scoring every
-        (query, key) pair in float32: the readable reference a tiled prefill kernel replaces.
-        Reads nothing on the host.
+        `path` "absorbed" is MQA mode: `attend_decode` over the rows' pieces of up to 8 new
+        tokens. "up-project" is MHA mode (eqs. 42, 44-46), by `chunked_context_prefill`:
+            the new tokens over themselves, causal: keys and values up-projected from their
+                latent rows (read back from their slots), one mla_prefill;
+            the new tokens over their context, non-causal: the contexts gathered from their
+                pages and up-projected `workspace_tokens` tokens at a time, one mla_prefill a
+                chunk;
+            the pieces merged by their log-sum-exps.
+        No (query, key) score is stored. Reads nothing on the host: the longest lengths and
+        the context chunks come from the host plan. `attend_prefill_reference` computes the
+        same with every score materialised.
         """
+        if path == "absorbed":
+            return self.attend_decode(q_nope, q_pe, kv_cache, rows.pieces)
         w, c = self.weights, self.config.kv_lora_rank
-        device, T_p = q_nope.device, q_nope.shape[0]
-        s, t = rows.max_new_len, rows.max_seq_len
-        qsl = rows.query_start_loc
-        new_lens = qsl[1:] - qsl[:-1]                                         # (m,)
-        m = new_lens.numel()
-
-        # Pad: token j of row k at (k, j); positions context_lens + j; keys: the row's pages.
-        j = torch.arange(s, device=device)
-        real = j[None, :] < new_lens[:, None]                                 # (m, s)
-        tok = torch.where(real, qsl[:-1, None] + j, 0)                        # (m, s) into T_p
-        positions = rows.context_lens[:, None] + j                            # (m, s)
-        latent_rows = gather_pages(kv_cache, rows.block_table,
-                                   rows.context_lens + new_lens, t)           # (m, t, c + r)
-        kv_c, k_pe = latent_rows[..., :c], latent_rows[..., c:]               # (m, t, c), (m, t, r)
-        visible = causal_mask(positions, t)                                   # (m, s, t)
-        if path == "up-project":
-            o = attend_up_projected(w, q_nope[tok], q_pe[tok], kv_c, k_pe, visible,
-                                    self.softmax_scale)                       # (m, s, h, v)
-        else:
-            q_lat = torch.einsum("bshd,hdc->bshc", q_nope[tok], w.W_UK)       # (m, s, h, c)
-            o_lat = attend_absorbed(q_lat, q_pe[tok], kv_c, k_pe, visible, self.softmax_scale)
-            o = torch.einsum("bshc,hvc->bshv", o_lat.to(q_nope.dtype), w.W_UV)
-
-        # Unpad: packed token p of row k sits at (k, p - query_start_loc[k]).
-        row_of = torch.repeat_interleave(torch.arange(m, device=device), new_lens,
-                                         output_size=T_p)                     # (T_p,)
-        j_of = torch.arange(T_p, device=device) - qsl[row_of]                 # (T_p,)
-        return o[row_of, j_of].to(q_nope.dtype)                               # (T_p, h, v)
+        latent_new = kv_cache.flatten(0, 1)[rows.slots]                     # (T_p, c + r)
+        o, _ = chunked_context_prefill(
+            q_nope, q_pe, latent_new[:, :c], latent_new[:, c:],
+            rows.query_start_loc.to(torch.int32), kv_cache, rows.block_table,
+            rows.context_lens.to(torch.int32), W_UK=w.W_UK, W_UV=w.W_UV,
+            softmax_scale=self.softmax_scale, workspace_tokens=self.workspace_tokens,
+            max_seqlen_q=rows.max_new_len, context_lens_host=rows.context_lens_host)
+        return o                                                            # (T_p, h, v)
 
     # ---- the CUDA-graph decode entry -----------------------------------------------------------
     def decode_inputs(self, cache: PagedLatentCache, out: dict | None = None
@@ -593,4 +679,48 @@ class PagedMLA(MLAAttention):
     def extra_repr(self) -> str:
         return (f"tier={self.tier!r}, config={self.config.name!r}, block_size={self.block_size}, "
                 f"num_blocks={self.num_blocks}, prefill={self.prefill!r}, "
-                f"prefill_crossover={self.prefill_crossover}")
+                f"prefill_crossover={self.prefill_crossover}, "
+                f"workspace_tokens={self.workspace_tokens}")
+
+
+def attend_prefill_reference(layer: PagedMLA, path: str, q_nope: torch.Tensor,
+                             q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                             rows: PrefillRows) -> torch.Tensor:
+    """The new tokens of m rows, packed row after row, over their cached context and
+    themselves (causal): q_nope (T_p, h, d), q_pe (T_p, h, r) -> o (T_p, h, v).
+
+    `layer.attend_prefill`'s arguments and result, in plain torch: padded to (m, s_max),
+    every (query, key) pair scored in float32, (m, s, h, t) floats, by the naive tier's
+    `attend_up_projected` ("up-project", eqs. 42, 44-46) or the absorbed tier's
+    `attend_absorbed` ("absorbed", MQA over the latent). The readable reference the
+    kernels are tested against. Reads nothing on the host.
+    """
+    w, c = layer.weights, layer.config.kv_lora_rank
+    device, T_p = q_nope.device, q_nope.shape[0]
+    s, t = rows.max_new_len, rows.max_seq_len
+    qsl = rows.query_start_loc
+    new_lens = qsl[1:] - qsl[:-1]                                         # (m,)
+    m = new_lens.numel()
+
+    # Pad: token j of row k at (k, j); positions context_lens + j; keys: the row's pages.
+    j = torch.arange(s, device=device)
+    real = j[None, :] < new_lens[:, None]                                 # (m, s)
+    tok = torch.where(real, qsl[:-1, None] + j, 0)                        # (m, s) into T_p
+    positions = rows.context_lens[:, None] + j                            # (m, s)
+    latent_rows = gather_pages(kv_cache, rows.block_table,
+                               rows.context_lens + new_lens, t)           # (m, t, c + r)
+    kv_c, k_pe = latent_rows[..., :c], latent_rows[..., c:]               # (m, t, c), (m, t, r)
+    visible = causal_mask(positions, t)                                   # (m, s, t)
+    if path == "up-project":
+        o = attend_up_projected(w, q_nope[tok], q_pe[tok], kv_c, k_pe, visible,
+                                layer.softmax_scale)                       # (m, s, h, v)
+    else:
+        q_lat = torch.einsum("bshd,hdc->bshc", q_nope[tok], w.W_UK)       # (m, s, h, c)
+        o_lat = attend_absorbed(q_lat, q_pe[tok], kv_c, k_pe, visible, layer.softmax_scale)
+        o = torch.einsum("bshc,hvc->bshv", o_lat.to(q_nope.dtype), w.W_UV)
+
+    # Unpad: packed token p of row k sits at (k, p - query_start_loc[k]).
+    row_of = torch.repeat_interleave(torch.arange(m, device=device), new_lens,
+                                     output_size=T_p)                     # (T_p,)
+    j_of = torch.arange(T_p, device=device) - qsl[row_of]                 # (T_p,)
+    return o[row_of, j_of].to(q_nope.dtype)                               # (T_p, h, v)
