@@ -90,7 +90,9 @@ class DecodeRows:
         order (or, for pieces, unused: their tokens are the PrefillRows' ones).
     block_table: (b, max_blocks) int32.  seq_lens: (b,) int32, cached tokens a query sees, its
         new tokens included (a piece: its row's context and new tokens up to the piece's last).
-    num_kv_splits: mla_decode's split count; None lets it choose (one host sync).
+    num_kv_splits: mla_decode's split count; None lets it choose, from `max_seq_len` where
+        given (no sync), else from a read of seq_lens (one host sync).
+    max_seq_len: host int, the largest of seq_lens (the host plan knows it), or None.
     s_q: host int in 1..MAX_QUERY_TOKENS, tokens a query.
     query_slots: (T,) int64 for s_q > 1: token k's place in the (b · s_q) query rows. A piece of
         L < s_q tokens takes the last L places: under FlashMLA's causal convention (query j of s_q
@@ -101,6 +103,7 @@ class DecodeRows:
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     num_kv_splits: int | None
+    max_seq_len: int | None = None
     s_q: int = 1
     query_slots: torch.Tensor | None = None
 
@@ -186,12 +189,13 @@ def to_device(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, *, kv_lora_rank: int, softmax_scale: float,
-                     num_kv_splits: int | None) -> torch.Tensor:
+                     num_kv_splits: int | None, max_seq_len: int | None) -> torch.Tensor:
     """mla_decode's out (b, h, c). The block table comes from the cache's own allocator, so the
-    kernel trusts its entries on a GPU (on the CPU it checks them anyway)."""
+    kernel trusts its entries on a GPU (on the CPU it checks them anyway); `max_seq_len`, known
+    on the host, lets it choose its split count without a sync."""
     out, _ = mla_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank=kv_lora_rank,
                         softmax_scale=softmax_scale, num_kv_splits=num_kv_splits,
-                        check_block_table=False)
+                        max_seq_len=max_seq_len, check_block_table=False)
     return out
 
 
@@ -236,7 +240,7 @@ class PagedMLA(MLAAttention):
             max_num_seqs x block_size), 64k) tokens; a layer does not know the model length, so
             the default is fixed and the option lets a server size it.
         num_kv_splits: passed to `mla.kernels.mla_decode`; None lets it choose from the batch,
-            lengths and SM count (one host sync a call with decode rows).
+            the longest row (known on the host, so no sync) and the SM count.
         shuffle: default seed of `new_cache`'s random page order (None: pages in order).
         process_group: tensor parallelism over heads (see `mla.base.MLAAttention`).
 
@@ -308,12 +312,10 @@ class PagedMLA(MLAAttention):
         Host-device traffic on a GPU: the lengths and seq_lens live on the host, where the
         call's metadata (positions, slot mapping, seq_lens, block-table growth) is built; it
         moves to the device in one copy from pinned memory, without a sync; the prefill
-        kernels take their longest lengths and the context chunks from the host plan. One call:
-        1 host-to-device copy, 0 device-to-host copies, and 1 sync a mla_decode launch where
-        `num_kv_splits` is None (it reads max(seq_lens) to choose the split count): one for the
-        decode rows, one for the rows attending absorbed, none for the rows attending
-        up-projected. (Without the compiled extension, the torch write that replaces it reads
-        the slot range: one sync more.)
+        kernels take their longest lengths and the context chunks from the host plan, and so
+        does mla_decode its longest seq_len. One call: 1 host-to-device copy, 0 device-to-host
+        copies, 0 syncs. (Without the compiled extension, the torch write that replaces it reads
+        the slot range: one sync.)
         """
         lengths = self.check_inputs(x, cache, lengths, cache_type=PagedLatentCache)
         b, s, hidden = x.shape
@@ -469,7 +471,8 @@ class PagedMLA(MLAAttention):
             table = cache.block_table if every_row else cache.block_table[dev["decode_rows"]]
             plan.decode = DecodeRows(tokens=dev.get("decode_tokens"), block_table=table,
                                      seq_lens=dev["decode_seq_lens"].to(torch.int32),
-                                     num_kv_splits=self.num_kv_splits)
+                                     num_kv_splits=self.num_kv_splits,
+                                     max_seq_len=int(host["decode_seq_lens"].max()))
         for path, ks in by_path.items():
             total = context_lens[ks] + new_lens[ks]
             tokens = dev[path + "/tokens"]
@@ -485,6 +488,7 @@ class PagedMLA(MLAAttention):
                     tokens=None, block_table=cache.block_table[dev[path + "/piece_rows"]],
                     seq_lens=dev[path + "/piece_seq_lens"].to(torch.int32),
                     num_kv_splits=self.num_kv_splits, s_q=pieces[path],
+                    max_seq_len=int(host[path + "/piece_seq_lens"].max()),
                     query_slots=dev[path + "/query_slots"])
             plan.prefill.append((path, rows))
         return plan
@@ -552,7 +556,8 @@ class PagedMLA(MLAAttention):
         o_lat = decode_attention(q, kv_cache, rows.block_table, rows.seq_lens,
                                  kv_lora_rank=self.config.kv_lora_rank,
                                  softmax_scale=self.softmax_scale,
-                                 num_kv_splits=rows.num_kv_splits)  # (b, h, c) / (b, s_q, h, c)
+                                 num_kv_splits=rows.num_kv_splits,
+                                 max_seq_len=rows.max_seq_len)  # (b, h, c) / (b, s_q, h, c)
         if rows.query_slots is not None:
             o_lat = o_lat.flatten(0, 1)[rows.query_slots]                   # (T, h, c)
         # Absorb W_UV on the way out: o_i = W^{UV}_i o_lat,i
