@@ -113,7 +113,8 @@ def measure(fn, reset=lambda: None, budget_ms=2000.0, most=10) -> tuple[float, f
     """(median ms of event-timed calls, MiB allocated above the start at the peak of the first).
 
     reset() runs before each call, outside the timed events. The first call (compile, caches)
-    is the memory measurement and is not timed; as many calls as fit ``budget_ms`` follow."""
+    is the memory measurement and is not timed, nor is a second (allocator and launch caches
+    settling); as many calls as fit ``budget_ms`` follow, at least 3 and at most ``most``."""
     import statistics
 
     torch.cuda.synchronize()
@@ -124,9 +125,13 @@ def measure(fn, reset=lambda: None, budget_ms=2000.0, most=10) -> tuple[float, f
     fn()
     torch.cuda.synchronize()
     peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
-    first_ms = 1e3 * (time.perf_counter() - begin)
+    reset()
+    begin = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    second_ms = 1e3 * (time.perf_counter() - begin)
     times = []
-    for _ in range(max(1, min(most, int(budget_ms / max(first_ms, 1e-3))))):
+    for _ in range(max(3, min(most, int(budget_ms / max(second_ms, 1e-3))))):
         reset()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
