@@ -368,41 +368,42 @@ for name, data in concat.items():
     plt.show()
 
 # %% [markdown]
-# ### Prefill: up-projection against absorption, measured
+# ### Prefill: the flash kernels against torch's attention
 #
-# Notebook 2 predicted from FLOPs where up-projecting a chunk of new tokens beats absorbing it.
-# The prefill benchmark times both paths of the paged tier at DeepSeek-V3 sizes, $s$ new tokens
-# over a cached context; the dotted line is `mla.memory.prefill_crossover` for the same context.
-# Where the measured crossover sits left of the FLOP model, the absorbed path loses to something
-# the FLOP count leaves out (memory traffic, kernel efficiency).
+# The prefill benchmark times, at DeepSeek-V3 sizes in bf16, $b$ prompts of $s$ new tokens over
+# $t$ cached ones: the paged tier's whole layer call, its attention alone (the Triton flash
+# prefill over the new tokens and the context chunks, merged by log-sum-exp), and torch's
+# `scaled_dot_product_attention` (cuDNN, efficient, flash) and FlexAttention on up-projected keys
+# and values. The rate is the attention's FLOPs (causal pairs x h x 2 x (d + r + v)) over the
+# time, against the bf16 matmul rate of the same run. The plain-torch crossover between the two
+# prefill modes, measured before the kernels, is `benchmarks/lab/results/h200-prefill-crossover.json`.
 
 # %%
-prefill = rows_with("s", "t", "up_project_ms", "absorbed_ms")
+prefill = rows_with("s", "t", "layer_attention_ms")
 if not prefill:
     print("No prefill results committed yet (benchmarks/results/*prefill*.json).")
+contenders = ("layer_attention", "sdpa_cudnn", "sdpa_efficient", "sdpa_flash", "flex")
 for name, data in prefill.items():
-    # t is the cached context the s new tokens attend over (the file's "context")
-    groups = sorted({(row.get("b", 1), row["t"]) for row in data["rows"]})
-    fig, ax = plt.subplots(figsize=(7.5, 4))
-    for b_, ctx in groups:
-        rows = sorted((row for row in data["rows"] if row.get("b", 1) == b_ and row["t"] == ctx),
-                      key=lambda row: row["s"])
-        ax.plot([row["s"] for row in rows], [row["absorbed_ms"] / row["up_project_ms"]
-                                             for row in rows], "o-", ms=3,
-                label=f"b={b_}, context {ctx}")
-    model = memory.prefill_crossover(mla.MLAConfig.from_preset(data.get("config", "deepseek-v3")),
-                                     int(data.get("context", 4096)))
-    ax.axvline(model, color="grey", ls=":", label=f"FLOP model crossover ({model})")
-    ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xscale("log", base=2), ax.set_yscale("log")
-    ax.set_xlabel("new tokens s")
-    ax.set_ylabel("absorbed time / up-projected time")
-    ax.set_title(f"{name}: above 1, up-projection is faster")
+    shapes = [f"{row['b']}x{row['s']}" + (f"+{row['t']}" if row["t"] else "") for row in data["rows"]]
+    fig, ax = plt.subplots(figsize=(8.5, 4))
+    for key in contenders:
+        ax.plot(range(len(shapes)), [row.get(f"{key}_TFLOPs") for row in data["rows"]], "o-",
+                ms=3, label=key.replace("layer_attention", "paged tier's attention"))
+    if "matmul_TFLOPs" in data:
+        ax.axhline(data["matmul_TFLOPs"], color="grey", ls="--", lw=0.8,
+                   label=f"bf16 matmul {data['matmul_TFLOPs']:.0f} TFLOP/s")
+    ax.set_xticks(range(len(shapes)), shapes, rotation=30, fontsize=7)
+    ax.set_xlabel("b x s (+ cached t)"), ax.set_ylabel("attention TFLOP/s")
+    ax.set_title(f"{name}: {data.get('device', '')}")
     ax.legend(fontsize=7)
     fig.tight_layout()
     plt.show()
-    if "measured" in data:
-        print("measured crossover:", data["measured"])
+    print(f"{'shape':>14} {'attention ms':>13} {'best SDPA ms':>13} {'attention peak MiB':>19}")
+    for shape, row in zip(shapes, data["rows"]):
+        sdpa = [row[f"sdpa_{k}_ms"] for k in ("cudnn", "efficient", "flash")
+                if row.get(f"sdpa_{k}_ms")]
+        print(f"{shape:>14} {row['layer_attention_ms']:>13.2f} {min(sdpa):>13.2f} "
+              f"{row['layer_attention_peak_mib']:>19.0f}")
 
 # %% [markdown]
 # ### One layer's decode step
@@ -456,15 +457,15 @@ if not others:
 # python -m mla bench decode  --out benchmarks/results          # h200-decode.json and .png, ~3-5 min
 # python -m mla bench concat  --out /tmp/mla-gpu                # concat.json
 # python -m mla bench layer   --out /tmp/mla-gpu                # layer.json
-# python -m mla bench prefill --out /tmp/mla-gpu                # prefill.json
+# python -m mla bench prefill --out benchmarks/results         # h200-prefill.json
 # python -m mla bench tp      --out benchmarks/results --tp 2   # h200-tp.json, needs 2 GPUs
 # python -m mla bench generate --out /tmp/mla-gpu               # generate.json (mla.hf)
-# for f in concat layer prefill; do cp /tmp/mla-gpu/$f.json benchmarks/results/h200-$f.json; done
+# for f in concat layer; do cp /tmp/mla-gpu/$f.json benchmarks/results/h200-$f.json; done
 # ```
 #
-# The concat, layer and prefill scripts write `concat.json`, `layer.json` and `prefill.json`;
-# the committed ones are named for the H200 they ran on (`benchmarks/results/h200-concat.json`,
-# `h200-layer.json`, `h200-prefill.json`), hence the copy.
+# The concat and layer scripts write `concat.json` and `layer.json`; the committed ones are
+# named for the H200 they ran on (`benchmarks/results/h200-concat.json`, `h200-layer.json`),
+# hence the copy.
 #
 # The decode run times FlashMLA beside `mla_decode` where `import flash_mla` works
 # (`flashmla_us`, `flashmla_over_mla`; null where it does not). `benchmarks/gpu_suite.sh` runs
