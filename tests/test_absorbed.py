@@ -8,16 +8,10 @@ from hypothesis import strategies as st
 import mla
 from mla import MLAConfig, MLAWeights
 
+from assertions import assert_rel_close
+
 OPTIONS = [dict(precompute=False), dict(precompute=True),
            dict(precompute=False, prefill="absorbed"), dict(precompute=True, prefill="absorbed")]
-
-
-def assert_rel_close(actual, expected, tol):
-    """Relative error in the Frobenius norm below tol; NaN or inf on either side fails."""
-    assert torch.isfinite(actual).all(), "non-finite values in the tier's output"
-    assert torch.isfinite(expected).all(), "non-finite values in the reference"
-    err = float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
-    assert err < tol, f"relative error {err:.3g} >= {tol}"
 
 
 def _run_both(weights, calls, batch, max_len, tol=1e-5, **options):

@@ -12,6 +12,8 @@ import torch
 import mla
 from mla.naive import NaiveMLA
 
+from assertions import assert_rel_close
+
 SMALL = dict(hidden_size=48, num_heads=3, kv_lora_rank=20, qk_nope_head_dim=12,
              qk_rope_head_dim=8, v_head_dim=10, rope_theta=10000.0, rms_norm_eps=1e-6)
 YARN = dict(factor=4.0, original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
@@ -59,14 +61,6 @@ CASES = [
 ]
 
 
-def assert_rel_close(actual, expected, tol=1e-6):
-    """Relative error in the Frobenius norm below tol; NaN or inf on either side fails."""
-    assert torch.isfinite(actual).all(), "non-finite values in the tier's output"
-    assert torch.isfinite(expected).all(), "non-finite values in the reference"
-    err = float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
-    assert err < tol, f"relative error {err:.3g} >= {tol}"
-
-
 @pytest.mark.parametrize("version,q_lora_rank,yarn", CASES)
 def test_naive_matches_transformers(version, q_lora_rank, yarn):
     b, s = 2, 40
@@ -92,12 +86,12 @@ def test_naive_matches_transformers(version, q_lora_rank, yarn):
         ref = hf_forward(hf_attn, hf_rope, x)
         # one prefill
         cache = naive.new_cache(b, s)
-        assert_rel_close(naive(x, cache), ref)
+        assert_rel_close(naive(x, cache), ref, 1e-6)
         # chunked prefill (13 + 15) then 12 decode steps
         cache = naive.new_cache(b, s)
         pieces = [naive(x[:, :13], cache), naive(x[:, 13:28], cache)]
         pieces += [naive(x[:, j:j + 1], cache) for j in range(28, s)]
-        assert_rel_close(torch.cat(pieces, dim=1), ref)
+        assert_rel_close(torch.cat(pieces, dim=1), ref, 1e-6)
         assert cache.seq_lens.tolist() == [s, s]
 
 
@@ -119,7 +113,7 @@ def test_naive_ragged_batch_matches_transformers_per_row():
             x[i, :n] = xs[i][0, :n]
         y = naive(x, cache, torch.tensor(first))
         for i, n in enumerate(first):
-            assert_rel_close(y[i, :n], refs[i][:n])
+            assert_rel_close(y[i, :n], refs[i][:n], 1e-6)
             assert torch.all(y[i, n:] == 0)  # padded positions are zeros
         # then everything that is left, ragged again
         rest = [f - n for f, n in zip(full, first)]
@@ -129,7 +123,7 @@ def test_naive_ragged_batch_matches_transformers_per_row():
             x[i, :n] = xs[i][0, first[i]:]
         y = naive(x, cache, torch.tensor(rest))
         for i, n in enumerate(rest):
-            assert_rel_close(y[i, :n], refs[i][first[i]:])
+            assert_rel_close(y[i, :n], refs[i][first[i]:], 1e-6)
             assert torch.all(y[i, n:] == 0)
         assert cache.seq_lens.tolist() == full
 
@@ -151,5 +145,5 @@ def test_prefill_and_extend_see_exactly_the_past():
         for i, (f, n) in enumerate(zip(full, first)):
             ref = torch.cat([naive(x[i:i + 1, :p + 1], naive.new_cache(1, 12))[0, -1:]
                              for p in range(f)])  # (f, hidden)
-            assert_rel_close(y_first[i, :n], ref[:n])
-            assert_rel_close(y_rest[i, :f - n], ref[n:])
+            assert_rel_close(y_first[i, :n], ref[:n], 1e-6)
+            assert_rel_close(y_rest[i, :f - n], ref[n:], 1e-6)

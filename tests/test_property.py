@@ -13,15 +13,9 @@ from hypothesis import strategies as st
 
 import mla
 
+from assertions import assert_rel_close
+
 CFG = mla.MLAConfig.from_preset("tiny")
-
-
-def assert_rel_close(actual, expected, tol):
-    """Relative error in the Frobenius norm below tol; NaN or inf on either side fails."""
-    assert torch.isfinite(actual).all(), "non-finite values in the paged tier's output"
-    assert torch.isfinite(expected).all(), "non-finite values in the naive tier's output"
-    err = float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
-    assert err < tol, f"relative error {err:.3g} >= {tol}"
 
 
 @st.composite

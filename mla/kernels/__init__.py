@@ -1,9 +1,11 @@
-"""The paged tier's kernels: concat_and_cache (CUDA / C++ / torch) and the split-KV decode (Triton,
-and CUDA stage 1s for DeepSeek's sizes).
+"""The paged tier's kernels: concat_and_cache (CUDA / C++ / torch), the split-KV decode (Triton,
+and CUDA stage 1s for DeepSeek's sizes) and the up-projected prefill (Triton).
 
-One module a piece: ``triton_decode`` (the Triton kernels), ``decode`` (the op, its reference,
-checks and split policy), ``backends`` (which stage 1 runs), ``extension`` (the compiled csrc
-extension), ``concat_cache`` (the concat-and-cache op and its reference).
+One module a piece: ``triton_decode`` (the Triton decode kernels), ``decode`` (the op, its
+reference, checks and split policy), ``backends`` (which stage 1 runs), ``triton_prefill`` (the
+Triton prefill kernel), ``prefill`` (the prefill op, its reference, the log-sum-exp merge and
+chunked context prefill), ``extension`` (the compiled csrc extension), ``concat_cache`` (the
+concat-and-cache op and its reference), ``fp8`` (the fp8 cache layouts in plain torch).
 
 On a machine without a CUDA GPU the Triton kernels run in Triton's interpreter; TRITON_INTERPRET
 must be set before triton is first imported, so this package sets it when no GPU is visible.

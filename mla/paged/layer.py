@@ -68,10 +68,10 @@ PAGED_PREFILL_MODES = ("auto", *PREFILL_MODES)
 # Rows with at least this many new tokens attend in MHA mode (up-projected) under
 # prefill="auto"; shorter ones in MQA mode (absorbed). The FLOP model
 # (mla.memory.prefill_crossover) puts the break-even at 168 new tokens over 4096 cached ones
-# (V3 sizes); benchmarks/results/h200-prefill.json holds the timing behind 64 (one sequence over
-# 4096 cached tokens, bf16, H200: absorbed faster up to s = 32, up-projected from s = 64), taken
-# with both paths in plain torch. benchmarks/lab/prefill_crossover.py measures it again with the
-# kernels both modes run on.
+# (V3 sizes); benchmarks/lab/results/h200-prefill-crossover.json holds the timing behind 64 (one
+# sequence over 4096 cached tokens, bf16, H200: absorbed faster up to s = 32, up-projected from
+# s = 64), taken with both paths in plain torch. benchmarks/lab/prefill_crossover.py measures it
+# with the kernels both modes run on.
 PREFILL_CROSSOVER = 64
 
 # The most pieces a decode row is cut into: CUDA's limit on a grid's y and z dimensions, which
