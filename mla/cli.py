@@ -386,18 +386,21 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="run every tier on a random layer and compare")
+    # the options demo and generate share: which tiers, where, in what dtype, and the output
+    run = argparse.ArgumentParser(add_help=False)
+    run.add_argument("--tiers", default=",".join(TIERS), help="comma-separated, e.g. naive,absorbed")
+    run.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
+    run.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                     help="default float32 on the CPU, bfloat16 on a GPU")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--json", default=None, help="write the figures to this file")
+    run.add_argument("--no-progress", dest="progress", action="store_false")
+
+    p = sub.add_parser("demo", parents=[run], help="run every tier on a random layer and compare")
     p.add_argument("--preset", default="deepseek-v2-lite", choices=sorted(PRESETS))
-    p.add_argument("--tiers", default=",".join(TIERS), help="comma-separated, e.g. naive,absorbed")
     p.add_argument("--batch", type=_at_least(1), default=4)
     p.add_argument("--prompt-len", type=_at_least(1), default=48)
     p.add_argument("--decode-steps", type=_at_least(0), default=8)
-    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                   help="default float32 on the CPU, bfloat16 on a GPU")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the figures to this file")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--tp", type=_at_least(1), default=1,
                    help="tensor parallel ranks, heads split over them (gloo on the CPU; with "
                         "--device cuda NCCL, one GPU a rank)")
@@ -406,19 +409,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
     p.add_argument("--seq-len", type=_at_least(1), default=32768)
 
-    p = sub.add_parser("generate", help="transformers' generate() with each tier swapped in")
+    p = sub.add_parser("generate", parents=[run],
+                       help="transformers' generate() with each tier swapped in")
     p.add_argument("--model", default=None, help="a save_pretrained directory of a DeepseekV2/V3 "
                    "model (default: a small random DeepSeek-V3-shaped one)")
-    p.add_argument("--tiers", default=",".join(TIERS), help="comma-separated, e.g. absorbed,paged")
     p.add_argument("--batch", type=_at_least(1), default=3)
     p.add_argument("--prompt-len", type=_at_least(1), default=24)
     p.add_argument("--max-new-tokens", type=_at_least(1), default=24)
-    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                   help="default float32 on the CPU, bfloat16 on a GPU")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the figures to this file")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
 
     p = sub.add_parser("bench", help="GPU benchmarks (benchmarks/bench_*.py)",
                        description="Runs benchmarks/bench_WHICH.py with the options that follow; "

@@ -964,9 +964,9 @@ def test_gpu_cuda_backend_is_the_default_where_it_applies():
     assert rel_err(out_c, out_t) < 1e-2 and (lse_c - lse_t).abs().max().item() < 1e-3
 
 
-# Run in a child process: on the GPU machine a failing check of this extension once crashed the
-# process (a segfault while formatting a number into the message) instead of raising. A crash
-# there fails this test, and the rest of the GPU suite still runs.
+# Run in a child process: a failing check inside the extension that crashed the process (say, a
+# fault while formatting its message) instead of raising fails this test, and the rest of the
+# GPU suite still runs.
 _OPS_REJECT_CHILD = """
 import torch
 from mla.kernels.extension import load_extension
