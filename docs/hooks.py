@@ -79,6 +79,14 @@ def _namespace() -> dict:
         "split_table": split_table,
         "default": default,
         "default_page_tiles": default_page_tiles,
+        "result": result,
+        "row": row,
+        "decode_tflops": decode_tflops,
+        "flashmla_table": flashmla_table,
+        "layer_table": layer_table,
+        "prefill_table": prefill_table,
+        "generate_table": generate_table,
+        "capacity_table": capacity_table,
         "kib": lambda n: n / 1024,
         "mib": lambda n: n / 1024**2,
     }
@@ -495,8 +503,140 @@ def _threshold_sentence(crossovers: dict[int, int | None]) -> str:
             "[Kernels and benchmarks](../benchmarks.md#plots) plots the prefill times.")
 
 
-def benchmark_section() -> str:
-    """Tables from benchmarks/results/*.json, or a plain statement that none is committed."""
+# ---- figures and tables read from one committed result file --------------------------------
+#
+# A page quotes a measured figure as {{ mla: row("h200-layer.json", b=8)["paged_eager_us"] | .0f }}
+# and shows a table as {{ mla: layer_table() }}: the numbers come from the JSON each time the
+# site is built, and a figure the file no longer holds stops the build.
+
+
+def result(name: str) -> dict:
+    """The committed result file benchmarks/results/<name> (or benchmarks/lab/results/<name>)."""
+    for folder in (RESULTS, LAB_RESULTS):
+        if (folder / name).is_file():
+            return json.loads((folder / name).read_text())
+    raise PluginError(f"result({name!r}): not in benchmarks/results/ or benchmarks/lab/results/")
+
+
+def row(name: str, key: str = "rows", **match) -> dict:
+    """The one row of result `name`'s list `key` whose fields equal `match` (b=64, h=128, ...)."""
+    rows = [r for r in result(name)[key] if all(r.get(k) == v for k, v in match.items())]
+    if len(rows) != 1:
+        raise PluginError(f"row({name!r}, {match}): {len(rows)} rows match, expected one")
+    return rows[0]
+
+
+def decode_tflops(b: int, t: int, h: int, field: str = "time_us") -> float:
+    """Attention TFLOP/s of the committed decode row (b, t, h, one query token): its FLOPs (the
+    floor's compute term, floor_us x matmul_TFLOPs when compute bound, recomputed here) over
+    `field` (time_us: ours, flashmla_us: FlashMLA's)."""
+    from mla.config import MLAConfig
+
+    v3 = MLAConfig.from_preset("deepseek-v3")
+    flops = 2 * b * h * t * (v3.kv_lora_rank + v3.qk_rope_head_dim + v3.kv_lora_rank)
+    return flops / (row("h200-decode.json", b=b, t=t, h=h, s_q=1)[field] * 1e-6) / 1e12
+
+
+def _table(rows: list[dict], columns: list[tuple[str, object]]) -> str:
+    """Markdown: one line a row, each column (header, row -> text); a cell whose field is
+    missing or null reads n/a."""
+    out = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---:|" * len(columns)]
+    for r in rows:
+        cells = []
+        for _, cell in columns:
+            try:
+                cells.append(cell(r))
+            except (KeyError, TypeError):
+                cells.append("n/a")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def flashmla_table(name: str = "h200-decode.json") -> str:
+    """Markdown: mla_decode beside FlashMLA at every shape of one query token a sequence, times
+    in µs with their multiple of the floor, and FlashMLA's time over ours."""
+    rows = [r for r in result(name)["rows"] if r.get("s_q", 1) == 1]
+    rows.sort(key=lambda r: (r["h"], r["b"] * r["t"], r["b"]))
+    return _table(rows, [
+        ("b", lambda r: f"{r['b']:,}"), ("t", lambda r: f"{r['t']:,}"), ("h", lambda r: str(r["h"])),
+        ("floor (µs)", lambda r: f"{r['floor_us']:,.1f}"),
+        ("mla (µs, x floor)", lambda r: f"{r['time_us']:,.1f} ({r['time_us'] / r['floor_us']:.2f})"),
+        ("FlashMLA (µs, x floor)",
+         lambda r: f"{r['flashmla_us']:,.1f} ({r['flashmla_us'] / r['floor_us']:.2f})"),
+        ("FlashMLA / mla", lambda r: f"**{r['flashmla_over_mla']:.2f}**"),
+    ])
+
+
+def layer_table(name: str = "h200-layer.json") -> str:
+    """Markdown: one layer's decode step, the absorbed and paged tiers eager and the paged
+    tier's `decode_step` eager and replayed from a CUDA graph."""
+    data = result(name)
+    return _table(data["rows"], [
+        ("b", lambda r: str(r["b"])), ("t", lambda r: f"{r['t']:,}"),
+        ("absorbed, eager (µs)", lambda r: f"{r['absorbed_eager_us']:,.0f}"),
+        ("paged, eager (µs)", lambda r: f"{r['paged_eager_us']:,.0f}"),
+        ("paged / absorbed", lambda r: f"{r['paged_eager_us'] / r['absorbed_eager_us']:.2f}"),
+        ("`decode_step`, eager (µs)", lambda r: f"{r['paged_step_eager_us']:,.0f}"),
+        ("`decode_step`, CUDA graph (µs)", lambda r: f"{r['paged_graph_us']:,.0f}"),
+        ("decode kernel, splits", lambda r: f"`{r['decode_kernel']}`, {r['num_kv_splits']}"),
+    ])
+
+
+_PREFILL_CONTENDERS = (("layer_attention", "ours"), ("sdpa_cudnn", "SDPA cuDNN"),
+                       ("sdpa_efficient", "SDPA efficient"), ("sdpa_flash", "SDPA flash"),
+                       ("flex", "FlexAttention"))
+
+
+def prefill_table(name: str = "h200-prefill.json", what: str = "ms") -> str:
+    """Markdown: bench_prefill.py's rows, one line a shape. what="ms": the layer's whole call
+    and each contender's attention in ms (TFLOP/s); what="memory": their peak memory in MiB."""
+    rows = result(name)["rows"]
+    shape = [("b x s (+ t cached)",
+              lambda r: f"{r['b']} x {r['s']:,}" + (f" + {r['t']:,}" if r.get("t") else ""))]
+    if what == "memory":
+        cols = [("layer", "layer")] + list(_PREFILL_CONTENDERS)
+        return _table(rows, shape + [(f"{label} (MiB)", lambda r, k=key: f"{r[k + '_peak_mib']:,.0f}")
+                                     for key, label in cols])
+
+    def timed(key):
+        def cell(r):
+            if r.get(key + "_ms") is None:
+                return "out of memory" if "memory" in str(r.get(key + "_error", "")) else "n/a"
+            return f"{r[key + '_ms']:,.2f} ({r[key + '_TFLOPs']:,.0f})"
+        return cell
+    return _table(rows, shape + [("layer, whole call", timed("layer"))]
+                  + [(f"{label} attention", timed(key)) for key, label in _PREFILL_CONTENDERS]
+                  + [("ours / cuDNN", lambda r: f"{r['layer_attention_ms'] / r['sdpa_cudnn_ms']:.2f}")])
+
+
+def generate_table(name: str = "h200-generate.json") -> str:
+    """Markdown: bench_generate.py's rows, one line a contender and batch."""
+    rows = [r for r in result(name)["rows"] if not r.get("oom")]
+    return _table(rows, [
+        ("contender", lambda r: r["contender"]), ("b", lambda r: str(r["b"])),
+        ("decode tokens/s", lambda r: f"{r['decode_tokens_per_s']:,.0f}"),
+        ("prefill (s)", lambda r: f"{r['prefill_s']:.2f}"),
+        ("tokens/s, whole call", lambda r: f"{r['tokens_per_s']:,.0f}"),
+        ("peak GiB, prefill / decode", lambda r: f"{r['prefill_peak_gib']:.1f} / {r['decode_peak_gib']:.1f}"),
+        ("tokens equal to eager", lambda r: f"{r['tokens_equal_reference']:.0%}"),
+    ])
+
+
+def capacity_table(name: str = "h200-generate.json") -> str:
+    """Markdown: the largest batch each contender decodes at the long context within the budget:
+    the memory model's estimate, the batch the probe ran, and the probe's peak memory."""
+    return _table(result(name)["capacity"], [
+        ("contender", lambda r: r["contender"]), ("context t", lambda r: f"{r['t']:,}"),
+        ("estimate", lambda r: f"{r['estimate']:,}"), ("ran", lambda r: f"**{r['verified']:,}**"),
+        ("probe's peak (GiB)", lambda r: f"{r['verified_peak_gib']:.1f}"),
+        ("batches tried", lambda r: ", ".join(
+            f"{p['b']:,}" + ("" if p["fits"] else " (out of memory)") for p in r["probes"])),
+    ])
+
+
+def benchmark_section(shown: tuple[str, ...] = ()) -> str:
+    """Tables from benchmarks/results/*.json, or a plain statement that none is committed; the
+    PNGs there too, but for those named in `shown` (the page shows them elsewhere)."""
     files = sorted(RESULTS.glob("*.json")) if RESULTS.is_dir() else []
     if not files:
         return ("!!! note \"No committed results yet\"\n"
@@ -526,7 +666,7 @@ def benchmark_section() -> str:
                 parts.append("")
                 parts.append("")
     # plots: on_files puts benchmarks/results/*.png into the site; this page sits at the root
-    for png in sorted(RESULTS.glob("*.png")):
+    for png in sorted(p for p in RESULTS.glob("*.png") if p.name not in shown):
         parts.append(f"![{png.name}]({png.relative_to(ROOT).as_posix()})\n")
     return "\n".join(parts)
 
