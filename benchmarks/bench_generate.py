@@ -193,7 +193,9 @@ def probe(model, contender: str, b: int, t: int, steps: int) -> dict:
             for step in range(steps):
                 mask = torch.ones(b, t + step + 1, dtype=torch.long, device=model.device)
                 pos = torch.full((b, 1), t + step, device=model.device)
-                model(input_ids=token, attention_mask=mask, position_ids=pos, cache=cache,
+                # past_key_values: the name every transformers version takes (later ones also
+                # take `cache`); a name the model does not know would leave it a fresh, empty cache
+                model(input_ids=token, attention_mask=mask, position_ids=pos, past_key_values=cache,
                       use_cache=True, logits_to_keep=1)
         torch.cuda.synchronize()
         return dict(b=b, fits=True, peak_gib=torch.cuda.max_memory_allocated() / GiB)

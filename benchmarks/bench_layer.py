@@ -9,8 +9,8 @@ included: x (b, 1, hidden) -> y (b, 1, hidden). Every row of the batch already h
 contender decodes one token a row:
 
 - ``absorbed_eager``: mla.AbsorbedMLA over its contiguous LatentCache, the common call.
-- ``paged_eager``: mla.PagedMLA's common call (host-side slot mapping, checked concat, split
-  count chosen from the lengths: a few host syncs a step).
+- ``paged_eager``: mla.PagedMLA's common call (its metadata planned on the host and moved in
+  one packed copy, the split count chosen from the host's longest row: no host sync).
 - ``paged_step_eager``: ``PagedMLA.decode_step`` on device tensors from ``decode_inputs``,
   launched eagerly (no host sync, but every kernel is still launched from Python).
 - ``paged_graph``: the same ``decode_step`` captured once in a CUDA graph and replayed
