@@ -311,8 +311,10 @@ def main() -> None:
               f"estimate {c['estimate']}, verified {c['verified']} "
               f"(peak {c['verified_peak_gib'] or 0:.1f} GiB)")
 
+    import transformers
+
     result = dict(device=torch.cuda.get_device_name(0), host=platform.node(),
-                  torch=torch.__version__, args=vars(args),
+                  torch=torch.__version__, transformers=transformers.__version__, args=vars(args),
                   weights_gib=weights_bytes / GiB, rows=rows, capacity=capacity,
                   wall_s=time.time() - started)
     path = os.path.join(args.out, "generate.json")
