@@ -33,6 +33,8 @@ Goals, in the order they shape the code:
    ``ceil(seq_len / page)`` are masked loads. Page offsets are int64, so caches beyond 2^31
    elements work. The entries inside ``seq_len`` are trusted: ``mla_decode`` checks them.
 4. fp32 softmax statistics and accumulators whatever the input dtype (bf16, fp16, fp32).
+5. fp8 caches ("fp8_e4m3", "fp8_ds_mla"; ``mla.kernels.fp8``) arrive as bytes and are
+   dequantised in registers as each tile is loaded, then cast to q's dtype for the dots.
 
 Blocked pseudo-code of stage 1, one program per (sequence i, block of query rows, split); the
 query row at index j * h + k is new token j's head k, and sees ``row_len = seq_len - (s_q - 1 -
