@@ -13,7 +13,9 @@ same partials, which the Triton merge combines (with one split, each writes the 
   Any heads, 64 a program (the compute-bound case), c = 512, r = 64, bf16 / fp16, pages of a
   multiple of 64 rows; one 64-token tile load serves both products.
 
-Both CUDA kernels take one new token a sequence (q of (b, h, c + r), or s_q = 1): a query of
+Both CUDA kernels read caches in q's dtype: an fp8 cache (``kv_cache_dtype="fp8_e4m3"`` or
+``"fp8_ds_mla"``) always runs on ``"triton"``, and forcing a CUDA one for it is a ValueError.
+Both take one new token a sequence (q of (b, h, c + r), or s_q = 1): a query of
 s_q > 1 new tokens (speculative decoding, multi-token prediction) always runs on ``"triton"``, and
 forcing a CUDA one for it is a ValueError.
 
@@ -56,7 +58,11 @@ def sm_count(device: torch.device | str) -> int:
 def why_backend_cannot_run(backend, q, kv_cache, block_table, seq_lens, kv_lora_rank) -> str | None:
     """None if the CUDA stage 1 ``backend`` can run these (checked) arguments, else why not.
 
-    q is (b, h, c + r) or (b, s_q, h, c + r); the CUDA kernels run s_q = 1 only."""
+    q is (b, h, c + r) or (b, s_q, h, c + r); the CUDA kernels run s_q = 1 only, on caches in
+    q's dtype (an fp8 cache runs on Triton)."""
+    if kv_cache.dtype != q.dtype:
+        return (f"kv_cache is {kv_cache.dtype} (an fp8 cache); the CUDA stage-1 kernels read caches in "
+                "q's dtype only, the Triton kernel (_backend='triton') reads fp8_e4m3 and fp8_ds_mla")
     if q.dim() == 4:
         if q.shape[1] != 1:
             return (f"q has s_q = {q.shape[1]} new tokens a sequence; the CUDA stage-1 kernels take "

@@ -20,6 +20,7 @@ import os
 import torch
 import triton
 
+from . import fp8
 from .backends import CUDA_TILES, choose_decode_backend, sm_count
 from .triton_decode import LOG2E, _mla_decode_merge_kernel, _mla_decode_split_kernel
 
@@ -37,6 +38,8 @@ _MERGE_TILE = 4096  # partial-output values one merge program reads (splits x ch
 _MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z: sequences, query rows of the merge, splits
 # an H100/H200 block's most shared memory; 3 stages of 64 x 576 bf16 tiles (216 KiB) fit
 _SHARED_MEMORY_BUDGET = 227 * 1024
+# the kernel's KV_FORMAT for each cache layout (mla.kernels.fp8 defines the fp8 ones)
+_KV_FORMATS = {"auto": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,6 +58,8 @@ def mla_decode(
     num_kv_splits: int | None = None,
     max_seq_len: int | None = None,
     check_block_table: bool | None = None,
+    kv_cache_dtype: str = "auto",
+    kv_scale: float | torch.Tensor | None = None,
     _config: dict | None = None,
     _backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,9 +73,9 @@ def mla_decode(
             ``seq_len - (s_q - 1 - j)`` cached rows, so the last one sees all ``seq_len``
             (FlashMLA's convention). A token that sees no row (``seq_len < s_q - j``) gets out 0
             and lse -inf.
-        kv_cache: (num_blocks >= 1, block_size, c + r), q's dtype: the paged cache of
-            ``[kv_c | k_pe]`` rows. Key = the whole row, value = its first c values. Last dim
-            contiguous.
+        kv_cache: (num_blocks >= 1, block_size, width): the paged cache of ``[kv_c | k_pe]``
+            rows, in the layout ``kv_cache_dtype`` names (as ``concat_and_cache`` writes it).
+            Key = the whole row, value = its first c values. Last dim contiguous.
         block_table: (b, max_blocks) int32: ``block_table[i, j]`` is the cache block holding
             tokens ``j*block_size ... (j+1)*block_size - 1`` of sequence i, in
             ``[0, num_blocks)``. Entries past ``ceil(seq_lens[i] / block_size)`` are never read.
@@ -93,6 +98,18 @@ def mla_decode(
             (not allowed in a CUDA graph capture), False trusts the block-table entries, and
             None checks where it costs no extra sync: when ``num_kv_splits`` and ``max_seq_len``
             are None (seq_lens are read on the host anyway) and no graph is being captured.
+        kv_cache_dtype: the cache's layout (``mla.kernels.fp8``): ``"auto"``, rows of c + r
+            values in q's dtype; ``"fp8_e4m3"`` (alias ``"fp8"``), a ``torch.float8_e4m3fn``
+            cache of width c + r read as ``value * kv_scale``; ``"fp8_ds_mla"``, a ``torch.uint8``
+            cache of width c + 4·c/128 + 2·r (656 for c = 512, r = 64) holding each token's latent
+            in e4m3 with a float32 scale per 128 values and its rope part in bf16. The Triton
+            kernel dequantises fp8 rows in registers to float32, then casts them to q's dtype
+            for the dots (exact for float32 q); the CUDA stage-1 kernels read q's dtype only,
+            so fp8 caches run on Triton.
+        kv_scale: ``"fp8_e4m3"`` only (None otherwise): the cache's one scale, a positive finite
+            float or a 1-element float32 tensor. A tensor's value is checked where seq_lens are
+            (``check_block_table``) and trusted elsewhere; under CUDA graph capture pass a tensor
+            on q's device.
         _config, _backend: private hooks for benchmarks and tests: ``_config`` overrides keys of
             ``default_config`` and selects the Triton kernel; ``_backend`` forces one of
             ``mla.kernels.backends.DECODE_BACKENDS`` (a ValueError if it cannot run the arguments).
@@ -109,7 +126,8 @@ def mla_decode(
     float32 on copies of q and the pages the rows use (the interpreter's bf16 dot is wrong), out
     cast back to bf16.
     """
-    _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scale, num_kv_splits)
+    kind = _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scale, num_kv_splits,
+                         kv_cache_dtype, kv_scale)
     if check_block_table is not None and not isinstance(check_block_table, bool):
         raise TypeError(f"mla_decode: check_block_table must be True, False or None, got {check_block_table!r}")
     if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, numbers.Integral)
@@ -119,6 +137,7 @@ def mla_decode(
         out, lse = mla_decode(q.unsqueeze(1), kv_cache, block_table, seq_lens, kv_lora_rank=kv_lora_rank,
                               softmax_scale=softmax_scale, num_kv_splits=num_kv_splits,
                               max_seq_len=max_seq_len, check_block_table=check_block_table,
+                              kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale,
                               _config=_config, _backend=_backend)
         return out[:, 0], lse[:, 0]
     b, s_q, h, d = q.shape
@@ -141,6 +160,7 @@ def mla_decode(
         if max_seq_len is not None and longest > max_seq_len:
             raise ValueError(f"mla_decode: seq_lens holds {longest}, above max_seq_len={max_seq_len}")
         max_seq_len = longest if max_seq_len is None else max_seq_len
+    scale_t = _kv_scale_tensor(kv_scale, q.device, check_value=check) if kind == "fp8_e4m3" else None
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "mla_decode: q is on the CPU, which Triton runs only in its interpreter; set "
@@ -150,7 +170,7 @@ def mla_decode(
     if on_cpu and q.dtype == torch.bfloat16:
         out, lse = _decode_bf16_in_fp32(q, kv_cache, block_table, seq_lens, kv_lora_rank=c,
                                         softmax_scale=softmax_scale, num_kv_splits=num_kv_splits,
-                                        max_seq_len=max_seq_len,
+                                        max_seq_len=max_seq_len, kv_cache_dtype=kind, kv_scale=scale_t,
                                         _config=_config, _backend=_backend)
         return out.to(torch.bfloat16), lse
 
@@ -205,9 +225,12 @@ def mla_decode(
     head_major = bool(config["HEAD_MAJOR"])
     row_blocks = triton.cdiv(rows, block_h)
     grid = (row_blocks, b, num_kv_splits) if head_major else (b, row_blocks, num_kv_splits)
+    # an fp8 cache goes in as its bytes; the scale pointer is read for "fp8_e4m3" only
+    kv = kv_cache if kind == "auto" else kv_cache.view(torch.uint8)
+    rope_offset = c + 4 * (c // fp8.DS_MLA_GROUP) if kind == "fp8_ds_mla" else c
     _mla_decode_split_kernel[grid](
-        q, kv_cache, block_table, seq_lens, part_out, part_lse,
-        h, s_q, c, r, block_size, num_kv_splits, float(softmax_scale) * LOG2E,
+        q, kv, scale_t if scale_t is not None else seq_lens, block_table, seq_lens, part_out, part_lse,
+        h, s_q, c, r, rope_offset, block_size, num_kv_splits, float(softmax_scale) * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0), block_table.stride(1),
@@ -223,6 +246,7 @@ def mla_decode(
         EXACT=(block_c == c and block_r == r),
         HEAD_MAJOR=head_major,
         SPLIT_TAIL=bool(config["SPLIT_TAIL"]),
+        KV_FORMAT=_KV_FORMATS[kind],
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
@@ -252,12 +276,14 @@ def _merge(part_out, part_lse, out, lse) -> None:
 
 def _decode_bf16_in_fp32(q, kv_cache, block_table, seq_lens, **options):
     """``mla_decode`` on float32 copies of q and of the pages the rows read (checked values),
-    renumbered into a compact cache; the caller casts out back to bf16."""
+    renumbered into a compact cache; the caller casts out back to bf16. fp8 pages are copied as
+    they are (the kernel dequantises them to float32)."""
     block_size = kv_cache.shape[1]
+    as_read = (lambda t: t) if options.get("kv_cache_dtype", "auto") != "auto" else (lambda t: t.float())  # noqa: E731
     pages = (seq_lens.long() + block_size - 1) // block_size  # (b,) pages each row reads
     used = torch.arange(block_table.shape[1])[None, :] < pages[:, None]  # (b, max_blocks)
     blocks = block_table[used].long()  # (k,)
-    compact = kv_cache[blocks].float() if blocks.numel() else kv_cache[:1].float()  # (k, n, c + r)
+    compact = as_read(kv_cache[blocks] if blocks.numel() else kv_cache[:1])  # (k, n, width)
     table = torch.zeros_like(block_table)
     table[used] = torch.arange(blocks.numel(), dtype=torch.int32)
     return mla_decode(q.float(), compact, table, seq_lens, check_block_table=False, **options)
@@ -278,6 +304,8 @@ def mla_decode_reference(
     softmax_scale: float,
     num_kv_splits: int | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    kv_cache_dtype: str = "auto",
+    kv_scale: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``mla_decode``'s arguments and results, computed by gathering each sequence's pages.
 
@@ -286,14 +314,23 @@ def mla_decode_reference(
     ``mla_decode`` with ``check_block_table=True``. ``num_kv_splits`` is
     accepted and ignored (splitting does not change the math). ``compute_dtype`` (float64 by
     default) is what the scores and softmax are computed in; tests of large shapes on a GPU may
-    pass float32. Returns out in q's dtype and lse in float32, like the kernel.
+    pass float32. Returns out in q's dtype and lse in float32, like the kernel. An fp8 cache
+    (``kv_cache_dtype``, ``kv_scale`` as in ``mla_decode``) is first dequantised whole to float32
+    by ``mla.kernels.fp8.dequantize_e4m3`` / ``dequantize_ds_mla``.
     """
-    _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scale, num_kv_splits)
+    kind = _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scale, num_kv_splits,
+                         kv_cache_dtype, kv_scale)
     q_tokens = q if q.dim() == 4 else q.unsqueeze(1)  # (b, s_q, h, c + r)
     b, s_q, h, d = q_tokens.shape
     c = kv_lora_rank
     block_size = kv_cache.shape[1]
     _check_seq_lens(seq_lens, block_table, kv_cache, check_block_table=True)
+    r = d - c
+    if kind == "fp8_e4m3":  # (blocks, n, c + r) float32 = e4m3 value * the cache's scale
+        scale_t = _kv_scale_tensor(kv_scale, q.device, check_value=True)
+        kv_cache = torch.cat(fp8.dequantize_e4m3(kv_cache, c, scale_t), dim=-1)
+    elif kind == "fp8_ds_mla":  # (blocks, n, c + r) float32: latent * its group's scale, bf16 rope
+        kv_cache = torch.cat(fp8.dequantize_ds_mla(kv_cache, c, r), dim=-1)
     out = torch.zeros((b, s_q, h, c), dtype=compute_dtype, device=q.device)
     lse = torch.full((b, s_q, h), float("-inf"), dtype=compute_dtype, device=q.device)
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -418,8 +455,10 @@ def choose_num_kv_splits(
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scale, num_kv_splits):
-    """Raise a ValueError/TypeError naming the argument at fault; read-only."""
+def _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scale, num_kv_splits,
+                  kv_cache_dtype="auto", kv_scale=None) -> str:
+    """Raise a ValueError/TypeError naming the argument at fault; read-only. Returns the cache
+    layout's canonical name (``mla.kernels.fp8.canonical_kv_cache_dtype``)."""
     for name, t in (("q", q), ("kv_cache", kv_cache), ("block_table", block_table), ("seq_lens", seq_lens)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"mla_decode: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -439,12 +478,6 @@ def _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scal
     if kv_cache.dim() != 3:
         raise ValueError(
             f"mla_decode: kv_cache must be (num_blocks, block_size, c + r), got shape {tuple(kv_cache.shape)}"
-        )
-    if kv_cache.dtype != q.dtype:
-        raise TypeError(f"mla_decode: kv_cache must have q's dtype {q.dtype}, got {kv_cache.dtype}")
-    if kv_cache.shape[2] != d:
-        raise ValueError(
-            f"mla_decode: kv_cache's last dim must equal q's (c + r = {d}), got {kv_cache.shape[2]}"
         )
     if kv_cache.shape[1] < 1:
         raise ValueError("mla_decode: kv_cache's block_size (dim 1) must be >= 1")
@@ -473,6 +506,7 @@ def _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scal
             f"mla_decode: kv_lora_rank must be in [1, {d - 1}] (q's last dim is c + r = {d}, r >= 1), "
             f"got {kv_lora_rank}"
         )
+    kind = _check_kv_format(q, kv_cache, kv_lora_rank, kv_cache_dtype, kv_scale)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"mla_decode: softmax_scale must be a float, got {type(softmax_scale).__name__}")
     if not math.isfinite(softmax_scale):
@@ -489,6 +523,85 @@ def _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scal
             f"mla_decode: at most {_MAX_GRID_YZ} query rows (s_q x heads) a sequence, q has {rows} "
             f"(shape {tuple(q.shape)})"
         )
+    return kind
+
+
+def _check_kv_format(q, kv_cache, kv_lora_rank, kv_cache_dtype, kv_scale) -> str:
+    """kv_cache's dtype and width, and whether kv_scale is given, against ``kv_cache_dtype``;
+    returns its canonical name. kv_scale's value is checked by ``_kv_scale_tensor``."""
+    try:
+        kind = fp8.canonical_kv_cache_dtype(kv_cache_dtype)
+    except ValueError as error:
+        raise ValueError(f"mla_decode: {error}") from None
+    d = q.shape[-1]
+    c, r = kv_lora_rank, d - kv_lora_rank
+    if kind == "auto":
+        if kv_cache.dtype != q.dtype:
+            hint = {torch.uint8: " (an fp8_ds_mla cache? pass kv_cache_dtype='fp8_ds_mla')"}.get(kv_cache.dtype, "")
+            if fp8.fp8_available() and kv_cache.dtype == torch.float8_e4m3fn:
+                hint = " (pass kv_cache_dtype='fp8_e4m3' and its kv_scale)"
+            raise TypeError(f"mla_decode: kv_cache must have q's dtype {q.dtype}, got {kv_cache.dtype}{hint}")
+        if kv_cache.shape[2] != d:
+            raise ValueError(f"mla_decode: kv_cache's last dim must equal q's (c + r = {d}), got {kv_cache.shape[2]}")
+    else:
+        try:
+            fp8._require_fp8(kind)
+        except RuntimeError as error:
+            raise RuntimeError(f"mla_decode: {error}") from None
+        if kind == "fp8_e4m3":
+            dtype, width, formula = torch.float8_e4m3fn, d, f"c + r = {d}"
+        else:
+            if c % fp8.DS_MLA_GROUP:
+                raise ValueError(
+                    f"mla_decode: kv_lora_rank c must be a multiple of {fp8.DS_MLA_GROUP} for "
+                    f"kv_cache_dtype='fp8_ds_mla' (one float32 scale per {fp8.DS_MLA_GROUP} values), got {c}"
+                )
+            dtype, width = torch.uint8, fp8.bytes_per_token(kind, c, r)
+            formula = f"c + 4*c/128 + 2*r = {c} + {4 * c // fp8.DS_MLA_GROUP} + {2 * r} = {width} bytes"
+        if kv_cache.dtype != dtype:
+            raise TypeError(
+                f"mla_decode: kv_cache must be {dtype} for kv_cache_dtype={kv_cache_dtype!r}, got {kv_cache.dtype}"
+            )
+        if kv_cache.shape[2] != width:
+            raise ValueError(
+                f"mla_decode: kv_cache's last dim must be {formula} for kv_cache_dtype={kv_cache_dtype!r} "
+                f"(c = kv_lora_rank = {c}, r = {r} from q's last dim {d}), got {kv_cache.shape[2]}"
+            )
+    if kind != "fp8_e4m3":
+        if kv_scale is not None:
+            raise ValueError(
+                f"mla_decode: kv_scale is for kv_cache_dtype='fp8_e4m3' only; it must be None for "
+                f"kv_cache_dtype={kv_cache_dtype!r}" + (" (its scales are stored in each row)" if kind != "auto" else "")
+            )
+        return kind
+    if kv_scale is None:
+        raise ValueError("mla_decode: kv_scale is required for kv_cache_dtype='fp8_e4m3' (the cache's one scale)")
+    if isinstance(kv_scale, torch.Tensor):
+        if kv_scale.numel() != 1 or kv_scale.dtype != torch.float32:
+            raise TypeError(
+                f"mla_decode: kv_scale must be a float or a 1-element float32 tensor, got a tensor of shape "
+                f"{tuple(kv_scale.shape)} and dtype {kv_scale.dtype}"
+            )
+        if kv_scale.device not in (q.device, torch.device("cpu")):
+            raise ValueError(f"mla_decode: kv_scale is on {kv_scale.device} but q is on {q.device}")
+    elif isinstance(kv_scale, bool) or not isinstance(kv_scale, numbers.Real):
+        raise TypeError(f"mla_decode: kv_scale must be a float or a 1-element float32 tensor, got {kv_scale!r}")
+    return kind
+
+
+def _kv_scale_tensor(kv_scale, device, *, check_value: bool) -> torch.Tensor:
+    """The "fp8_e4m3" scale (type already checked) as the (1,) float32 tensor on ``device`` the
+    kernel reads. A float is always checked; a tensor when ``check_value`` (one host read)."""
+    if isinstance(kv_scale, torch.Tensor):
+        scale = kv_scale.reshape(1).to(device)
+        value = float(scale.item()) if check_value else 1.0
+    else:
+        host = torch.tensor([float(kv_scale)], dtype=torch.float32)  # rounded as the kernel reads it
+        value = float(host.item())
+        scale = host.to(device)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"mla_decode: kv_scale must be positive and finite, got {value}")
+    return scale
 
 
 def _check_seq_lens(seq_lens, block_table, kv_cache, *, check_block_table: bool) -> int:

@@ -33,6 +33,8 @@ Goals, in the order they shape the code:
    ``ceil(seq_len / page)`` are masked loads. Page offsets are int64, so caches beyond 2^31
    elements work. The entries inside ``seq_len`` are trusted: ``mla_decode`` checks them.
 4. fp32 softmax statistics and accumulators whatever the input dtype (bf16, fp16, fp32).
+5. fp8 caches ("fp8_e4m3", "fp8_ds_mla"; ``mla.kernels.fp8``) arrive as bytes and are
+   dequantised in registers as each tile is loaded, then cast to q's dtype for the dots.
 
 Blocked pseudo-code of stage 1, one program per (sequence i, block of query rows, split); the
 query row at index j * h + k is new token j's head k, and sees ``row_len = seq_len - (s_q - 1 -
@@ -72,6 +74,74 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e)); the launcher 
 
 
 # ---------------------------------------------------------------------------------------------
+# Reading fp8 cache rows: bytes to float32 in registers
+# ---------------------------------------------------------------------------------------------
+# An fp8 cache reaches the kernel as bytes (uint8). The decoding is spelled in integer ops, one
+# way for the interpreter and every GPU: the interpreter's float8e4nv conversion reads 0x7F as
+# 480 where float8_e4m3fn has NaN.
+
+
+@triton.jit
+def _e4m3_to_float32(byte):
+    """float8_e4m3fn bytes (uint8, any shape) -> their float32 values, exactly: 1 sign bit,
+    4 exponent bits (bias 7), 3 mantissa bits; exponent 0 holds the subnormals m * 2^-9, and
+    0x7F / 0xFF are NaN (no infinities)."""
+    bits = byte.to(tl.int32)
+    mag = bits & 0x7F
+    # a normal value 2^(e-7) (1 + m/8) is the float32 with exponent field e + 120 and the 3
+    # mantissa bits on top of float32's 23: (e << 23 | m << 20) + (120 << 23)
+    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    subnormal = (mag & 0x7).to(tl.float32) * 0.001953125  # m * 2^-9
+    value = tl.where((mag >> 3) == 0, subnormal, normal)
+    value = tl.where(mag == 0x7F, float("nan"), value)
+    return tl.where((bits & 0x80) != 0, -value, value)
+
+
+@triton.jit
+def _le_bytes_to_float32(ptrs, mask, NUM_BYTES: tl.constexpr):
+    """The little-endian float32 (NUM_BYTES = 4) or bfloat16 (NUM_BYTES = 2) at each byte
+    address ``ptrs``, as float32; masked-off entries read 0. A bfloat16 is the top half of the
+    float32 with the same value."""
+    bits = tl.load(ptrs, mask=mask, other=0).to(tl.int32) << (8 * (4 - NUM_BYTES))
+    for k in tl.static_range(1, NUM_BYTES):
+        bits = bits | (tl.load(ptrs + k, mask=mask, other=0).to(tl.int32) << (8 * (4 - NUM_BYTES + k)))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_fp8_tile(
+    kv_rows, mask_n, offs_c, offs_r, kv_lora_rank, rope_dim, rope_offset, kv_scale,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, KV_FORMAT: tl.constexpr,
+):
+    """The (BLOCK_N, BLOCK_C) latent and (BLOCK_N, BLOCK_R) rope values of fp8 cache rows
+    (byte pointers ``kv_rows`` (BLOCK_N, 1)), dequantised to float32; masked-off tokens and
+    columns read 0.
+
+    KV_FORMAT 1, "fp8_e4m3": bytes [0, c + r) are e4m3, each times the one ``kv_scale``.
+    KV_FORMAT 2, "fp8_ds_mla": bytes [0, c) are e4m3, each times the float32 scale of its group
+    of 128 at bytes [c + 4g, c + 4g + 4); the rope values are bfloat16 from byte ``rope_offset``
+    (c + 4·c/128).
+    """
+    mask_nope = mask_n[:, None] & (offs_c < kv_lora_rank)[None, :]
+    mask_pe = mask_n[:, None] & (offs_r < rope_dim)[None, :]
+    kv_nope = _e4m3_to_float32(tl.load(kv_rows + offs_c[None, :], mask=mask_nope, other=0))
+    if KV_FORMAT == 1:
+        kv_pe = _e4m3_to_float32(tl.load(kv_rows + rope_offset + offs_r[None, :], mask=mask_pe, other=0))
+        kv_nope = kv_nope * kv_scale
+        kv_pe = kv_pe * kv_scale
+    else:
+        # one scale per (token, group of 128): (BLOCK_N, BLOCK_C / 128), broadcast over the group
+        GROUPS: tl.constexpr = BLOCK_C // 128
+        offs_g = tl.arange(0, GROUPS)
+        scale = _le_bytes_to_float32(
+            kv_rows + kv_lora_rank + 4 * offs_g[None, :], mask_n[:, None] & (offs_g * 128 < kv_lora_rank)[None, :], 4
+        )
+        kv_nope = tl.reshape(tl.reshape(kv_nope, (BLOCK_N, GROUPS, 128)) * scale[:, :, None], (BLOCK_N, BLOCK_C))
+        kv_pe = _le_bytes_to_float32(kv_rows + rope_offset + 2 * offs_r[None, :], mask_pe, 2)
+    return kv_nope, kv_pe
+
+
+# ---------------------------------------------------------------------------------------------
 # Stage 1: one program per (sequence, head block, split)
 # ---------------------------------------------------------------------------------------------
 
@@ -80,10 +150,11 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e)); the launcher 
 def _mla_decode_tile(
     q_nope, q_pe, m_i, l_i, acc,
     kv_ptr, block_table_row, start_n, split_end, row_end,
-    kv_lora_rank, rope_dim, page_size, scale_log2,
+    kv_lora_rank, rope_dim, rope_offset, kv_scale, page_size, scale_log2,
     stride_kvp, stride_kvn, stride_btp,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FORMAT: tl.constexpr,  # 0: rows in q's dtype; 1: "fp8_e4m3"; 2: "fp8_ds_mla" (bytes)
     PAGE_TILE: tl.constexpr,  # page_size % BLOCK_N == 0: the tile lies inside one page
     MASK_N: tl.constexpr,  # a tile of the split's tail: tokens past split_end, and past each
     # query row's own end row_end (BLOCK_H,), are masked
@@ -115,8 +186,16 @@ def _mla_decode_tile(
         row = page.to(tl.int64) * stride_kvp + (offs_n % page_size) * stride_kvn  # (BLOCK_N,)
         kv_rows = kv_ptr + row[:, None]
 
-    # ---- one load of the latent tile: the nope part is both key and value
-    if MASK_N:
+    # ---- one load of the latent tile: the nope part is both key and value. An fp8 tile is
+    # dequantised in registers and cast to q's dtype for the dots
+    if KV_FORMAT != 0:
+        kv_nope, kv_pe = _load_fp8_tile(
+            kv_rows, mask_n, offs_c, offs_r, kv_lora_rank, rope_dim, rope_offset, kv_scale,
+            BLOCK_N, BLOCK_C, KV_FORMAT,
+        )
+        kv_nope = kv_nope.to(q_nope.dtype)
+        kv_pe = kv_pe.to(q_pe.dtype)
+    elif MASK_N:
         kv_nope = tl.load(
             kv_rows + offs_c[None, :], mask=mask_n[:, None] & (offs_c < kv_lora_rank)[None, :], other=0.0
         )
@@ -160,7 +239,8 @@ def _mla_decode_tile(
 def _mla_decode_split_kernel(
     # pointers
     q_ptr,  # (b, s_q, h, c + r)
-    kv_ptr,  # (num_pages, page_size, c + r)
+    kv_ptr,  # (num_pages, page_size, c + r) in q's dtype, or (num_pages, page_size, width) bytes
+    kv_scale_ptr,  # (1,) float32, the "fp8_e4m3" scale; not read for the other formats
     block_table_ptr,  # (b, max_pages) int32
     seq_lens_ptr,  # (b,) int32
     part_out_ptr,  # (b, s_q * h, splits, c) fp32 workspace, or out (b, s_q * h, c) when splits == 1
@@ -170,6 +250,7 @@ def _mla_decode_split_kernel(
     num_q_tokens,  # s_q, new tokens a sequence
     kv_lora_rank,  # c
     rope_dim,  # r
+    rope_offset,  # where a row's rope part starts: c, or c + 4·c/128 bytes for "fp8_ds_mla"
     page_size,
     num_splits,
     scale_log2,  # softmax_scale * log2(e)
@@ -190,6 +271,7 @@ def _mla_decode_split_kernel(
     EXACT: tl.constexpr,  # c == BLOCK_C and r == BLOCK_R
     HEAD_MAJOR: tl.constexpr,  # grid (row blocks, b, splits) rather than (b, row blocks, splits)
     SPLIT_TAIL: tl.constexpr,  # whole tiles unmasked, then the tail; else every tile masked
+    KV_FORMAT: tl.constexpr,  # 0: rows in q's dtype; 1: "fp8_e4m3"; 2: "fp8_ds_mla"
 ):
     # row blocks vary fastest (HEAD_MAJOR), so the programs that share a sequence's cache run
     # side by side and the second row block finds the tiles in L2
@@ -236,6 +318,10 @@ def _mla_decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)  # running sum of p * value
     block_table_row = block_table_ptr + pid_b.to(tl.int64) * stride_btb
+    if KV_FORMAT == 1:
+        kv_scale = tl.load(kv_scale_ptr)
+    else:
+        kv_scale = 1.0
     if SPLIT_TAIL:
         tail_start = full_end
     else:
@@ -243,14 +329,14 @@ def _mla_decode_split_kernel(
     for start_n in range(split_start, tail_start, BLOCK_N):
         m_i, l_i, acc = _mla_decode_tile(
             q_nope, q_pe, m_i, l_i, acc, kv_ptr, block_table_row, start_n, split_end, row_end,
-            kv_lora_rank, rope_dim, page_size, scale_log2, stride_kvp, stride_kvn, stride_btp,
-            BLOCK_N, BLOCK_C, BLOCK_R, DOT_PRECISION, PAGE_TILE, False, EXACT,
+            kv_lora_rank, rope_dim, rope_offset, kv_scale, page_size, scale_log2, stride_kvp, stride_kvn,
+            stride_btp, BLOCK_N, BLOCK_C, BLOCK_R, DOT_PRECISION, KV_FORMAT, PAGE_TILE, False, EXACT,
         )
     for start_n in range(tail_start, split_end, BLOCK_N):
         m_i, l_i, acc = _mla_decode_tile(
             q_nope, q_pe, m_i, l_i, acc, kv_ptr, block_table_row, start_n, split_end, row_end,
-            kv_lora_rank, rope_dim, page_size, scale_log2, stride_kvp, stride_kvn, stride_btp,
-            BLOCK_N, BLOCK_C, BLOCK_R, DOT_PRECISION, PAGE_TILE, True, EXACT,
+            kv_lora_rank, rope_dim, rope_offset, kv_scale, page_size, scale_log2, stride_kvp, stride_kvn,
+            stride_btp, BLOCK_N, BLOCK_C, BLOCK_R, DOT_PRECISION, KV_FORMAT, PAGE_TILE, True, EXACT,
         )
 
     # ---- normalise and write; an empty split (l = 0) writes zeros and lse = -inf

@@ -1,0 +1,345 @@
+"""Tests of mla_decode on fp8 caches: kv_cache_dtype "fp8_e4m3" (one scale) and "fp8_ds_mla"
+(FlashMLA's row: e4m3 latent, a float32 scale per 128 values, bf16 rope).
+
+Caches are written by ``concat_and_cache`` (torch reference) from random float32 latents, pages
+in random order; every byte of the unused pages and of the partial-page tails is an e4m3 NaN
+(0xFF for "fp8_e4m3", 0x7F for "fp8_ds_mla"), and unused block-table entries are out of range,
+so a read outside a sequence's rows shows as NaN or a fault. On the CPU the Triton kernel runs in
+its interpreter, q in float32 (the interpreter's bf16 dot is wrong).
+"""
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import mla.kernels  # noqa: F401  (sets TRITON_INTERPRET before triton is imported on a CPU machine)
+from mla.kernels import fp8
+from mla.kernels.concat_cache import concat_and_cache
+from mla.kernels.decode import mla_decode, mla_decode_reference
+from mla.kernels.triton_decode import _e4m3_to_float32
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KINDS = ("fp8_e4m3", "fp8_ds_mla")
+POISON = {"fp8_e4m3": 0xFF, "fp8_ds_mla": 0x7F}  # both e4m3 NaN
+
+
+def make_fp8_case(kind, seq_lens, *, heads, c=256, r=16, block_size=16, s_q=None, seed=0, device=DEVICE,
+                  q_scale=1.0):
+    """An fp8 cache of len(seq_lens) sequences and the float32 cache of the same latents.
+
+    Returns (args for mla_decode, the float32 "auto" cache, the latents (T, c + r) in the order
+    written, the latents' positions); q is (b, heads, c + r) or (b, s_q, heads, c + r), scaled by
+    ``q_scale``."""
+    gen = torch.Generator().manual_seed(seed)
+    b, d = len(seq_lens), c + r
+    pages = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(pages) + 2
+    order = torch.randperm(num_blocks, generator=gen)
+    block_table = torch.tensor([10**6, -7] * (max(pages) + 2), dtype=torch.int32)[: max(pages) + 2].repeat(b, 1)
+    slots, start = [], 0
+    for i, (n, p) in enumerate(zip(seq_lens, pages)):
+        block_table[i, :p] = order[start : start + p].int()
+        start += p
+        slots += [int(block_table[i, t // block_size]) * block_size + t % block_size for t in range(n)]
+    latents = torch.randn(len(slots), d, generator=gen)  # (T, c + r)
+    # channels of different sizes, as a normed latent has: the groups' scales differ
+    latents[:, :c] *= torch.logspace(-1, 1, c // 32).repeat_interleave(32)[torch.randperm(c // 32, generator=gen)
+                                                                             .repeat_interleave(32)]
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    kv_c, k_pe = latents[:, :c], latents[:, c:]
+
+    width = fp8.bytes_per_token(kind, c, r)
+    cache = torch.full((num_blocks, block_size, width), POISON[kind], dtype=torch.uint8)
+    scale = None
+    if kind == "fp8_e4m3":
+        cache = cache.view(torch.float8_e4m3fn)
+        scale = fp8.calibrate_e4m3_scale(kv_c, k_pe)  # the largest |value| maps to 448: nothing clips
+    concat_and_cache(kv_c, k_pe, cache, slot_mapping, kv_cache_dtype=kind, scale=scale, backend="reference")
+    exact = torch.full((num_blocks, block_size, d), float("nan"))
+    concat_and_cache(kv_c, k_pe, exact, slot_mapping, backend="reference")
+
+    q_shape = (b, heads, d) if s_q is None else (b, s_q, heads, d)
+    q = torch.randn(q_shape, generator=gen) * q_scale
+    args = dict(q=q.to(device), kv_cache=cache.to(device), block_table=block_table.to(device),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), kv_lora_rank=c,
+                softmax_scale=d**-0.5, kv_cache_dtype=kind,
+                kv_scale=None if scale is None else scale.to(device))
+    return args, exact.to(device), latents, scale
+
+
+def same_bytes(a, b):
+    """Equal bit for bit (NaN patterns included)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def dequantised(args):
+    """The fp8 cache of ``args`` read back whole by mla.kernels.fp8, as a float32 (blocks, n, c + r)."""
+    cache, c = args["kv_cache"], args["kv_lora_rank"]
+    if args["kv_cache_dtype"] == "fp8_e4m3":
+        return torch.cat(fp8.dequantize_e4m3(cache, c, args["kv_scale"]), dim=-1)
+    return torch.cat(fp8.dequantize_ds_mla(cache, c, args["q"].shape[-1] - c), dim=-1)
+
+
+def as_auto(args, cache):
+    """``args`` for the same decode on a cache in q's dtype."""
+    return dict(args, kv_cache=cache, kv_cache_dtype="auto", kv_scale=None)
+
+
+def assert_close_rows(out, lse, ref_out, ref_lse, tol):
+    """out, lse (..., h, c), (..., h) against the reference: -inf lse (a token that sees no row)
+    exactly with out 0, the rest within ``tol`` of the output's scale; no NaN."""
+    assert not out.isnan().any() and not lse.isnan().any()
+    empty = ref_lse == float("-inf")
+    assert (lse[empty] == float("-inf")).all() and (out[empty] == 0).all()
+    if (~empty).any():
+        err = (out[~empty].double() - ref_out[~empty].double()).abs().max() / ref_out[~empty].abs().max()
+        assert err.item() < tol
+        assert (lse[~empty].double() - ref_lse[~empty].double()).abs().max().item() < tol
+
+
+# ---------------------------------------------------------------------------------------------
+# The e4m3 decoding the kernel does in registers
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_bytes_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(y_ptr + offs, _e4m3_to_float32(tl.load(x_ptr + offs)))
+
+
+def test_e4m3_decoding_matches_torch_on_all_256_bytes():
+    byte = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    got = torch.empty(256, dtype=torch.float32, device=DEVICE)
+    _decode_bytes_kernel[(1,)](byte, got, 256)
+    want = byte.view(torch.float8_e4m3fn).float()
+    nan = want.isnan()
+    assert nan.sum() == 2 and (got.isnan() == nan).all()  # 0x7F, 0xFF
+    # bit for bit elsewhere: signed zeros, the subnormals m * 2^-9, +-448
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Against the reference on the dequantised cache: the same float32 values, so fp32 rounding only
+# ---------------------------------------------------------------------------------------------
+
+# the kernel and the reference see bit-identical float32 cache values (value * scale in
+# float32 both); what remains is the kernel's fp32 dots and exp2 against float64, as in
+# tests/test_kernels_decode.py (1e-5 there over c + r <= 80 terms; c + r = 272 here)
+TIGHT = 2e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("s_q, splits", [(None, None), (None, 3), (3, None), (2, 4)],
+                         ids=["one-token", "one-token-3-splits", "sq3", "sq2-4-splits"])
+def test_matches_reference_on_dequantised_cache(kind, s_q, splits):
+    args, _, _, _ = make_fp8_case(kind, [0, 1, 37, 70], heads=3, s_q=s_q, seed=1)
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    out, lse = mla_decode(**args, num_kv_splits=splits)
+    ref_out, ref_lse = mla_decode_reference(**args)
+    # the reference of the fp8 cache is the plain reference on fp8.dequantize_*'s cache
+    plain_out, plain_lse = mla_decode_reference(**as_auto(args, dequantised(args)))
+    torch.testing.assert_close(ref_out, plain_out, rtol=0, atol=0)
+    torch.testing.assert_close(ref_lse, plain_lse, rtol=0, atol=0)
+    assert out.dtype == torch.float32 and out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert_close_rows(out, lse, ref_out, ref_lse, TIGHT)
+    for k, v in before.items():
+        assert same_bytes(args[k], v)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_group_scales_matter(kind):
+    # c = 384 (three groups, BLOCK_C = 512: a masked fourth), pages of 5 (tiles span pages)
+    args, _, _, _ = make_fp8_case(kind, [9, 23], heads=2, c=384, r=8, block_size=5, seed=2)
+    out, lse = mla_decode(**args)
+    ref_out, ref_lse = mla_decode_reference(**args)
+    assert_close_rows(out, lse, ref_out, ref_lse, TIGHT)
+
+
+def test_ds_mla_reads_each_group_its_own_scale():
+    # scale group 1 of every row by 2 in place of its stored scale: the kernel must follow
+    args, _, _, _ = make_fp8_case("fp8_ds_mla", [20], heads=2, seed=3)
+    c = args["kv_lora_rank"]
+    scales = args["kv_cache"][..., c + 4 : c + 8].contiguous().view(torch.float32)
+    args["kv_cache"][..., c + 4 : c + 8] = (scales * 2).view(torch.uint8)
+    out, lse = mla_decode(**args)
+    ref_out, ref_lse = mla_decode_reference(**args)
+    assert_close_rows(out, lse, ref_out, ref_lse, TIGHT)
+
+
+def test_bf16_query_on_the_cpu():
+    # bf16 q runs in float32 on the CPU (fp8 pages copied as bytes); out rounded to bf16 (2^-9)
+    args, _, _, _ = make_fp8_case("fp8_ds_mla", [0, 30], heads=3, seed=4)
+    args["q"] = args["q"].bfloat16()
+    out, lse = mla_decode(**args, num_kv_splits=2)
+    ref_out, ref_lse = mla_decode_reference(**args)
+    assert out.dtype == torch.bfloat16
+    assert_close_rows(out.float(), lse, ref_out.float(), ref_lse, 1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Against the float32 cache of the same latents: the fp8 rounding, within a bound derived from
+# the e4m3 step
+# ---------------------------------------------------------------------------------------------
+
+
+def value_error_bound(kind, latents, c, scale):
+    """(T, c + r): the most each cached value can move, from docs/derivations/fp8-cache.md:
+    |x^ - x| <= max(|x| / 17, 2^-10 s) (1 + 2^-18) for a value stored in e4m3 under scale s
+    (half an e4m3 step, 2^-4 of the value's binade, is at most |x| / 17 above 2^-6 s, and 2^-10 s
+    among the subnormals below), with s the cache's one scale ("fp8_e4m3") or its group's
+    amax / 448 ("fp8_ds_mla", 1e-6 added for the float32 rounding of the quotient); bf16 rope
+    values move by at most |x| / 257 (half a step of 8 significant bits)."""
+    mag = latents.abs().double()
+    if kind == "fp8_e4m3":
+        return torch.maximum(mag / 17, 2.0**-10 * float(scale) * torch.ones_like(mag)) * (1 + 2**-18)
+    T = latents.shape[0]
+    groups = mag[:, :c].reshape(T, -1, fp8.DS_MLA_GROUP)
+    s = (groups.amax(-1, keepdim=True) / 448 * (1 + 1e-6)).clamp_min(fp8.MIN_SCALE)
+    nope = torch.maximum(groups / 17, 2.0**-10 * s).reshape(T, c) * (1 + 2**-18)
+    return torch.cat([nope, mag[:, c:] / 257], dim=-1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_within_the_e4m3_bound_of_the_exact_cache(kind):
+    """fp8 decode against the float64 reference on the float32 cache of the same latents.
+
+    Every cached value k_td moves by at most e_td (``value_error_bound``). A score moves by at
+    most delta = softmax_scale * max_t sum_d |q_d| e_td, so each softmax weight by a factor within
+    exp(+-2 delta), and sum_t |p'_t - p_t| <= exp(2 delta) - 1. Hence, per query row,
+
+        |out' - out| <= max_td e_td (values, d < c) + (exp(2 delta) - 1) max_td |v_td|
+        |lse' - lse| <= delta
+
+    plus 1e-5 of the output's scale for the kernel's float32 arithmetic. q is scaled by 1/4 so
+    that delta stays small (~0.1) and the bound is a fraction of the output, not a multiple.
+    """
+    seq_lens = [0, 1, 37, 70]
+    args, exact, latents, scale = make_fp8_case(kind, seq_lens, heads=3, s_q=2, seed=5, q_scale=0.25)
+    c = args["kv_lora_rank"]
+    out, lse = mla_decode(**args)
+    ref_out, ref_lse = mla_decode_reference(**as_auto(args, exact))
+    e = value_error_bound(kind, latents, c, scale)  # (T, c + r), rows in the order written
+    first = 0
+    for i, n in enumerate(seq_lens):
+        rows = slice(first, first + n)
+        first += n
+        if n == 0:
+            assert (lse[i] == float("-inf")).all() and (out[i] == 0).all()
+            continue
+        q = args["q"][i].double().abs()  # (s_q, h, c + r)
+        delta = args["softmax_scale"] * torch.einsum("jhd,td->jht", q, e[rows]).amax(-1)  # (s_q, h)
+        v_max = latents[rows, :c].abs().max().item()
+        bound = e[rows, :c].max().item() + (torch.exp(2 * delta) - 1) * v_max + 1e-5 * v_max
+        seen = ref_lse[i] > float("-inf")  # (s_q, h)
+        assert (lse[i][~seen] == float("-inf")).all()
+        out_err = (out[i].double() - ref_out[i].double()).abs().amax(-1)  # (s_q, h)
+        assert (out_err[seen] <= bound[seen]).all()
+        assert ((lse[i].double() - ref_lse[i].double()).abs()[seen] <= delta[seen] + 1e-5).all()
+        # the bound is not vacuous: well under the output's size, and fp8 does move the output
+        assert bound[seen].max() < 0.5 * v_max and out_err[seen].max() > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: a clear error naming the argument, nothing changed
+# ---------------------------------------------------------------------------------------------
+
+
+def _v3_args(kind, width=None, dtype=None, kv_scale=None):
+    """A one-block DeepSeek-V3-sized (c = 512, r = 64) call that checks fail before any kernel."""
+    width = width or fp8.bytes_per_token(kind, 512, 64)
+    dtype = dtype or (torch.float8_e4m3fn if kind in ("fp8", "fp8_e4m3") else torch.uint8)
+    cache = torch.zeros(2, 4, width, dtype=torch.uint8).view(dtype) if dtype != torch.float32 else \
+        torch.zeros(2, 4, width)
+    return dict(q=torch.randn(1, 2, 576), kv_cache=cache, block_table=torch.zeros(1, 2, dtype=torch.int32),
+                seq_lens=torch.tensor([3], dtype=torch.int32), kv_lora_rank=512, softmax_scale=0.1,
+                kv_cache_dtype=kind, kv_scale=kv_scale)
+
+
+BAD_FP8 = {
+    "ds-width-655": (lambda: _v3_args("fp8_ds_mla", width=655), ValueError, r"kv_cache's last dim must be .* = 656"),
+    "ds-width-657": (lambda: _v3_args("fp8_ds_mla", width=657), ValueError, r"kv_cache's last dim must be .* = 656"),
+    "e4m3-width-577": (lambda: _v3_args("fp8_e4m3", width=577, kv_scale=1.0), ValueError,
+                       r"kv_cache's last dim must be c \+ r = 576"),
+    "ds-dtype-float8": (lambda: _v3_args("fp8_ds_mla", dtype=torch.float8_e4m3fn), TypeError,
+                        "kv_cache must be torch.uint8 for kv_cache_dtype='fp8_ds_mla'"),
+    "e4m3-dtype-uint8": (lambda: _v3_args("fp8_e4m3", width=576, dtype=torch.uint8, kv_scale=1.0), TypeError,
+                         "kv_cache must be torch.float8_e4m3fn for kv_cache_dtype='fp8_e4m3'"),
+    "auto-on-ds-cache": (lambda: _v3_args("auto", width=656, dtype=torch.uint8), TypeError,
+                         "kv_cache must have q's dtype .*pass kv_cache_dtype='fp8_ds_mla'"),
+    "auto-on-e4m3-cache": (lambda: _v3_args("auto", width=576, dtype=torch.float8_e4m3fn), TypeError,
+                           "kv_cache must have q's dtype .*pass kv_cache_dtype='fp8_e4m3'"),
+    "e4m3-scale-missing": (lambda: _v3_args("fp8_e4m3"), ValueError, "kv_scale is required"),
+    "e4m3-scale-nan": (lambda: _v3_args("fp8_e4m3", kv_scale=float("nan")), ValueError,
+                       "kv_scale must be positive and finite"),
+    "e4m3-scale-inf": (lambda: _v3_args("fp8_e4m3", kv_scale=float("inf")), ValueError,
+                       "kv_scale must be positive and finite"),
+    "e4m3-scale-0": (lambda: _v3_args("fp8_e4m3", kv_scale=0.0), ValueError, "kv_scale must be positive and finite"),
+    "e4m3-scale-negative": (lambda: _v3_args("fp8_e4m3", kv_scale=-1.0), ValueError,
+                            "kv_scale must be positive and finite"),
+    "e4m3-scale-underflows-float32": (lambda: _v3_args("fp8_e4m3", kv_scale=1e-50), ValueError,
+                                      "kv_scale must be positive and finite"),
+    "e4m3-scale-tensor-nan": (lambda: _v3_args("fp8_e4m3", kv_scale=torch.tensor([float("nan")])), ValueError,
+                              "kv_scale must be positive and finite"),
+    "e4m3-scale-tensor-0": (lambda: _v3_args("fp8", kv_scale=torch.tensor(0.0)), ValueError,
+                            "kv_scale must be positive and finite"),
+    "e4m3-scale-float64": (lambda: _v3_args("fp8_e4m3", kv_scale=torch.tensor([1.0], dtype=torch.float64)),
+                           TypeError, "kv_scale must be a float or a 1-element float32 tensor"),
+    "e4m3-scale-two": (lambda: _v3_args("fp8_e4m3", kv_scale=torch.ones(2)), TypeError,
+                       "kv_scale must be a float or a 1-element float32 tensor"),
+    "e4m3-scale-str": (lambda: _v3_args("fp8_e4m3", kv_scale="1"), TypeError, "kv_scale must be a float"),
+    "ds-scale-given": (lambda: _v3_args("fp8_ds_mla", kv_scale=1.0), ValueError,
+                       "kv_scale is for kv_cache_dtype='fp8_e4m3' only"),
+    "auto-scale-given": (lambda: dict(_v3_args("auto", width=576, dtype=torch.float32), kv_scale=1.0), ValueError,
+                         "kv_scale is for kv_cache_dtype='fp8_e4m3' only"),
+    "unknown-kind": (lambda: dict(_v3_args("fp8_ds_mla"), kv_cache_dtype="fp8_e5m2"), ValueError,
+                     "kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_ds_mla', got 'fp8_e5m2'"),
+    "ds-rank-not-128s": (lambda: dict(_v3_args("fp8_ds_mla", width=500 + 12 + 152), kv_lora_rank=500), ValueError,
+                         "kv_lora_rank c must be a multiple of 128 for kv_cache_dtype='fp8_ds_mla'"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_FP8))
+def test_bad_fp8_input(name):
+    make, error, message = BAD_FP8[name]
+    args = make()
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    for op in (mla_decode, mla_decode_reference):
+        with pytest.raises(error, match=message):
+            op(**args)
+    for k, v in before.items():
+        assert same_bytes(args[k], v)
+
+
+@pytest.mark.parametrize("backend", ["cuda-sm80", "cuda-sm90"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_backend_refuses_fp8(kind, backend):
+    args = _v3_args(kind, kv_scale=1.0 if kind == "fp8_e4m3" else None)
+    with pytest.raises(ValueError, match=rf"_backend='{backend}' cannot run these arguments: kv_cache is "
+                                         r"torch\.(uint8|float8_e4m3fn) \(an fp8 cache\)"):
+        mla_decode(**args, _backend=backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: bf16 q at DeepSeek-V3 sizes (c = 512, r = 64, pages of 64), the default backend choice
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, s_q", [(16, None), (128, None), (16, 2)], ids=["h16", "h128", "h16-sq2"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_bf16_deepseek_v3(kind, heads, s_q):
+    seq_lens = [0, 1, 64, 700, 2049]
+    args, _, _, _ = make_fp8_case(kind, seq_lens, heads=heads, c=512, r=64, block_size=64, s_q=s_q, seed=6,
+                                  device="cuda")
+    args["q"] = args["q"].bfloat16()
+    out, lse = mla_decode(**args)  # the default backend choice must route fp8 to Triton
+    ref_out, ref_lse = mla_decode_reference(**args, compute_dtype=torch.float32)
+    assert out.dtype == torch.bfloat16
+    # the kernel rounds the dequantised values and p to bf16 for the dots (2^-9 relative each)
+    # and stores out in bf16; the reference keeps float32 values
+    assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 2e-2)
