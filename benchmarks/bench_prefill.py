@@ -195,21 +195,31 @@ def bench_layer_attention(paged, b: int, s: int, t: int) -> tuple[float, float]:
         return measure(lambda: [type(paged).attend_prefill(paged, *args) for args in calls])
 
 
-def bench_sdpa(cfg, backend: str, b: int, s: int, t: int) -> tuple[float, float]:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.bias import causal_lower_right
-
-    h, dk, dv = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-    kernel = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-              "flash": SDPBackend.FLASH_ATTENTION}[backend]
+def _up_projected(cfg, b: int, s: int, t: int, pad_v: bool = False):
+    """(memory allocated before, q, k, v): random up-projected inputs in bf16, q (b, h, s, d + r),
+    k (b, h, t + s, d + r), v (b, h, t + s, v) or, with pad_v, v padded to d + r. The peak
+    memory statistics are reset first, so a contender's peak counts its inputs."""
+    h, dk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    dv = dk if pad_v else cfg.v_head_dim
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     gen = torch.Generator(device="cuda").manual_seed(s + t)
     q = torch.randn(b, h, s, dk, dtype=torch.bfloat16, device="cuda", generator=gen)
     k = torch.randn(b, h, t + s, dk, dtype=torch.bfloat16, device="cuda", generator=gen)
-    v = torch.randn(b, h, t + s, dk if backend == "flash" else dv, dtype=torch.bfloat16, device="cuda",
-                    generator=gen)  # flash: v padded to d + r (random in the padding: it is cut off)
+    v = torch.randn(b, h, t + s, dv, dtype=torch.bfloat16, device="cuda", generator=gen)
+    return base, q, k, v
+
+
+def bench_sdpa(cfg, backend: str, b: int, s: int, t: int) -> tuple[float, float]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    kernel = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    # flash takes one head dim: v padded to d + r (random in the padding, which is cut off)
+    base, q, k, v = _up_projected(cfg, b, s, t, pad_v=backend == "flash")
+    dk, dv = q.shape[-1], cfg.v_head_dim
     mask = dict(is_causal=True) if t == 0 else dict(attn_mask=causal_lower_right(s, t + s))
     scale = dk**-0.5  # the value does not change the time
 
@@ -225,14 +235,8 @@ def bench_sdpa(cfg, backend: str, b: int, s: int, t: int) -> tuple[float, float]
 def bench_flex(cfg, b: int, s: int, t: int) -> tuple[float, float]:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    h, dk, dv = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    gen = torch.Generator(device="cuda").manual_seed(s + t)
-    q = torch.randn(b, h, s, dk, dtype=torch.bfloat16, device="cuda", generator=gen)
-    k = torch.randn(b, h, t + s, dk, dtype=torch.bfloat16, device="cuda", generator=gen)
-    v = torch.randn(b, h, t + s, dv, dtype=torch.bfloat16, device="cuda", generator=gen)
+    base, q, k, v = _up_projected(cfg, b, s, t)
+    dk = q.shape[-1]
     block_mask = create_block_mask(lambda b_, h_, i, j: i + t >= j, None, None, s, t + s, device="cuda")
     compiled = torch.compile(flex_attention)
     ms, _ = measure(lambda: compiled(q, k, v, block_mask=block_mask, scale=dk**-0.5))
