@@ -287,8 +287,16 @@ def test_calibrated_e4m3_scale_maps_amax_to_448():
     rows = fp8.quantize_e4m3(kv_c, k_pe, s)
     assert rows.float().abs().max() == 448  # the range used to its top, nothing past it
     assert fp8.calibrate_e4m3_scale(torch.zeros(2, 8), torch.zeros(2, 4)).item() == MIN_SCALE
-    with pytest.raises(ValueError, match="finite"):
-        fp8.calibrate_e4m3_scale(torch.full((1, 8), math.inf), torch.zeros(1, 4))
+    # headroom 2 maps amax to 224; non-finite values are left out of the amax
+    assert fp8.calibrate_e4m3_scale(kv_c, k_pe, headroom=2).item() == np.float32(
+        np.float32(amax) / np.float32(224))
+    bad = kv_c.clone()
+    bad[0, 0], bad[1, 1], bad[2, 2] = math.inf, -math.inf, math.nan
+    assert fp8.calibrate_e4m3_scale(bad, k_pe).item() == np.float32(
+        np.float32(max(bad[torch.isfinite(bad)].abs().max(), k_pe.abs().max())) / np.float32(448))
+    for headroom in (0.5, math.inf, True, "2"):
+        with pytest.raises(ValueError, match="headroom must be a finite number >= 1"):
+            fp8.calibrate_e4m3_scale(kv_c, k_pe, headroom=headroom)
 
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, math.nan])

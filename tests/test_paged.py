@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mla
+from assertions import check_graphed_decode_steps
 from mla.cache import LatentCache
 from mla.paged import UNUSED, OutOfBlocksError, PagedLatentCache, PagedMLA
 
@@ -537,27 +538,7 @@ def test_gpu_decode_step_in_a_cuda_graph():
     paged = mla.build(weights, "paged", block_size=16, shuffle=5)
     b = 4
     common, graphed = _twin_caches_gpu(paged, b, 96, [30, 1, 17, 16])
-    static_x = torch.zeros(b, 1, TINY.hidden_size, device="cuda")
-    buffers = paged.decode_inputs(graphed)
-    with torch.no_grad():
-        ref = paged(static_x, common)                 # the first step, eagerly
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):                # warm up (Triton compiles) off-graph
-            paged.decode_step(static_x, graphed, num_kv_splits=2, **buffers)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_y = paged.decode_step(static_x, graphed, num_kv_splits=2, **buffers)
-        graph.replay()
-        assert rel(static_y, ref) < 1e-4
-        for _ in range(4):
-            static_x.copy_(torch.randn(b, 1, TINY.hidden_size, device="cuda"))
-            ref = paged(static_x, common)
-            paged.decode_inputs(graphed, out=buffers)
-            graph.replay()
-            assert rel(static_y, ref) < 1e-4
-    assert graphed.seq_lens.tolist() == common.seq_lens.tolist()
+    check_graphed_decode_steps(paged, common, graphed, TINY.hidden_size, 1e-4)
 
 
 def _twin_caches_gpu(paged, b, max_len, lengths):
@@ -802,10 +783,10 @@ def spy_on_prefill(paged, taken, in_reference=None):
     original = paged.attend_prefill
     in_reference = [False] if in_reference is None else in_reference
 
-    def spy(path, q_nope, q_pe, kv_cache, rows):
-        out = original(path, q_nope, q_pe, kv_cache, rows)
+    def spy(path, q_nope, q_pe, cache, rows):
+        out = original(path, q_nope, q_pe, cache, rows)
         in_reference[0] = True
-        ref = attend_prefill_reference(paged, path, q_nope, q_pe, kv_cache, rows)
+        ref = attend_prefill_reference(paged, path, q_nope, q_pe, cache, rows)
         in_reference[0] = False
         assert torch.isfinite(out).all() and rel(out, ref) < 1e-5, path
         taken.append((path, rows.max_new_len, max(rows.context_lens_host)))
@@ -952,10 +933,10 @@ def test_gpu_bf16_v2_lite_flash_prefill_matches_the_reference(block_size):
     taken = []
     original = paged.attend_prefill
 
-    def spy(path, q_nope, q_pe, kv_cache, rows):
+    def spy(path, q_nope, q_pe, cache, rows):
         from mla.paged.layer import attend_prefill_reference
-        out = original(path, q_nope, q_pe, kv_cache, rows)
-        ref = attend_prefill_reference(paged, path, q_nope, q_pe, kv_cache, rows)
+        out = original(path, q_nope, q_pe, cache, rows)
+        ref = attend_prefill_reference(paged, path, q_nope, q_pe, cache, rows)
         assert torch.isfinite(out).all() and rel(out, ref) < 2e-2, path
         taken.append(path)
         return out

@@ -42,7 +42,7 @@ import torch
 __all__ = [
     "KV_CACHE_DTYPES", "DS_MLA_GROUP", "E4M3_MAX", "MIN_SCALE", "canonical_kv_cache_dtype",
     "fp8_available", "bytes_per_token", "ds_mla_layout", "quantize_e4m3", "dequantize_e4m3",
-    "calibrate_e4m3_scale", "quantize_ds_mla", "dequantize_ds_mla",
+    "calibrate_e4m3_scale", "quantize_ds_mla", "dequantize_ds_mla", "dequantize_rows",
 ]
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
@@ -155,17 +155,43 @@ def dequantize_e4m3(rows: torch.Tensor, kv_lora_rank: int,
     return x[..., :kv_lora_rank], x[..., kv_lora_rank:]
 
 
-def calibrate_e4m3_scale(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
-    """The per-cache scale that maps the largest |value| of these rows to 448: a (1,) float32
-    tensor max(amax / 448, 2^-126), the fp8_ds_mla rule applied to all of them at once."""
+def calibrate_e4m3_scale(kv_c: torch.Tensor, k_pe: torch.Tensor,
+                         headroom: float = 1.0) -> torch.Tensor:
+    """The per-cache scale that maps the largest finite |value| of these rows to 448 / headroom:
+    a (1,) float32 tensor max(amax · headroom / 448, 2^-126) on their device, computed there
+    (no host sync). Non-finite values are left out: they are stored as NaN or clipped whatever
+    the scale, and an inf would make every other value zero. headroom >= 1 leaves room for
+    later rows larger than these (the paged cache calibrates with 2)."""
     _check_rows(kv_c, k_pe)
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not (
+            1.0 <= headroom < math.inf):
+        raise ValueError(f"headroom must be a finite number >= 1, got {headroom!r}")
     amax = torch.zeros(1, dtype=torch.float32, device=kv_c.device)
     for t in (kv_c, k_pe):
         if t.numel():
-            amax = torch.maximum(amax, t.abs().amax().float())  # NaN propagates
-    if not torch.isfinite(amax).all():
-        raise ValueError("kv_c and k_pe must be finite to calibrate a scale")
-    return (amax / torch.tensor(E4M3_MAX, device=amax.device)).clamp_min(MIN_SCALE)
+            a = t.float().abs()
+            amax = torch.maximum(amax, a.masked_fill(~torch.isfinite(a), 0).amax())
+    limit = torch.tensor(E4M3_MAX / headroom, dtype=torch.float32, device=amax.device)
+    return (amax / limit).clamp_min(MIN_SCALE)
+
+
+def dequantize_rows(rows: torch.Tensor, kv_cache_dtype: str, kv_lora_rank: int, rope_dim: int,
+                    scale: torch.Tensor | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Stored cache rows (..., width) of a layout -> (..., c + r) values ``[kv_c | k_pe]`` in
+    ``dtype``: as they are for ``"auto"``, ``row · scale`` for ``"fp8_e4m3"`` (``scale``: the
+    cache's (1,) float32 tensor), value · its group's scale and the bf16 rope for
+    ``"fp8_ds_mla"``. The product is formed in float32 and rounded once to ``dtype``, as the
+    decode kernels do in registers."""
+    kind = canonical_kv_cache_dtype(kv_cache_dtype)
+    if kind == "auto":
+        return rows.to(dtype)
+    if kind == "fp8_e4m3":
+        if scale is None:
+            raise ValueError("dequantize_rows: an fp8_e4m3 cache needs its scale (not calibrated?)")
+        return (rows.float() * scale.reshape(1)).to(dtype)
+    kv_c, k_pe = dequantize_ds_mla(rows, kv_lora_rank, rope_dim)
+    return torch.cat([kv_c, k_pe], dim=-1).to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import os
 import torch
 import triton
 
+from . import fp8
 from .triton_prefill import default_prefill_config, mla_prefill_kernel
 
 __all__ = [
@@ -370,7 +371,8 @@ def merge_attention_states(
 
 
 def _check_context_inputs(fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, block_table, context_lens,
-                          W_UK, W_UV, workspace_tokens, context_lens_host, check_values):
+                          W_UK, W_UV, workspace_tokens, context_lens_host, check_values, kv_cache_dtype,
+                          kv_scale):
     """The arguments chunked_context_prefill adds to mla_prefill's; returns the host context lengths.
 
     ``check_values`` False (a GPU caller that gave the host lengths) trusts block_table's entries:
@@ -392,9 +394,26 @@ def _check_context_inputs(fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, 
         raise ValueError(f"{fn}: W_UK must be (h={h}, d={d}, c={c}), got {tuple(W_UK.shape)}")
     if W_UV.shape[0] != h or W_UV.shape[2] != c:
         raise ValueError(f"{fn}: W_UV must be (h={h}, v, c={c}), got {tuple(W_UV.shape)}")
-    _check_tensor(fn, "kv_cache", kv_cache, ("num_blocks", "n", "c + r"), q_nope.dtype)
-    if kv_cache.shape[2] != c + r:
-        raise ValueError(f"{fn}: kv_cache's last dim must be c + r = {c + r}, got {kv_cache.shape[2]}")
+    _check_tensor(fn, "kv_cache", kv_cache, ("num_blocks", "n", "width"))
+    kind = fp8.canonical_kv_cache_dtype(kv_cache_dtype)
+    if kind != "auto":
+        fp8._require_fp8(kv_cache_dtype)
+    width = fp8.bytes_per_token(kind, c, r) if kind == "fp8_ds_mla" else c + r
+    dtype = {"auto": q_nope.dtype, "fp8_e4m3": getattr(torch, "float8_e4m3fn", None),
+             "fp8_ds_mla": torch.uint8}[kind]
+    if kv_cache.dtype != dtype:
+        raise TypeError(f"{fn}: kv_cache must be {dtype} for kv_cache_dtype={kv_cache_dtype!r}, got {kv_cache.dtype}")
+    if kv_cache.shape[2] != width:
+        raise ValueError(
+            f"{fn}: kv_cache's last dim must be {width} for kv_cache_dtype={kv_cache_dtype!r} (c = {c}, r = {r}), "
+            f"got {kv_cache.shape[2]}"
+        )
+    if (kind == "fp8_e4m3") != (kv_scale is not None):
+        raise ValueError(f"{fn}: kv_scale must be the cache's (1,) float32 scale for kv_cache_dtype='fp8_e4m3' and "
+                         f"None otherwise, got {kv_scale!r} for {kv_cache_dtype!r}")
+    if kv_scale is not None and (not isinstance(kv_scale, torch.Tensor) or kv_scale.numel() != 1
+                                 or kv_scale.dtype != torch.float32 or kv_scale.device != q_nope.device):
+        raise ValueError(f"{fn}: kv_scale must be a 1-element float32 tensor on {q_nope.device}, got {kv_scale!r}")
     if kv_cache.shape[1] < 1:
         raise ValueError(f"{fn}: kv_cache's page size (dim 1) must be >= 1")
     b = cu_seqlens_q.shape[0] - 1
@@ -457,6 +476,8 @@ def chunked_context_prefill(
     workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
     max_seqlen_q: int | None = None,
     context_lens_host: list[int] | None = None,
+    kv_cache_dtype: str = "auto",
+    kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """New tokens attend causally to themselves and fully to their cached context, in bounded memory.
 
@@ -468,7 +489,8 @@ def chunked_context_prefill(
     1. the new tokens over themselves, causal: keys ``W_UK kv_c``, values ``W_UV kv_c``;
     2. the new tokens over the context, a chunk of at most ``workspace_tokens`` cached tokens at a
        time (the contexts of all sequences one after the other, cut into chunks): gather the
-       chunk's latent rows from their pages, up-project them into the workspace, attend
+       chunk's latent rows from their pages (dequantised from an fp8 layout into q's dtype),
+       up-project them into the workspace, attend
        non-causally (every context token lies before every new token);
     3. each piece's (out, lse) merged into the running one by ``merge_attention_states``.
 
@@ -481,7 +503,10 @@ def chunked_context_prefill(
         kv_c: (total_q, c), k_pe: (total_q, r): the new tokens' latent and rotary key (normed
             and rotated, as they go into the cache).
         cu_seqlens_q: (b + 1,) int32 offsets of the new tokens.
-        kv_cache: (num_blocks, n, c + r), q's dtype: the paged cache of ``[kv_c | k_pe]`` rows.
+        kv_cache: (num_blocks, n, width): the paged cache of ``[kv_c | k_pe]`` rows in the layout
+            ``kv_cache_dtype`` names: c + r values of q's dtype (``"auto"``), c + r of
+            float8_e4m3fn (``"fp8_e4m3"``, with ``kv_scale``) or FlashMLA's 656-byte uint8 token
+            (``"fp8_ds_mla"``); ``mla.kernels.fp8`` has the layouts.
         block_table: (b, max_blocks) int32: page j of sequence i's context is
             ``block_table[i, j]``; entries past ``ceil(context_lens[i] / n)`` are never read.
         context_lens: (b,) int32: cached tokens before each sequence's new ones (0: none).
@@ -493,6 +518,8 @@ def chunked_context_prefill(
             plan does); None: read from context_lens. Give it and max_seqlen_q to launch without
             a host sync on a GPU: cu_seqlens_q's values and block_table's entries are then trusted
             there (still checked on the CPU, where that costs nothing).
+        kv_cache_dtype: the cache's layout, ``"auto"``, ``"fp8_e4m3"`` or ``"fp8_ds_mla"``.
+        kv_scale: ``"fp8_e4m3"`` only: the cache's (1,) float32 scale on q's device.
 
     Returns:
         out (total_q, h, v) in q's dtype, lse (total_q, h) float32 natural log.
@@ -506,9 +533,10 @@ def chunked_context_prefill(
         max_seqlen_q, None, check_values,
     )
     lens = _check_context_inputs(fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, block_table, context_lens,
-                                 W_UK, W_UV, workspace_tokens, context_lens_host, check_values)
+                                 W_UK, W_UV, workspace_tokens, context_lens_host, check_values, kv_cache_dtype,
+                                 kv_scale)
     h, d = q_nope.shape[1:]
-    c, dv = kv_c.shape[1], W_UV.shape[1]
+    c, r, dv = kv_c.shape[1], k_pe.shape[1], W_UV.shape[1]
     page = kv_cache.shape[1]
     device = q_nope.device
     # kv_b_proj's two factors as one (h * (d + v), c) matrix: one matmul up-projects a latent row
@@ -541,7 +569,8 @@ def chunked_context_prefill(
         seq = torch.searchsorted(cu_context[1:], p, right=True)                 # (t_chunk,)
         pos = p - cu_context[seq]
         pages = block_table[seq, pos // page].long()
-        latent = kv_cache[pages, pos % page]                                    # (t_chunk, c + r)
+        latent = fp8.dequantize_rows(kv_cache[pages, pos % page], kv_cache_dtype, c, r, kv_scale,
+                                     q_nope.dtype)                              # (t_chunk, c + r)
         k_nope, v = up_project(latent[:, :c])                                   # the workspace
         # this chunk's keys of sequence i: its context clipped to [lo, hi), re-based to 0
         cu_k = (cu_context.clamp(lo, hi) - lo).to(torch.int32)                  # (b + 1,)

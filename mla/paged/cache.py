@@ -23,6 +23,13 @@ as they were.
 
 The block table lives twice: `block_table` on the cache's device (what the decode kernel reads)
 and `block_table_cpu`, the allocator's own copy, from which slot mappings are built on the host.
+
+A row need not be c + r values of the weights' dtype: `kv_cache_dtype` picks one of the layouts of
+`mla.kernels.fp8`. "auto" stores the values as they are; "fp8_e4m3" stores each value in one
+byte of float8_e4m3fn with one float32 scale for the whole cache (`kv_scale`: given, or
+calibrated from the first tokens written and then fixed); "fp8_ds_mla" stores FlashMLA's
+656-byte token, the latent in e4m3 with a scale per 128 values computed as the row is written,
+the rope part in bf16. Every reader dequantises what it reads (`dequantize_rows`).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from collections.abc import Sequence
 import torch
 
 from ..cache import check_cache_fits
-from ..kernels import concat_and_cache, concat_and_cache_reference
+from ..kernels import concat_and_cache, concat_and_cache_reference, fp8
 from ..kernels.extension import extension_available
 
 UNUSED = -1  # block-table entry that holds no page
@@ -46,6 +53,12 @@ class OutOfBlocksError(RuntimeError):
 
 # The dtypes the cache's kernels read and write.
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# An fp8_e4m3 cache calibrated from its first tokens maps their largest |value| to
+# E4M3_MAX / CALIBRATION_HEADROOM: later tokens up to twice as large are stored without
+# clipping. e4m3's relative step is the same in every binade, so the headroom costs the normal
+# values nothing; only values below 2^-15 of the calibration's largest reach the subnormals.
+CALIBRATION_HEADROOM = 2.0
 
 
 def as_int(name: str, value) -> int:
@@ -82,6 +95,45 @@ def _non_integer(dtype: torch.dtype) -> bool:
     return dtype == torch.bool or dtype.is_floating_point or dtype.is_complex
 
 
+def check_kv_cache_dtype(kv_cache_dtype, kv_lora_rank: int) -> str:
+    """The layout's canonical name ("auto", "fp8_e4m3", "fp8_ds_mla"); a ValueError naming
+    kv_cache_dtype for another value or a latent width fp8_ds_mla cannot group, a RuntimeError
+    where this torch has no float8_e4m3fn."""
+    if not isinstance(kv_cache_dtype, str):
+        raise TypeError(f"kv_cache_dtype must be a str, one of {fp8.KV_CACHE_DTYPES}, got "
+                        f"{kv_cache_dtype!r}")
+    kind = fp8.canonical_kv_cache_dtype(kv_cache_dtype)
+    if kind != "auto":
+        fp8._require_fp8(kv_cache_dtype)
+    if kind == "fp8_ds_mla":
+        fp8.ds_mla_layout(kv_lora_rank, 1)     # c a multiple of 128, else a ValueError naming c
+    return kind
+
+
+def check_kv_scale(kind: str, kv_scale, device: torch.device) -> torch.Tensor | None:
+    """kv_scale as a (1,) float32 tensor on `device` for an fp8_e4m3 cache (None: calibrate
+    later); must be None for the other layouts. Reads a tensor's value (once, at construction)."""
+    if kv_scale is None:
+        return None
+    if kind != "fp8_e4m3":
+        raise ValueError(f"kv_scale is for kv_cache_dtype='fp8_e4m3' only; it must be None for "
+                         f"{kind!r}")
+    if isinstance(kv_scale, torch.Tensor):
+        if kv_scale.numel() != 1 or kv_scale.dtype != torch.float32:
+            raise TypeError(f"kv_scale must be a float or a 1-element float32 tensor, got a "
+                            f"tensor of shape {tuple(kv_scale.shape)} and dtype {kv_scale.dtype}")
+        value = float(kv_scale)
+    elif isinstance(kv_scale, numbers.Real) and not isinstance(kv_scale, bool):
+        value = float(kv_scale)
+    else:
+        raise TypeError(f"kv_scale must be a float or a 1-element float32 tensor, got "
+                        f"{kv_scale!r}")
+    scale = torch.tensor([value], dtype=torch.float32)
+    if not (math.isfinite(float(scale)) and float(scale) > 0):
+        raise ValueError(f"kv_scale must be positive and finite, got {value}")
+    return scale.to(device)
+
+
 def positive_int(name: str, value) -> int:
     """`value` as a Python int >= 1 (an int, numpy integer or 0-d integer tensor); else a
     ValueError naming `name`. Bools and floats are refused, not converted."""
@@ -105,13 +157,25 @@ class PagedLatentCache:
         block_size: tokens a page (n), any int >= 1.
         num_blocks: pages in the pool; None = enough for every row at max_seq_len,
             batch_size · max_blocks (fewer is the point of paging: rows rarely all grow long).
-        dtype, device: of kv_cache; dtype one of CACHE_DTYPES (float32, float16, bfloat16).
+        dtype, device: the values' dtype (the weights': what readers get back, one of
+            CACHE_DTYPES: float32, float16, bfloat16) and the cache's device.
+        kv_cache_dtype: how a row is stored (`mla.kernels.fp8`): "auto" (c + r values of
+            `dtype`), "fp8_e4m3" (alias "fp8": c + r bytes of float8_e4m3fn and one scale) or
+            "fp8_ds_mla" (c + 4·c/128 + 2·r bytes of uint8, FlashMLA's token; c a multiple of
+            128).
+        kv_scale: "fp8_e4m3" only: the cache's scale, a positive finite float or 1-element
+            float32 tensor; None = calibrated from the first tokens written (`calibrate`), then
+            fixed. Must be None for the other layouts.
         shuffle: None hands pages out in order 0, 1, 2, ...; an int seeds a random order of the
             free list, so block tables are non-contiguous (tests use it to catch code that
             assumes page j of a sequence sits next to page j + 1).
 
     Attributes:
-        kv_cache: (num_blocks, block_size, c + r) on `device`.
+        kv_cache: (num_blocks, block_size, width) on `device`: width c + r of `dtype` ("auto"),
+            c + r of float8_e4m3fn ("fp8_e4m3") or c + 4·c/128 + 2·r of uint8 ("fp8_ds_mla").
+        kv_cache_dtype: the layout's canonical name: "auto", "fp8_e4m3" or "fp8_ds_mla".
+        kv_scale: "fp8_e4m3": a (1,) float32 tensor on `device`, or None until calibrated;
+            None for the other layouts.
         block_table: (b, max_blocks) int32 on `device`; UNUSED (-1) past a row's pages.
         block_table_cpu: the same on the CPU (the allocator's copy).
         seq_lens: (b,) int64 on the CPU.
@@ -121,6 +185,7 @@ class PagedLatentCache:
     def __init__(self, batch_size: int, max_seq_len: int, kv_lora_rank: int, rope_dim: int, *,
                  block_size: int = 64, num_blocks: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 kv_cache_dtype: str = "auto", kv_scale: float | torch.Tensor | None = None,
                  shuffle: int | None = None):
         batch_size = positive_int("batch_size", batch_size)
         max_seq_len = positive_int("max_seq_len", max_seq_len)
@@ -130,15 +195,23 @@ class PagedLatentCache:
         if dtype not in CACHE_DTYPES:
             raise TypeError(f"dtype must be one of {', '.join(map(str, CACHE_DTYPES))} (what the "
                             f"cache's kernels read and write), got {dtype!r}")
+        device = torch.device(device)
+        kind = check_kv_cache_dtype(kv_cache_dtype, kv_lora_rank)
+        self.kv_cache_dtype = kind
+        self.kv_scale = check_kv_scale(kind, kv_scale, device)
+        self._dtype = dtype
         self.kv_lora_rank, self.rope_dim, self.block_size = kv_lora_rank, rope_dim, block_size
         self._max_seq_len = max_seq_len
         max_blocks = math.ceil(max_seq_len / block_size)
         if num_blocks is None:
             num_blocks = batch_size * max_blocks
         num_blocks = positive_int("num_blocks", num_blocks)
-        device = torch.device(device)
-        self.kv_cache = torch.zeros(num_blocks, block_size, kv_lora_rank + rope_dim,
-                                    dtype=dtype, device=device)
+        if kind == "fp8_ds_mla":          # one byte a latent value, its scales, bf16 rope
+            storage, width = torch.uint8, fp8.bytes_per_token(kind, kv_lora_rank, rope_dim)
+        else:                             # c + r values of the weights' dtype or of e4m3
+            storage = dtype if kind == "auto" else torch.float8_e4m3fn
+            width = kv_lora_rank + rope_dim
+        self.kv_cache = torch.zeros(num_blocks, block_size, width, dtype=storage, device=device)
         self.block_table_cpu = torch.full((batch_size, max_blocks), UNUSED, dtype=torch.int32)
         self.block_table = self.block_table_cpu.to(device, copy=True)
         self.seq_lens = torch.zeros(batch_size, dtype=torch.int64)
@@ -177,7 +250,34 @@ class PagedLatentCache:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.kv_cache.dtype
+        """The values' dtype: the weights' dtype, what `gather` returns (kv_cache.dtype is the
+        storage's, which differs for the fp8 layouts)."""
+        return self._dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one cached token takes: 1152 (bf16), 576 (fp8_e4m3), 656 (fp8_ds_mla) for
+        DeepSeek-V3's c + r = 512 + 64."""
+        return self.kv_cache.shape[2] * self.kv_cache.element_size()
+
+    @property
+    def needs_scale(self) -> bool:
+        """True for an fp8_e4m3 cache not yet calibrated: its first write calibrates it."""
+        return self.kv_cache_dtype == "fp8_e4m3" and self.kv_scale is None
+
+    def calibrate(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Fix an uncalibrated fp8_e4m3 cache's scale from these rows (T, c), (T, r): their
+        largest finite |value| maps to E4M3_MAX / CALIBRATION_HEADROOM (224). Computed on the
+        device, no host sync. Anything else (a scale already set, another layout) raises."""
+        if not self.needs_scale:
+            raise RuntimeError(f"calibrate() is for an fp8_e4m3 cache without a scale; this cache "
+                               f"is {self.kv_cache_dtype!r} with kv_scale={self.kv_scale}")
+        self.kv_scale = fp8.calibrate_e4m3_scale(kv_c, k_pe, headroom=CALIBRATION_HEADROOM)
+
+    def dequantize(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows (..., width) of this cache -> (..., c + r) values in `dtype`."""
+        return fp8.dequantize_rows(rows, self.kv_cache_dtype, self.kv_lora_rank, self.rope_dim,
+                                   self.kv_scale, self.dtype)
 
     def check_fits(self, *, batch_size: int, kv_lora_rank: int, rope_dim: int,
                    dtype: torch.dtype, device: torch.device | str) -> None:
@@ -296,9 +396,10 @@ class PagedLatentCache:
         kv_c (T, c) and k_pe (T, r) hold the tokens row after row: new_lens[0] of seq_ids[0],
         then new_lens[1] of seq_ids[1], ...; rows past sum(new_lens) are padding and skipped.
         Either may be a row-strided view (e.g. slices of one (T, c + r) tensor). Token j of row i
-        lands at position seq_lens[i] + j. `concat_options` go to `mla.kernels.concat_and_cache`.
-        All-or-nothing: on any error the cache is as before. Returns the slot mapping (T,) int64
-        on the cache's device.
+        lands at position seq_lens[i] + j, stored in the cache's layout (an uncalibrated
+        fp8_e4m3 cache first takes its scale from these tokens). `concat_options` go to
+        `mla.kernels.concat_and_cache`. All-or-nothing: on any error the cache is as before
+        (its scale included). Returns the slot mapping (T,) int64 on the cache's device.
         """
         seq_ids, new_lens = self.check_rows(seq_ids, new_lens)
         c, r = self.kv_lora_rank, self.rope_dim
@@ -320,33 +421,63 @@ class PagedLatentCache:
         token_pos = torch.zeros(T, dtype=torch.int64)
         token_pos[:real] = positions
 
-        snapshot = (self.block_table_cpu.clone(), list(self.free_blocks), list(self._num_pages))
+        snapshot = (self.block_table_cpu.clone(), list(self.free_blocks), list(self._num_pages),
+                    self.kv_scale)
         self.allocate(seq_ids, new_lens)
         try:
             slots = self.slot_mapping(token_row, token_pos).to(self.device)
-            concat_and_cache(kv_c, k_pe, self.kv_cache, slots, **concat_options)
+            if self.needs_scale:
+                self.calibrate(kv_c[:real], k_pe[:real])
+            concat_and_cache(kv_c, k_pe, self.kv_cache, slots,
+                             kv_cache_dtype=self.kv_cache_dtype, scale=self.kv_scale,
+                             **concat_options)
         except Exception:
             # the write was refused (checks run before it writes): give the pages back
             self.block_table_cpu.copy_(snapshot[0])
             self.block_table.copy_(snapshot[0])
             self.free_blocks[:], self._num_pages[:] = snapshot[1], snapshot[2]
+            self.kv_scale = snapshot[3]
             raise
         self.seq_lens.index_add_(0, seq_ids, new_lens)
         return slots
 
     # ---- reading back -----------------------------------------------------------------------
-    def gather(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence i's cached latent, pages put back in order: kv_c (t, c), k_pe (t, r)."""
+    def gather(self, i: int, *, stored: bool = False):
+        """Sequence i's cached latent, pages put back in order: kv_c (t, c), k_pe (t, r) in
+        `dtype` (dequantised from an fp8 layout). stored=True returns the stored rows
+        (t, width) in kv_cache's dtype instead, as `append_stored` takes them."""
         i = self._row_index("gather(i)", i)
         t = int(self.seq_lens[i])
         pages = self.block_table_cpu[i, : math.ceil(t / self.block_size)].to(self.device,
                                                                               torch.int64)
-        rows = self.kv_cache[pages].flatten(0, 1)[:t]           # (t, c + r)
+        rows = self.kv_cache[pages].flatten(0, 1)[:t]           # (t, width)
+        if stored:
+            return rows
+        rows = self.dequantize(rows)                            # (t, c + r)
         return rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank:]
 
+    def append_stored(self, rows: torch.Tensor, i: int) -> None:
+        """Append stored rows (t, width) of a cache of the same layout (and, for fp8_e4m3, the
+        same scale: `gather(j, stored=True)` of it) to row i, bytes as they are. For moving a
+        sequence between caches without quantising it twice. All-or-nothing, as `append`."""
+        i = self._row_index("append_stored(i)", i)
+        if (not isinstance(rows, torch.Tensor) or rows.dim() != 2
+                or rows.shape[1] != self.kv_cache.shape[2] or rows.dtype != self.kv_cache.dtype
+                or rows.device != self.device):
+            got = (f"{rows.dtype} {tuple(rows.shape)} on {rows.device}"
+                   if isinstance(rows, torch.Tensor) else type(rows).__name__)
+            raise ValueError(f"append_stored: rows must be (t, {self.kv_cache.shape[2]}) "
+                             f"{self.kv_cache.dtype} on {self.device}, got {got}")
+        seq_ids, new_lens = self.check_rows([i], [rows.shape[0]])
+        positions = self.seq_lens[i] + torch.arange(rows.shape[0])
+        self.allocate(seq_ids, new_lens)
+        slots = self.slot_mapping(torch.full_like(positions, i), positions).to(self.device)
+        self.kv_cache.view(-1, self.kv_cache.shape[2])[slots] = rows
+        self.seq_lens[i] += rows.shape[0]
+
     def gather_padded(self, seq_ids: Sequence[int] | torch.Tensor, t: int) -> torch.Tensor:
-        """(n, t, c + r): the first t cached tokens of each listed row; zeros past its seq_len
-        (see `gather_pages`)."""
+        """(n, t, c + r) in `dtype`: the first t cached tokens of each listed row, dequantised;
+        zeros past its seq_len (see `gather_pages`)."""
         seq_ids = as_int_tensor("gather_padded: seq_ids", seq_ids)
         if bool(((seq_ids < 0) | (seq_ids >= self.batch_size)).any()):
             raise ValueError(f"gather_padded: seq_ids must lie in [0, batch_size="
@@ -356,8 +487,8 @@ class PagedLatentCache:
         if math.ceil(t / self.block_size) > self.max_blocks_per_seq:
             raise ValueError(f"gather_padded: t={t} is longer than max_seq_len={self.max_seq_len}")
         rows = seq_ids.to(self.device)
-        return gather_pages(self.kv_cache, self.block_table[rows],
-                            self.seq_lens[seq_ids].to(self.device), int(t))
+        return gather_pages(self, self.block_table[rows], self.seq_lens[seq_ids].to(self.device),
+                            int(t))
 
     # ---- checks -------------------------------------------------------------------------------
     def check_rows(self, seq_ids, new_lens) -> tuple[torch.Tensor, torch.Tensor]:
@@ -398,7 +529,8 @@ class PagedLatentCache:
     def __repr__(self) -> str:
         return (f"PagedLatentCache(batch_size={self.batch_size}, max_seq_len={self.max_seq_len}, "
                 f"block_size={self.block_size}, num_blocks={self.num_blocks}, "
-                f"free={self.num_free_blocks}, dtype={self.kv_cache.dtype}, device={self.device})")
+                f"free={self.num_free_blocks}, dtype={self.dtype}, "
+                f"kv_cache_dtype={self.kv_cache_dtype!r}, device={self.device})")
 
 
 # ---- device-side helpers the layer shares ------------------------------------------------------
@@ -411,31 +543,35 @@ def ragged_index(new_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return token_seq, offsets
 
 
-def gather_pages(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+def gather_pages(cache: PagedLatentCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  t: int) -> torch.Tensor:
-    """(m, t, c + r): the first t cached rows of m sequences, pages put back in order, zeros past
-    each sequence's seq_len. block_table (m, max_blocks) int32 and seq_lens (m,) on kv_cache's
-    device; reads nothing on the host.
+    """(m, t, c + r) in cache.dtype: the first t cached rows of m sequences, pages put back in
+    order and dequantised, zeros past each sequence's seq_len. block_table (m, max_blocks) int32
+    and seq_lens (m,) on the cache's device; reads nothing on the host.
 
     Zeros, not whatever the pages hold: padding keys must stay finite, because a masked score
     times a NaN value is still NaN.
     """
+    kv_cache = cache.kv_cache
     n_pages = math.ceil(t / kv_cache.shape[1])
     table = block_table[:, :n_pages].to(torch.int64).clamp_min(0)          # (m, pages)
-    rows = kv_cache[table].flatten(1, 2)[:, :t]                             # (m, t, c + r)
+    rows = cache.dequantize(kv_cache[table].flatten(1, 2)[:, :t])          # (m, t, c + r)
     valid = torch.arange(t, device=kv_cache.device)[None, :] < seq_lens[:, None]  # (m, t)
     return torch.where(valid[..., None], rows, torch.zeros((), dtype=rows.dtype,
                                                             device=rows.device))
 
 
-def write_slots(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+def write_slots(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: PagedLatentCache,
                 slot_mapping: torch.Tensor) -> None:
-    """Write each token's [kv_c | k_pe] row into its slot, trusting the arguments: no checks and
-    no host sync (slot -1 skips a token). The compiled op where the extension serves kv_cache's
-    device (capturable in a CUDA graph); else the torch reference, which checks the slot range
-    (a sync). Callers build the slots from the allocator; `append` is the checked write.
+    """Write each token's [kv_c | k_pe] row into its slot of `cache`, in its layout, trusting
+    the arguments: no checks and no host sync (slot -1 skips a token). The compiled op where
+    the extension serves the cache's device (capturable in a CUDA graph); else the torch
+    reference, which checks the slot range (a sync). Callers build the slots from the allocator
+    and calibrate an fp8_e4m3 cache first; `append` is the checked write.
     """
-    if extension_available(kv_cache.device):
-        torch.ops.mla.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, "auto", None)
+    if extension_available(cache.device):
+        torch.ops.mla.concat_and_cache_mla(kv_c, k_pe, cache.kv_cache, slot_mapping,
+                                           cache.kv_cache_dtype, cache.kv_scale)
     else:
-        concat_and_cache_reference(kv_c, k_pe, kv_cache, slot_mapping)
+        concat_and_cache_reference(kv_c, k_pe, cache.kv_cache, slot_mapping,
+                                   kv_cache_dtype=cache.kv_cache_dtype, scale=cache.kv_scale)

@@ -8,7 +8,8 @@ computes. One call, for the new tokens of n sequences packed into N rows:
                   the host from the lengths, moved to the device in one packed copy
     x (N, hidden) -> q_nope (N, h, d), q_pe (N, h, r)             naive.query_* (eqs. 37-40)
                   -> [kv_c_normed | k_pe] (N, c + r)               naive.latent (eqs. 41, 43)
-    append        each row into its slot of the pages               concat_and_cache
+    append        each row into its slot of the pages, in the        concat_and_cache
+                  cache's layout (bf16 or fp8: kv_cache_dtype)
     decode rows (1 new token), MQA mode:
         q = [q_nope · W_UK | q_pe] (b, h, c + r)                   W_UK absorbed into the query
         o_lat (b, h, c) = mla_decode(q, pages)                     split-KV, MQA over the latent,
@@ -24,7 +25,9 @@ computes. One call, for the new tokens of n sequences packed into N rows:
     y = W_O o (N, hidden)                                          eq. (47), all-reduced under TP
 
 No path stores a (query, key) score: a call's memory grows with its new tokens and the
-workspace, never with new tokens x context. `attend_prefill_reference` is the same attention in
+workspace, never with new tokens x context. Every path reads the cache through its layout: an
+fp8 cache's rows are dequantised as they are read (in the decode kernel's registers, into the
+prefill's workspace), so the attention is that over the dequantised cache. `attend_prefill_reference` is the same attention in
 plain torch, every score materialised: the readable version the kernels are tested against.
 
 The eager call (`forward`, `forward_ragged`) and the CUDA-graph step (`decode_step`) run the same
@@ -59,8 +62,8 @@ from ..naive import (attend_up_projected, causal_mask, latent, query_latent, que
                      query_rope)
 from ..rope import rope_cos_sin
 from ..weights import MLAWeights
-from .cache import (CACHE_DTYPES, PagedLatentCache, as_int, as_int_tensor, gather_pages,
-                    positive_int, ragged_index, write_slots)
+from .cache import (CACHE_DTYPES, PagedLatentCache, as_int, as_int_tensor, check_kv_cache_dtype,
+                    check_kv_scale, gather_pages, positive_int, ragged_index, write_slots)
 
 # The options of `PagedMLA(prefill=...)`: "auto" chooses per row by `prefill_crossover`.
 PAGED_PREFILL_MODES = ("auto", *PREFILL_MODES)
@@ -187,15 +190,18 @@ def to_device(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, 
     return out
 
 
-def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                     seq_lens: torch.Tensor, *, kv_lora_rank: int, softmax_scale: float,
+def decode_attention(q: torch.Tensor, cache: PagedLatentCache, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, *, softmax_scale: float,
                      num_kv_splits: int | None, max_seq_len: int | None) -> torch.Tensor:
-    """mla_decode's out (b, h, c). The block table comes from the cache's own allocator, so the
-    kernel trusts its entries on a GPU (on the CPU it checks them anyway); `max_seq_len`, known
-    on the host, lets it choose its split count without a sync."""
-    out, _ = mla_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank=kv_lora_rank,
-                        softmax_scale=softmax_scale, num_kv_splits=num_kv_splits,
-                        max_seq_len=max_seq_len, check_block_table=False)
+    """mla_decode's out (b, h, c) over the cache's pages, in its layout. The block table comes
+    from the cache's own allocator, so the kernel trusts its entries on a GPU (on the CPU it
+    checks them anyway); `max_seq_len`, known on the host, lets it choose its split count
+    without a sync."""
+    out, _ = mla_decode(q, cache.kv_cache, block_table, seq_lens,
+                        kv_lora_rank=cache.kv_lora_rank, softmax_scale=softmax_scale,
+                        num_kv_splits=num_kv_splits, max_seq_len=max_seq_len,
+                        check_block_table=False, kv_cache_dtype=cache.kv_cache_dtype,
+                        kv_scale=cache.kv_scale)
     return out
 
 
@@ -239,6 +245,14 @@ class PagedMLA(MLAAttention):
             and merges cost little. vLLM sizes its workspace min(max(8 x max_model_len, 4 x
             max_num_seqs x block_size), 64k) tokens; a layer does not know the model length, so
             the default is fixed and the option lets a server size it.
+        kv_cache_dtype: the layout of caches from `new_cache` (`mla.kernels.fp8`): "auto" (the
+            weights' dtype, c + r values a token), "fp8_e4m3" (alias "fp8": c + r bytes and one
+            float32 scale for the cache) or "fp8_ds_mla" (FlashMLA's 656-byte token: the latent
+            in e4m3 with a scale per 128 values, the rope part in bf16). A call reads any cache
+            in the cache's own layout.
+        kv_scale: "fp8_e4m3" only: the scale of new caches, a positive finite float or
+            1-element float32 tensor; None = each cache calibrates its own from its first
+            write (its largest finite |value| maps to 224, half of e4m3's range), then keeps it.
         num_kv_splits: passed to `mla.kernels.mla_decode`; None lets it choose from the batch,
             the longest row (known on the host, so no sync) and the SM count.
         shuffle: default seed of `new_cache`'s random page order (None: pages in order).
@@ -253,7 +267,8 @@ class PagedMLA(MLAAttention):
 
     def __init__(self, weights: MLAWeights, *, block_size: int = 64, num_blocks: int | None = None,
                  prefill: str = "auto", prefill_crossover: int | None = None,
-                 workspace_tokens: int | None = None, num_kv_splits: int | None = None,
+                 workspace_tokens: int | None = None, kv_cache_dtype: str = "auto",
+                 kv_scale: float | torch.Tensor | None = None, num_kv_splits: int | None = None,
                  shuffle: int | None = None, process_group=None):
         super().__init__(weights, process_group=process_group)
         if weights.dtype not in CACHE_DTYPES:
@@ -275,6 +290,8 @@ class PagedMLA(MLAAttention):
         workspace_tokens = positive_int(
             "workspace_tokens",
             DEFAULT_WORKSPACE_TOKENS if workspace_tokens is None else workspace_tokens)
+        kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype, self.config.kv_lora_rank)
+        kv_scale = check_kv_scale(kv_cache_dtype, kv_scale, weights.device)
         check_num_kv_splits(num_kv_splits, allow_none=True)
         if shuffle is not None:
             shuffle = as_int("shuffle", shuffle)
@@ -283,13 +300,16 @@ class PagedMLA(MLAAttention):
         self.prefill = prefill
         self.prefill_crossover = prefill_crossover
         self.workspace_tokens = workspace_tokens
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_scale = kv_scale
         self.num_kv_splits = num_kv_splits
         self.shuffle = shuffle
 
     # ---- the cache ----------------------------------------------------------------------
     def new_cache(self, batch_size: int, max_seq_len: int, *, num_blocks: int | None = None,
                   shuffle: int | None = None) -> PagedLatentCache:
-        """An empty paged cache for `batch_size` rows of up to `max_seq_len` tokens.
+        """An empty paged cache for `batch_size` rows of up to `max_seq_len` tokens, in the
+        layer's `kv_cache_dtype` (with its `kv_scale`).
 
         `num_blocks` and `shuffle` override the layer's options for this cache.
         """
@@ -299,6 +319,7 @@ class PagedMLA(MLAAttention):
             block_size=self.block_size,
             num_blocks=self.num_blocks if num_blocks is None else num_blocks,
             dtype=self.weights.dtype, device=self.weights.device,
+            kv_cache_dtype=self.kv_cache_dtype, kv_scale=self.kv_scale,
             shuffle=self.shuffle if shuffle is None else shuffle)
 
     # ---- the common call ------------------------------------------------------------------
@@ -510,23 +531,27 @@ class PagedMLA(MLAAttention):
         q_pe = query_rope(w, c_q, cos, sin)[0]                     # (39) (N, h, r)
         kv_c_normed, k_pe = latent(w, x1, cos, sin)                # (41), (43) (1, N, c), (1, N, r)
 
-        # Append: each token's [kv_c | k_pe] row into its slot; the attention below reads it.
-        write_slots(kv_c_normed[0], k_pe[0], cache.kv_cache, plan.slot_mapping)
+        # Append: each token's [kv_c | k_pe] row into its slot, in the cache's layout; the
+        # attention below reads it back. An fp8_e4m3 cache without a scale takes it from the
+        # first tokens it holds.
+        if cache.needs_scale:
+            cache.calibrate(kv_c_normed[0], k_pe[0])
+        write_slots(kv_c_normed[0], k_pe[0], cache, plan.slot_mapping)
 
         # Decode rows: absorbed, over the pages (the split-KV kernel).
         dec = plan.decode
         if dec is not None and dec.tokens is None:                 # every token decodes
-            o = self.attend_decode(q_nope, q_pe, cache.kv_cache, dec)          # (N, h, v)
+            o = self.attend_decode(q_nope, q_pe, cache, dec)                   # (N, h, v)
         else:
             o = q_nope.new_zeros(N, cfg.num_heads, cfg.v_head_dim)            # (N, h, v)
             if dec is not None:
                 o[dec.tokens] = self.attend_decode(q_nope[dec.tokens], q_pe[dec.tokens],
-                                                   cache.kv_cache, dec)
+                                                   cache, dec)
 
         # Prefill rows: their packed new tokens over their context, one batch a path.
         for path, rows in plan.prefill:
             o[rows.tokens] = self.attend_prefill(path, q_nope[rows.tokens], q_pe[rows.tokens],
-                                                 cache.kv_cache, rows)
+                                                 cache, rows)
 
         # Eq. (47), once for every token (one all-reduce under TP); padding rows stay zero.
         y = self.output_projection(o[None])[0]                     # (N, hidden)
@@ -539,7 +564,7 @@ class PagedMLA(MLAAttention):
             out[plan.token_rows] = y
         return out
 
-    def attend_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+    def attend_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: PagedLatentCache,
                       rows: DecodeRows) -> torch.Tensor:
         """MQA mode: T new tokens, already in the pages, q_nope (T, h, d), q_pe (T, h, r) ->
         o (T, h, v). Absorbed attention over the latent by the split-KV kernel: one token a
@@ -553,8 +578,7 @@ class PagedMLA(MLAAttention):
             b, (T, h, cr) = rows.block_table.shape[0], q.shape
             q = q.new_zeros(b * rows.s_q, h, cr).index_copy_(0, rows.query_slots, q)
             q = q.view(b, rows.s_q, h, cr)                                  # (b, s_q, h, c + r)
-        o_lat = decode_attention(q, kv_cache, rows.block_table, rows.seq_lens,
-                                 kv_lora_rank=self.config.kv_lora_rank,
+        o_lat = decode_attention(q, cache, rows.block_table, rows.seq_lens,
                                  softmax_scale=self.softmax_scale,
                                  num_kv_splits=rows.num_kv_splits,
                                  max_seq_len=rows.max_seq_len)  # (b, h, c) / (b, s_q, h, c)
@@ -564,14 +588,14 @@ class PagedMLA(MLAAttention):
         return torch.einsum("Thc,hvc->Thv", o_lat, w.W_UV)                  # (T, h, v)
 
     def attend_prefill(self, path: str, q_nope: torch.Tensor, q_pe: torch.Tensor,
-                       kv_cache: torch.Tensor, rows: PrefillRows) -> torch.Tensor:
+                       cache: PagedLatentCache, rows: PrefillRows) -> torch.Tensor:
         """The new tokens of m rows, packed row after row, over their cached context and
         themselves (causal): q_nope (T_p, h, d), q_pe (T_p, h, r) -> o (T_p, h, v).
 
         `path` "absorbed" is MQA mode: `attend_decode` over the rows' pieces of up to 8 new
         tokens. "up-project" is MHA mode (eqs. 42, 44-46), by `chunked_context_prefill`:
             the new tokens over themselves, causal: keys and values up-projected from their
-                latent rows (read back from their slots), one mla_prefill;
+                latent rows (read back from their slots and dequantised), one mla_prefill;
             the new tokens over their context, non-causal: the contexts gathered from their
                 pages and up-projected `workspace_tokens` tokens at a time, one mla_prefill a
                 chunk;
@@ -581,15 +605,16 @@ class PagedMLA(MLAAttention):
         same with every score materialised.
         """
         if path == "absorbed":
-            return self.attend_decode(q_nope, q_pe, kv_cache, rows.pieces)
+            return self.attend_decode(q_nope, q_pe, cache, rows.pieces)
         w, c = self.weights, self.config.kv_lora_rank
-        latent_new = kv_cache.flatten(0, 1)[rows.slots]                     # (T_p, c + r)
+        latent_new = cache.dequantize(cache.kv_cache.flatten(0, 1)[rows.slots])  # (T_p, c + r)
         o, _ = chunked_context_prefill(
             q_nope, q_pe, latent_new[:, :c], latent_new[:, c:],
-            rows.query_start_loc.to(torch.int32), kv_cache, rows.block_table,
+            rows.query_start_loc.to(torch.int32), cache.kv_cache, rows.block_table,
             rows.context_lens.to(torch.int32), W_UK=w.W_UK, W_UV=w.W_UV,
             softmax_scale=self.softmax_scale, workspace_tokens=self.workspace_tokens,
-            max_seqlen_q=rows.max_new_len, context_lens_host=rows.context_lens_host)
+            max_seqlen_q=rows.max_new_len, context_lens_host=rows.context_lens_host,
+            kv_cache_dtype=cache.kv_cache_dtype, kv_scale=cache.kv_scale)
         return o                                                            # (T_p, h, v)
 
     # ---- the CUDA-graph decode entry -----------------------------------------------------------
@@ -663,6 +688,10 @@ class PagedMLA(MLAAttention):
         self.check_x(x, ragged=True)
         self.check_cache(cache, x.shape[0], cache_type=PagedLatentCache)
         b = cache.batch_size
+        if cache.needs_scale:
+            raise ValueError("cache is fp8_e4m3 without a scale, and decode_step does not "
+                             "calibrate (it reads nothing on the host); give the layer or cache a "
+                             "kv_scale, or run an eager call (a prefill) first")
         check_num_kv_splits(num_kv_splits, allow_none=False)
         table = cache.block_table if block_table is None else block_table
         for name, t, shape, dtype in (("slot_mapping", slot_mapping, (b,), torch.int64),
@@ -685,11 +714,12 @@ class PagedMLA(MLAAttention):
         return (f"tier={self.tier!r}, config={self.config.name!r}, block_size={self.block_size}, "
                 f"num_blocks={self.num_blocks}, prefill={self.prefill!r}, "
                 f"prefill_crossover={self.prefill_crossover}, "
-                f"workspace_tokens={self.workspace_tokens}")
+                f"workspace_tokens={self.workspace_tokens}, "
+                f"kv_cache_dtype={self.kv_cache_dtype!r}")
 
 
 def attend_prefill_reference(layer: PagedMLA, path: str, q_nope: torch.Tensor,
-                             q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                             q_pe: torch.Tensor, cache: PagedLatentCache,
                              rows: PrefillRows) -> torch.Tensor:
     """The new tokens of m rows, packed row after row, over their cached context and
     themselves (causal): q_nope (T_p, h, d), q_pe (T_p, h, r) -> o (T_p, h, v).
@@ -712,7 +742,7 @@ def attend_prefill_reference(layer: PagedMLA, path: str, q_nope: torch.Tensor,
     real = j[None, :] < new_lens[:, None]                                 # (m, s)
     tok = torch.where(real, qsl[:-1, None] + j, 0)                        # (m, s) into T_p
     positions = rows.context_lens[:, None] + j                            # (m, s)
-    latent_rows = gather_pages(kv_cache, rows.block_table,
+    latent_rows = gather_pages(cache, rows.block_table,
                                rows.context_lens + new_lens, t)           # (m, t, c + r)
     kv_c, k_pe = latent_rows[..., :c], latent_rows[..., c:]               # (m, t, c), (m, t, r)
     visible = causal_mask(positions, t)                                   # (m, s, t)
