@@ -1,8 +1,9 @@
 """The command line: `python -m mla demo | memory | generate | bench ...` (or `mla ...` once installed).
 
     demo    a random-weight layer of a preset; ragged prompts, prefill then decode steps through
-            each tier; error against the naive tier, cache bytes per token, time per decode step;
-            --tp N splits the heads over N processes (mla.parallel)
+            each tier (the paged tier also on each fp8 cache); error against the naive tier,
+            cache bytes per token, time per decode step; --tp N splits the heads over N
+            processes (mla.parallel)
     memory  KV cache per token and per sequence for MHA, GQA-8, MQA and MLA, and the paper's claims
     generate  transformers' generate() on a small random DeepSeek-V3-shaped model (or --model DIR)
             with its own attention and with each tier swapped in (mla.hf): same tokens?
@@ -26,11 +27,17 @@ import torch
 
 from . import memory, parallel
 from .config import PRESETS, MLAConfig
+from .kernels import fp8
 from .tiers import TIERS, build
 from .weights import MLAWeights
 
 # The dtypes every tier runs in: the paged tier's kernels take these three (not float64).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# The paged tier's cache layouts the demo runs (mla.kernels.fp8), and the error an fp8 cache is
+# held to against the naive tier: half an e4m3 step, relative (docs/derivations/fp8-cache.md).
+CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_ds_mla")
+FP8_TOLERANCE = 2.0**-4
 
 
 def _table(header: list[str], rows: list[list], title: str | None = None) -> str:
@@ -66,10 +73,27 @@ def demo(args: argparse.Namespace, *, rank: int = 0, world_size: int = 1, group=
             raise SystemExit(f"--tiers: unknown tier {tier!r}; expected some of {list(TIERS)}")
     if "naive" not in tiers:
         tiers = ["naive", *tiers]  # the reference every other tier is measured against
+    # the paged tier once per cache layout: "paged", "paged/fp8_e4m3", "paged/fp8_ds_mla"
+    skipped = []
+    if "paged" in tiers:
+        at = tiers.index("paged")
+        fp8_kinds = [k for k in args.kv_cache_dtypes.split(",") if k != "auto"]
+        if not fp8.fp8_available():
+            skipped, fp8_kinds = [(k, "this torch has no float8_e4m3fn") for k in fp8_kinds], []
+        elif config.kv_lora_rank % fp8.DS_MLA_GROUP and "fp8_ds_mla" in fp8_kinds:
+            fp8_kinds.remove("fp8_ds_mla")
+            skipped.append(("fp8_ds_mla", f"needs a latent width c that is a multiple of "
+                                          f"{fp8.DS_MLA_GROUP}, this preset's is "
+                                          f"{config.kv_lora_rank}"))
+        tiers[at + 1:at + 1] = [f"paged/{k}" for k in fp8_kinds]
 
     weights = MLAWeights(config, dtype=dtype, device=device, seed=args.seed).requires_grad_(False)
     shard = weights if world_size == 1 else weights.shard(rank, world_size)
-    layers = {tier: build(shard, tier, process_group=group) for tier in tiers}
+    layers = {}
+    for name in tiers:
+        tier, _, kind = name.partition("/")
+        options = dict(kv_cache_dtype=kind) if kind else {}
+        layers[name] = build(shard, tier, process_group=group, **options)
     if world_size > 1 and rank == 0:
         layers["unsharded"] = build(weights, "naive")
     max_len = args.prompt_len + args.decode_steps
@@ -100,7 +124,7 @@ def demo(args: argparse.Namespace, *, rank: int = 0, world_size: int = 1, group=
             errors[tier].append(_rel(outputs[tier], outputs["naive"]))
         if "unsharded" in layers:
             reference, _ = run("unsharded", x, lens)
-            tp_errors.extend(_rel(outputs[tier], reference) for tier in tiers)
+            tp_errors.extend(_rel(outputs[tier], reference) for tier in tiers if "/" not in tier)
 
     total = len(tiers) * (2 + args.decode_steps)
     with torch.inference_mode(), tqdm(total=total, desc="demo", leave=False,
@@ -130,17 +154,22 @@ def demo(args: argparse.Namespace, *, rank: int = 0, world_size: int = 1, group=
     tp_error = _worst(tp_errors) if tp_errors else 0.0
 
     element = torch.tensor([], dtype=dtype).element_size()
-    mla_bytes = memory.cache_elements_per_token(config, "mla") * element
     mha_bytes = memory.cache_elements_per_token(config, "mha") * element
     rows = []
-    for tier in tiers:
-        per_step = decode_time[tier] / max(1, args.decode_steps)
-        rows.append(dict(tier=tier, max_rel_err_vs_naive=_worst(errors[tier]),
-                         kv_bytes_per_token_layer=mla_bytes, mha_bytes_per_token_layer=mha_bytes,
-                         prefill_ms=prefill_time[tier] * 1e3, decode_ms_per_step=per_step * 1e3))
+    for name in tiers:
+        tier, _, kind = name.partition("/")
+        per_step = decode_time[name] / max(1, args.decode_steps)
+        kind = kind or "auto"
+        rows.append(dict(tier=tier, kv_cache_dtype=kind,
+                         max_rel_err_vs_naive=_worst(errors[name]),
+                         kv_bytes_per_token_layer=int(memory.latent_cache_bytes_per_token(
+                             config, kind, element)),
+                         mha_bytes_per_token_layer=mha_bytes,
+                         prefill_ms=prefill_time[name] * 1e3, decode_ms_per_step=per_step * 1e3))
     result = dict(preset=args.preset, device=str(device), dtype=str(dtype).replace("torch.", ""),
                   batch=args.batch, prompt_lengths=lengths.tolist(),
-                  decode_steps=args.decode_steps, tiers=rows)
+                  decode_steps=args.decode_steps, tiers=rows,
+                  skipped_kv_cache_dtypes=dict(skipped))
     if world_size > 1:
         result.update(tp=world_size, tp_max_rel_err_vs_unsharded_naive=tp_error)
     if rank != 0:
@@ -151,15 +180,25 @@ def demo(args: argparse.Namespace, *, rank: int = 0, world_size: int = 1, group=
           f"{device}, batch {args.batch}, prompts {lengths.tolist()}, "
           f"{args.decode_steps} decode steps")
     print(_table(
-        ["tier", "max rel err vs naive", "KV bytes/token/layer", "MHA would cache",
+        ["tier", "cache", "max rel err vs naive", "KV bytes/token/layer", "MHA would cache",
          "prefill ms", "decode ms/step"],
-        [[r["tier"], f"{r['max_rel_err_vs_naive']:.2e}", r["kv_bytes_per_token_layer"],
+        [[r["tier"], result["dtype"] if r["kv_cache_dtype"] == "auto" else r["kv_cache_dtype"],
+          f"{r['max_rel_err_vs_naive']:.2e}", r["kv_bytes_per_token_layer"],
           r["mha_bytes_per_token_layer"], f"{r['prefill_ms']:.1f}",
           f"{r['decode_ms_per_step']:.2f}"] for r in rows]))
+    for kind, why in skipped:
+        print(f"paged tier on an {kind} cache skipped: {why}")
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     # NaN < tolerance is False: an error of NaN never agrees
-    agree = all(r["max_rel_err_vs_naive"] < tolerance for r in rows)
+    exact = [r for r in rows if r["kv_cache_dtype"] == "auto"]
+    agree = all(r["max_rel_err_vs_naive"] < tolerance for r in exact)
     print(f"tiers agree with naive within {tolerance:g}: {'yes' if agree else 'NO'}")
+    fp8_rows = [r for r in rows if r["kv_cache_dtype"] != "auto"]
+    if fp8_rows:
+        fp8_agree = all(r["max_rel_err_vs_naive"] < FP8_TOLERANCE for r in fp8_rows)
+        print(f"fp8 caches within {FP8_TOLERANCE:g} of naive (half an e4m3 step): "
+              f"{'yes' if fp8_agree else 'NO'}")
+        agree = agree and fp8_agree
     if world_size > 1:
         tp_agree = tp_error < tolerance
         print(f"tensor parallel over {world_size} ranks ({config.num_heads // world_size} heads "
@@ -221,10 +260,11 @@ def memory_report(args: argparse.Namespace) -> None:
     print(f"KV cache of {args.preset}: {layers} layers, {config.num_heads} heads, head dim "
           f"{config.v_head_dim}, bf16, sequences of {args.seq_len} tokens")
     print(_table(
-        ["scheme", "elements/token/layer", "KiB/token", "MiB/sequence", "vs MLA"],
-        [[r["scheme"], r["elements_per_token_layer"], f"{r['bytes_per_token'] / 1024:.1f}",
-          f"{r['bytes_per_sequence'] / 2**20:.1f}",
-          f"{r['bytes_per_token'] / mla_row['bytes_per_token']:.1f}x"] for r in rows]))
+        ["scheme", "elements/token/layer", "bytes/token/layer", "KiB/token", "MiB/sequence",
+         "vs MLA"],
+        [[r["scheme"], r["elements_per_token_layer"], f"{r['bytes_per_token'] / layers:g}",
+          f"{r['bytes_per_token'] / 1024:.1f}", f"{r['bytes_per_sequence'] / 2**20:.1f}",
+          f"{r['bytes_per_token'] / mla_row['bytes_per_token']:.2f}x"] for r in rows]))
     print(f"MLA caches as much as GQA with {memory.mla_equivalent_gqa_groups(config):g} groups "
           f"(paper: 2.25 for V2)")
     print(f"DeepSeek-V2 vs DeepSeek 67B KV cache: {memory.paper_kv_reduction_vs_67b():.1%} smaller "
@@ -357,6 +397,15 @@ def _at_least(low: int):
     return parse
 
 
+def _cache_dtypes(text: str) -> str:
+    kinds = text.split(",")
+    unknown = [k for k in kinds if k not in CACHE_DTYPES]
+    if unknown or "auto" not in kinds:
+        raise argparse.ArgumentTypeError(
+            f"expected some of {', '.join(CACHE_DTYPES)}, auto among them, got {text!r}")
+    return text
+
+
 def _device(text: str) -> str:
     """An argparse type: cpu, cuda or cuda:N."""
     try:
@@ -404,6 +453,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tp", type=_at_least(1), default=1,
                    help="tensor parallel ranks, heads split over them (gloo on the CPU; with "
                         "--device cuda NCCL, one GPU a rank)")
+    p.add_argument("--kv-cache-dtypes", type=_cache_dtypes, default=",".join(CACHE_DTYPES),
+                   help="the paged tier's cache layouts, comma-separated: auto (the weights' "
+                        "dtype), fp8_e4m3, fp8_ds_mla; each fp8 one adds a row")
 
     p = sub.add_parser("memory", help="KV cache per token and per sequence by attention scheme")
     p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))

@@ -36,10 +36,39 @@ def test_demo_all_tiers_agree_and_writes_json(tmp_path):
                 "--decode-steps", "4", "--no-progress", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "tiers agree with naive within 0.0001: yes" in proc.stdout
+    assert "fp8 caches within 0.0625 of naive (half an e4m3 step): yes" in proc.stdout
+    # tiny's latent (c = 32) has no 128-value groups: the fp8_ds_mla row is skipped, and says why
+    assert "fp8_ds_mla cache skipped: needs a latent width c that is a multiple of 128" in proc.stdout
     result = json.loads(out.read_text())
-    assert [r["tier"] for r in result["tiers"]] == ["naive", "absorbed", "paged"]
-    assert all(r["max_rel_err_vs_naive"] < 1e-4 for r in result["tiers"])
-    assert result["tiers"][1]["kv_bytes_per_token_layer"] == (32 + 8) * 4
+    rows = [(r["tier"], r["kv_cache_dtype"]) for r in result["tiers"]]
+    assert rows == [("naive", "auto"), ("absorbed", "auto"), ("paged", "auto"),
+                    ("paged", "fp8_e4m3")]
+    assert all(r["max_rel_err_vs_naive"] < 1e-4 for r in result["tiers"][:3])
+    # the fp8 cache's error is e4m3's (about 2^-5), not float32's, and within half a step
+    assert 1e-3 < result["tiers"][3]["max_rel_err_vs_naive"] < 2**-4
+    assert [r["kv_bytes_per_token_layer"] for r in result["tiers"]] == [(32 + 8) * 4] * 3 + [40]
+
+
+def test_demo_runs_the_paged_tier_on_each_fp8_cache(tmp_path):
+    """At a latent of 128 every layout runs; --kv-cache-dtypes picks them."""
+    import mla.config as config
+    out = tmp_path / "demo.json"
+    tiny128 = dict(config.PRESETS["tiny"], kv_lora_rank=128)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(config.PRESETS, "tiny", tiny128)
+        cli.main(["demo", "--preset", "tiny", "--tiers", "paged", "--batch", "2", "--prompt-len",
+                  "3", "--decode-steps", "1", "--no-progress", "--json", str(out)])
+        rows = json.loads(out.read_text())["tiers"]
+        assert [r["kv_cache_dtype"] for r in rows] == ["auto", "auto", "fp8_e4m3", "fp8_ds_mla"]
+        assert [r["kv_bytes_per_token_layer"] for r in rows] == [(128 + 8) * 4] * 2 + [136, 148]
+        cli.main(["demo", "--preset", "tiny", "--tiers", "paged", "--kv-cache-dtypes",
+                  "auto,fp8_ds_mla", "--batch", "1", "--prompt-len", "2", "--decode-steps", "0",
+                  "--no-progress", "--json", str(out)])
+        assert [r["kv_cache_dtype"] for r in json.loads(out.read_text())["tiers"]] == [
+            "auto", "auto", "fp8_ds_mla"]
+    for bad in ("fp8_e4m3", "auto,fp16"):
+        proc = _run("demo", "--kv-cache-dtypes", bad)
+        assert proc.returncode == 2 and "--kv-cache-dtypes: expected some of auto" in proc.stderr
 
 
 def test_demo_rejects_unknown_tier():
