@@ -87,6 +87,7 @@ def _namespace() -> dict:
         "prefill_table": prefill_table,
         "generate_table": generate_table,
         "capacity_table": capacity_table,
+        "fp8_accuracy_table": fp8_accuracy_table,
         "kib": lambda n: n / 1024,
         "mib": lambda n: n / 1024**2,
     }
@@ -619,6 +620,20 @@ def generate_table(name: str = "h200-generate.json") -> str:
         ("tokens/s, whole call", lambda r: f"{r['tokens_per_s']:,.0f}"),
         ("peak GiB, prefill / decode", lambda r: f"{r['prefill_peak_gib']:.1f} / {r['decode_peak_gib']:.1f}"),
         ("tokens equal to eager", lambda r: f"{r['tokens_equal_reference']:.0%}"),
+    ])
+
+
+def fp8_accuracy_table(name: str = "cpu-fp8-accuracy.json") -> str:
+    """Markdown: benchmarks/accuracy_fp8.py's rows, the paged tier's largest relative error
+    against the float32 naive tier per phase, one line a prefill path and cache layout."""
+    return _table(result(name)["rows"], [
+        ("prefill path", lambda r: f"`{r['path']}`"),
+        ("`kv_cache_dtype`", lambda r: f"`{r['kv_cache_dtype']}`"),
+        ("bytes / token", lambda r: str(r["bytes_per_token"])),
+        ("latent", lambda r: f"{r['latent_rel_err']:.1e}"),
+        ("prefill", lambda r: f"{r['prefill_rel_err']:.1e}"),
+        ("extend + prefill + decode", lambda r: f"{r['mixed_rel_err']:.1e}"),
+        ("decode", lambda r: f"{r['decode_rel_err']:.1e}"),
     ])
 
 

@@ -123,6 +123,70 @@ for row in memory.kv_cache_table(v3, 1, memory.NUM_LAYERS["deepseek-v3"], scheme
     print(f"{LABELS[row['scheme']]:30s} {100e9 / row['bytes_per_token']:>12,.0f} tokens in 100 GB")
 
 # %% [markdown]
+# ## The cache in fp8
+#
+# MLA's cache can shrink further: the paged tier stores the latent in 8-bit floats when built
+# with `kv_cache_dtype` (derivation 8 of the documentation). `"fp8_e4m3"` keeps each of the
+# $c + r$ values in one byte with one scale for the whole cache; `"fp8_ds_mla"`, FlashMLA's
+# token, keeps the latent in e4m3 with one float32 scale per 128 values and the rope part in
+# bf16. Bytes a token in one layer, and what they mean for DeepSeek-V3's 61 layers:
+
+# %%
+layers = memory.NUM_LAYERS["deepseek-v3"]
+print(f"{'kv_cache_dtype':16s} {'bytes/token/layer':>18s} {'KiB/token':>10s} "
+      f"{'GiB @ 128k':>11s} {'tokens in 100 GB':>17s}")
+fp8_bytes = {}
+for kind in ("auto", "fp8_e4m3", "fp8_ds_mla"):
+    per_layer = memory.latent_cache_bytes_per_token(v3, kind)      # "auto": bf16
+    fp8_bytes[kind] = per_layer
+    per_token = per_layer * layers
+    print(f"{kind:16s} {per_layer:>18,.0f} {per_token / 1024:>10.1f} "
+          f"{per_token * 2**17 / 2**30:>11.2f} {100e9 / per_token:>17,.0f}")
+assert (fp8_bytes["auto"], fp8_bytes["fp8_e4m3"], fp8_bytes["fp8_ds_mla"]) == (1152, 576, 656)
+
+# %% [markdown]
+# The price is precision: e4m3 keeps 3 bits of mantissa, so a stored value moves by up to
+# $2^{-4}$ of itself. The cell below builds one small layer (the "tiny" preset with a
+# 128-wide latent, so that `"fp8_ds_mla"` has a whole group of 128), runs the same ragged prefill
+# and decode steps through the naive tier in float32 and through the paged tier on each
+# cache layout, and prints the bytes the cache tensor really holds a token and the output's
+# relative error.
+
+# %%
+torch.manual_seed(0)
+small = mla.MLAConfig.from_preset("tiny").replace(kv_lora_rank=128)
+small_weights = mla.MLAWeights(small, dtype=torch.float32, seed=0).requires_grad_(False)
+naive_small = mla.build(small_weights, "naive")
+calls = [([24, 9, 17], 24)] + [([1, 1, 1], 1)] * 4           # a ragged prefill, 4 decode steps
+inputs = [torch.randn(3, s, small.hidden_size) for _, s in calls]
+reference_cache = naive_small.new_cache(3, 64)
+with torch.no_grad():
+    references = [naive_small(x, reference_cache, n) for x, (n, _) in zip(inputs, calls)]
+
+print(f"{'kv_cache_dtype':16s} {'cache tensor':>28s} {'bytes/token':>12s} {'max rel err':>12s}")
+fp8_errors = {}
+for kind in ("auto", "fp8_e4m3", "fp8_ds_mla"):
+    paged = mla.build(small_weights, "paged", kv_cache_dtype=kind, block_size=16)
+    cache = paged.new_cache(3, 64)
+    with torch.no_grad():
+        errors = [float((paged(x, cache, n) - ref).norm() / ref.norm())
+                  for x, ref, (n, _) in zip(inputs, references, calls)]
+    fp8_errors[kind] = max(errors)
+    per_token = cache.kv_cache.nbytes // (cache.num_blocks * cache.block_size)
+    tensor = f"{str(cache.kv_cache.dtype).removeprefix('torch.')} {tuple(cache.kv_cache.shape)}"
+    print(f"{kind:16s} {tensor:>28s} {per_token:>12d} {fp8_errors[kind]:>12.1e}")
+assert fp8_errors["auto"] < 1e-5 and max(fp8_errors.values()) < 2**-4
+
+# %% [markdown]
+# The float32 cache ("auto" with float32 weights: 4 bytes a value) agrees with the naive tier to
+# float32 rounding; both fp8 caches are a few percent off, about the rms error of one value
+# rounded to e4m3, and within the $2^{-4}$ the tests hold them to. `"fp8_e4m3"` is the worse
+# of the two because it also rounds the rope part, whose pairs carry position.
+# `benchmarks/accuracy_fp8.py` measures the same at DeepSeek-V3's size, and the documentation's
+# fp8 page shows its table. How fast a decode step reads each layout on the GPU is in the
+# decode section below, once `python -m mla bench decode --kv-cache-dtype ...` has run there.
+
+# %% [markdown]
 # ## What a decode step costs, on this machine
 #
 # A decode step of the naive tier up-projects the whole cached latent; the absorbed tier reads

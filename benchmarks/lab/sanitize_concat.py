@@ -3,7 +3,8 @@
     PYTHONPATH=. compute-sanitizer --tool memcheck python3 benchmarks/lab/sanitize_concat.py
 
 Covers the vector path (16-byte aligned rows) and the scalar path (odd row stride, c % 8 != 0),
-every input dtype, the "auto" and "fp8" caches, -1 slots, the last slot of the cache, and a
+every input dtype, the "auto", "fp8" and "fp8_ds_mla" caches (the last where c is a multiple of
+128), -1 slots, the last slot of the cache, and a
 direct op call with an out-of-range slot (the kernel must skip it, not write past the cache).
 Each run is checked against the reference; exits non-zero on a mismatch. Build the extension
 first (the test suite does) so the JIT build does not run under the sanitizer.
@@ -14,6 +15,7 @@ import sys
 import torch
 
 from mla.kernels import concat_cache as cc
+from mla.kernels import fp8
 from mla.kernels.extension import load_extension
 
 
@@ -25,12 +27,15 @@ def main() -> int:
     failures = 0
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for c, r, extra in ((512, 64, 0), (512, 64, 7), (12, 4, 0)):
-            for kv_cache_dtype in ("auto", "fp8"):
+            for kv_cache_dtype in ("auto", "fp8", "fp8_ds_mla")[: 3 if c % 128 == 0 else 2]:
                 T, block_size, num_blocks = 33, 16, 4
                 proj = torch.randn(T, c + r + extra, device="cuda", dtype=dtype, generator=g)
                 kv_c, k_pe = proj[:, :c], proj[:, c : c + r]  # row views, as in the layer
-                cache_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else dtype
-                cache = torch.zeros(num_blocks, block_size, c + r, device="cuda").to(cache_dtype)
+                cache_dtype = {"auto": dtype, "fp8": torch.float8_e4m3fn,
+                               "fp8_ds_mla": torch.uint8}[kv_cache_dtype]
+                width = fp8.bytes_per_token(kv_cache_dtype, c, r) // (
+                    dtype.itemsize if kv_cache_dtype == "auto" else 1)
+                cache = torch.zeros(num_blocks, block_size, width, device="cuda").to(cache_dtype)
                 # distinct slots: two tokens writing one slot would race (which one lands is undefined)
                 slots = torch.randperm(num_blocks * block_size - 1, device="cuda", generator=g)[:T]
                 slots[::4] = -1
@@ -42,7 +47,7 @@ def main() -> int:
                 cc.concat_and_cache_reference(kv_c, k_pe, ref, slots, **kw)
                 same = torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
                 failures += not same
-                print(f"{str(dtype):15s} c={c:3d} r={r:2d} extra={extra} {kv_cache_dtype:4s} "
+                print(f"{str(dtype):15s} c={c:3d} r={r:2d} extra={extra} {kv_cache_dtype:10s} "
                       f"{'ok' if same else 'MISMATCH'}")
     # out-of-range slot through the raw op: skipped by the kernel
     cache = torch.zeros(2, 16, 576, device="cuda", dtype=torch.bfloat16)

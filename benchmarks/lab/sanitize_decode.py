@@ -1,14 +1,15 @@
 """A few small launches of the decode kernels, for `compute-sanitizer --tool memcheck`: the Triton
 stage 1, the CUDA ones (csrc/mla_decode_sm80.cu where it applies, <= 16 heads; csrc/mla_decode_sm90.cu
-on compute capability 9.0), and the merge.
+on compute capability 9.0), and the merge; then the Triton kernel on several query tokens a
+sequence and on both fp8 layouts.
 
-Pages the sequences don't own are NaN and unused block-table entries are garbage, so a read
-outside a sequence's pages would also show as NaN in the output.
+Pages the sequences don't own are NaN (bytes 0xFF in an fp8 cache) and unused block-table entries
+are garbage, so a read outside a sequence's pages would also show as NaN in the output.
 """
 
 import torch
 
-from mla.kernels import mla_decode, mla_decode_reference
+from mla.kernels import concat_and_cache, fp8, mla_decode, mla_decode_reference
 
 
 def main() -> None:
@@ -53,6 +54,53 @@ def main() -> None:
             err = float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-9))
             print(f"{name}: heads {heads} seq_lens {seq_lens} splits {splits}: rel err {err:.2e}")
             assert err < 2e-2
+    fp8_and_query_tokens()
+
+
+def fp8_and_query_tokens() -> None:
+    """The Triton kernel on s_q = 1..8 query tokens and on fp8_e4m3 / fp8_ds_mla caches, each
+    against the reference on the same cache (which dequantises it first)."""
+    c, r, page = 512, 64, 64
+    for heads, seq_lens, splits, s_q, kind in ((16, [1, 0, 130, 64], None, 4, "auto"),
+                                              (128, [300, 7], 4, 2, "auto"),
+                                              (3, [65, 129, 1], 8, 8, "auto"),
+                                              (16, [33, 2000, 0], 40, 1, "fp8_e4m3"),
+                                              (128, [300, 0, 70], 3, 1, "fp8_ds_mla"),
+                                              (16, [130, 5, 0], 1, 3, "fp8_ds_mla"),
+                                              (20, [64, 65], 2, 2, "fp8_e4m3")):
+        b = len(seq_lens)
+        max_blocks = max(1, -(-max(seq_lens) // page)) + 1
+        num_blocks = b * max_blocks + 3
+        row_bytes = fp8.bytes_per_token(kind, c, r, torch.bfloat16)
+        cache = torch.full((num_blocks, page, row_bytes), 0xFF, dtype=torch.uint8, device="cuda")
+        cache = cache.view({"auto": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
+                            "fp8_ds_mla": torch.uint8}[kind])
+        table = torch.full((b, max_blocks), 10**6, dtype=torch.int32, device="cuda")
+        perm = torch.randperm(num_blocks, device="cuda").to(torch.int32)
+        slots, used = [], 0
+        for i, n in enumerate(seq_lens):
+            nb = -(-n // page)
+            table[i, :nb] = perm[used:used + nb]
+            slots += [int(table[i, t // page]) * page + t % page for t in range(n)]
+            used += nb
+        latents = torch.randn(len(slots), c + r, device="cuda", dtype=torch.bfloat16)
+        scale = torch.tensor([0.02], device="cuda") if kind == "fp8_e4m3" else None
+        concat_and_cache(latents[:, :c], latents[:, c:], cache,
+                         torch.tensor(slots, dtype=torch.int64, device="cuda"),
+                         kv_cache_dtype=kind, scale=scale)
+        q = torch.randn(b, s_q, heads, c + r, device="cuda", dtype=torch.bfloat16)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+        layout = dict(kv_lora_rank=c, softmax_scale=0.1, kv_cache_dtype=kind, kv_scale=scale)
+        ref, _ = mla_decode_reference(q, cache, table, lens, **layout)
+        out, _ = mla_decode(q, cache, table, lens, num_kv_splits=splits, _backend="triton",
+                            **layout)
+        torch.cuda.synchronize()
+        # a query that sees no row (seq_len < its place among the s_q) is 0, not NaN
+        assert not out.isnan().any(), "NaN in output: a read outside the sequence's pages"
+        err = float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-9))
+        print(f"triton {kind}: heads {heads} s_q {s_q} seq_lens {seq_lens} splits {splits}: "
+              f"rel err {err:.2e}")
+        assert err < 2e-2
 
 
 if __name__ == "__main__":
