@@ -654,9 +654,9 @@ def test_options_of_the_wrong_type_are_refused():
                 dict(block_size=True), dict(num_kv_splits=65536)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             mla.build(weights, "paged", **bad)
-    with pytest.raises(TypeError, match="shuffle must be an integer"):
+    with pytest.raises(TypeError, match="shuffle must be an int"):
         mla.build(weights, "paged", shuffle=1.7)
-    with pytest.raises(TypeError, match="shuffle must be an integer"):
+    with pytest.raises(TypeError, match="shuffle must be an int"):
         PagedLatentCache(2, 8, 4, 2, shuffle=True)
     for bad, error, match in ((dict(kv_lora_rank=0), ValueError, "kv_lora_rank must be a positive"),
                               (dict(rope_dim=-2), ValueError, "rope_dim must be a positive"),

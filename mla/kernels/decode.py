@@ -22,7 +22,8 @@ import triton
 
 from . import fp8
 from .backends import CUDA_TILES, choose_decode_backend, sm_count
-from .triton_decode import LOG2E, _mla_decode_merge_kernel, _mla_decode_split_kernel
+from .constants import LOG2E, MAX_GRID_YZ
+from .triton_decode import _mla_decode_merge_kernel, _mla_decode_split_kernel
 
 __all__ = [
     "MAX_QUERY_TOKENS",
@@ -35,7 +36,6 @@ __all__ = [
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_QUERY_TOKENS = 8  # s_q: new tokens a sequence one call takes (speculative decoding, MTP)
 _MERGE_TILE = 4096  # partial-output values one merge program reads (splits x chunk of c)
-_MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z: sequences, query rows of the merge, splits
 # an H100/H200 block's most shared memory; 3 stages of 64 x 576 bf16 tiles (216 KiB) fit
 _SHARED_MEMORY_BUDGET = 227 * 1024
 # the kernel's KV_FORMAT for each cache layout (mla.kernels.fp8 defines the fp8 ones)
@@ -514,13 +514,13 @@ def _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scal
     if num_kv_splits is not None:
         if isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, numbers.Integral):
             raise TypeError(f"mla_decode: num_kv_splits must be an int or None, got {type(num_kv_splits).__name__}")
-        if not 1 <= num_kv_splits <= _MAX_GRID_YZ:
-            raise ValueError(f"mla_decode: num_kv_splits must be in [1, {_MAX_GRID_YZ}], got {num_kv_splits}")
-    if b > _MAX_GRID_YZ:
-        raise ValueError(f"mla_decode: at most {_MAX_GRID_YZ} sequences a call (q's batch is {b})")
-    if rows > _MAX_GRID_YZ:
+        if not 1 <= num_kv_splits <= MAX_GRID_YZ:
+            raise ValueError(f"mla_decode: num_kv_splits must be in [1, {MAX_GRID_YZ}], got {num_kv_splits}")
+    if b > MAX_GRID_YZ:
+        raise ValueError(f"mla_decode: at most {MAX_GRID_YZ} sequences a call (q's batch is {b})")
+    if rows > MAX_GRID_YZ:
         raise ValueError(
-            f"mla_decode: at most {_MAX_GRID_YZ} query rows (s_q x heads) a sequence, q has {rows} "
+            f"mla_decode: at most {MAX_GRID_YZ} query rows (s_q x heads) a sequence, q has {rows} "
             f"(shape {tuple(q.shape)})"
         )
     return kind

@@ -28,6 +28,7 @@ import torch
 import triton
 
 from . import fp8
+from .constants import LOG2E, MAX_GRID_YZ
 from .triton_prefill import default_prefill_config, mla_prefill_kernel
 
 __all__ = [
@@ -38,9 +39,7 @@ __all__ = [
     "DEFAULT_WORKSPACE_TOKENS",
 ]
 
-_LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z: heads and sequences
 
 # Tokens of context up-projected at once by chunked_context_prefill. The workspace holds
 # h * (d + v) values a token: 16384 tokens at DeepSeek-V3's 128 heads in bf16 are 1 GiB (128 MiB
@@ -108,8 +107,8 @@ def _check_prefill_inputs(fn, q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_se
             )
     if min(d, r, dv) < 1:
         raise ValueError(f"{fn}: d, r and v must be >= 1, got d={d}, r={r}, v={dv}")
-    if h > _MAX_GRID_YZ:
-        raise ValueError(f"{fn}: at most {_MAX_GRID_YZ} heads, got {h}")
+    if h > MAX_GRID_YZ:
+        raise ValueError(f"{fn}: at most {MAX_GRID_YZ} heads, got {h}")
     for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("k_nope", k_nope), ("k_pe", k_pe), ("v", v)):
         if t.device != q_nope.device:
             raise ValueError(f"{fn}: {name} is on {t.device} but q_nope is on {q_nope.device}")
@@ -126,8 +125,8 @@ def _check_prefill_inputs(fn, q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_se
             f"{fn}: cu_seqlens_q and cu_seqlens_k must both be (b + 1,), got {tuple(cu_seqlens_q.shape)} "
             f"and {tuple(cu_seqlens_k.shape)}"
         )
-    if cu_seqlens_q.shape[0] - 1 > _MAX_GRID_YZ:
-        raise ValueError(f"{fn}: at most {_MAX_GRID_YZ} sequences a call, got {cu_seqlens_q.shape[0] - 1}")
+    if cu_seqlens_q.shape[0] - 1 > MAX_GRID_YZ:
+        raise ValueError(f"{fn}: at most {MAX_GRID_YZ} sequences a call, got {cu_seqlens_q.shape[0] - 1}")
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"{fn}: softmax_scale must be a float, got {type(softmax_scale).__name__}")
     if not math.isfinite(softmax_scale):
@@ -249,7 +248,7 @@ def mla_prefill(
     grid = (triton.cdiv(max_seqlen_q, config["BLOCK_M"]), h, b)
     mla_prefill_kernel[grid](
         q_nope_c, q_pe_c, k_nope_c, k_pe_c, v_c, cu_seqlens_q, cu_seqlens_k, out_c, lse,
-        d, r, dv, float(softmax_scale) * _LOG2E,
+        d, r, dv, float(softmax_scale) * LOG2E,
         q_nope_c.stride(0), q_nope_c.stride(1),
         q_pe_c.stride(0), q_pe_c.stride(1),
         k_nope_c.stride(0), k_nope_c.stride(1),

@@ -70,7 +70,6 @@ and launches these kernels; ``docs/derivations/split-kv.md`` derives the merge a
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e)); the launcher folds it into the scale
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..base import check_int
 from ..cache import check_cache_fits
 from ..kernels import concat_and_cache, concat_and_cache_reference, fp8
 from ..kernels.extension import extension_available
@@ -64,11 +65,7 @@ CALIBRATION_HEADROOM = 2.0
 def as_int(name: str, value) -> int:
     """`value` as a Python int: an int, a numpy integer or a 0-d integer tensor. Bools and floats
     are refused (TypeError naming `name`): True is not row 1 and 1.9 is not row 1."""
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and not _non_integer(value.dtype):
-        return int(value)
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    return check_int(name, value)
 
 
 def as_int_tensor(name: str, values) -> torch.Tensor:

@@ -56,6 +56,7 @@ import torch
 from ..absorbed import PREFILL_MODES, attend_absorbed
 from ..base import MLAAttention
 from ..kernels import chunked_context_prefill, mla_decode
+from ..kernels.constants import MAX_GRID_YZ
 from ..kernels.decode import MAX_QUERY_TOKENS
 from ..kernels.prefill import DEFAULT_WORKSPACE_TOKENS
 from ..naive import (attend_up_projected, causal_mask, latent, query_latent, query_nope,
@@ -79,7 +80,7 @@ PREFILL_CROSSOVER = 64
 
 # The most pieces a decode row is cut into: CUDA's limit on a grid's y and z dimensions, which
 # mla_decode launches the splits over.
-MAX_KV_SPLITS = 65535
+MAX_KV_SPLITS = MAX_GRID_YZ
 
 
 # ---- what one call needs on the device -----------------------------------------------------
