@@ -77,7 +77,7 @@ def demo(args: argparse.Namespace, *, rank: int = 0, world_size: int = 1, group=
     skipped = []
     if "paged" in tiers:
         at = tiers.index("paged")
-        fp8_kinds = [k for k in args.kv_cache_dtypes.split(",") if k != "auto"]
+        fp8_kinds = [k for k in args.kv_cache_dtype.split(",") if k != "auto"]
         if not fp8.fp8_available():
             skipped, fp8_kinds = [(k, "this torch has no float8_e4m3fn") for k in fp8_kinds], []
         elif config.kv_lora_rank % fp8.DS_MLA_GROUP and "fp8_ds_mla" in fp8_kinds:
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tp", type=_at_least(1), default=1,
                    help="tensor parallel ranks, heads split over them (gloo on the CPU; with "
                         "--device cuda NCCL, one GPU a rank)")
-    p.add_argument("--kv-cache-dtypes", type=_cache_dtypes, default=",".join(CACHE_DTYPES),
+    p.add_argument("--kv-cache-dtype", type=_cache_dtypes, default=",".join(CACHE_DTYPES),
                    help="the paged tier's cache layouts, comma-separated: auto (the weights' "
                         "dtype), fp8_e4m3, fp8_ds_mla; each fp8 one adds a row")
 

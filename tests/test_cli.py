@@ -50,7 +50,7 @@ def test_demo_all_tiers_agree_and_writes_json(tmp_path):
 
 
 def test_demo_runs_the_paged_tier_on_each_fp8_cache(tmp_path):
-    """At a latent of 128 every layout runs; --kv-cache-dtypes picks them."""
+    """At a latent of 128 every layout runs; --kv-cache-dtype picks them."""
     import mla.config as config
     out = tmp_path / "demo.json"
     tiny128 = dict(config.PRESETS["tiny"], kv_lora_rank=128)
@@ -61,14 +61,14 @@ def test_demo_runs_the_paged_tier_on_each_fp8_cache(tmp_path):
         rows = json.loads(out.read_text())["tiers"]
         assert [r["kv_cache_dtype"] for r in rows] == ["auto", "auto", "fp8_e4m3", "fp8_ds_mla"]
         assert [r["kv_bytes_per_token_layer"] for r in rows] == [(128 + 8) * 4] * 2 + [136, 148]
-        cli.main(["demo", "--preset", "tiny", "--tiers", "paged", "--kv-cache-dtypes",
+        cli.main(["demo", "--preset", "tiny", "--tiers", "paged", "--kv-cache-dtype",
                   "auto,fp8_ds_mla", "--batch", "1", "--prompt-len", "2", "--decode-steps", "0",
                   "--no-progress", "--json", str(out)])
         assert [r["kv_cache_dtype"] for r in json.loads(out.read_text())["tiers"]] == [
             "auto", "auto", "fp8_ds_mla"]
     for bad in ("fp8_e4m3", "auto,fp16"):
-        proc = _run("demo", "--kv-cache-dtypes", bad)
-        assert proc.returncode == 2 and "--kv-cache-dtypes: expected some of auto" in proc.stderr
+        proc = _run("demo", "--kv-cache-dtype", bad)
+        assert proc.returncode == 2 and "--kv-cache-dtype: expected some of auto" in proc.stderr
 
 
 def test_demo_rejects_unknown_tier():

@@ -93,6 +93,28 @@ def test_greedy_generate_matches_transformers(reference, tier, monkeypatch):
     assert len(set(ref.sequences[:, -NEW:].flatten().tolist())) > 5
 
 
+def test_fp8_cache_grows_and_reorders_without_requantising(reference, monkeypatch):
+    """The paged tier on an fp8_e4m3 cache inside generate(): when the page pool grows (a small
+    headroom) or beam search reorders rows, the cache is re-made with its bytes and its
+    calibrated scale as they were, so the tokens and logits are those of a run that never
+    re-made it; and the fp8 run stays within e4m3's error of transformers' own."""
+    model, batch, ref = reference
+    options = dict(TIER_OPTIONS["paged"], kv_cache_dtype="fp8_e4m3")
+    runs = {}
+    for headroom in (8, 1024):
+        monkeypatch.setattr(hf, "HEADROOM", headroom)
+        swapped = hf.swap_attention(copy.deepcopy(model), "paged", **options)
+        runs[headroom] = (generate(swapped, batch),
+                          generate(swapped, batch, num_beams=2, max_new_tokens=6))
+    (grown, grown_beams), (fixed, fixed_beams) = runs[8], runs[1024]
+    assert torch.equal(grown.sequences, fixed.sequences)
+    assert torch.equal(grown_beams.sequences, fixed_beams.sequences)
+    for a, b in zip(grown.logits, fixed.logits):
+        assert (a - b).abs().max() < 1e-5
+    first = ref.logits[0]
+    assert 1e-4 < float((fixed.logits[0] - first).norm() / first.norm()) < 2**-4
+
+
 def test_sampled_beams_eos_chunks_and_calls_in_a_row(reference):
     model, batch, ref = reference
     swapped = hf.swap_attention(copy.deepcopy(model), "absorbed")
