@@ -1,13 +1,27 @@
 """Benchmark mla_decode against the GPU's own ceilings and FlashMLA, measured in the same run.
 
     python -m mla bench decode --out benchmarks/results                  # ~3-5 min on an H200
+    python -m mla bench decode --kv-cache-dtype auto,fp8_e4m3,fp8_ds_mla  # ~5-7 min: each layout
     PYTHONPATH=.peers:. python -m mla bench decode --out DIR --s-q 1,2,4  # FlashMLA from .peers/
 
 Ceilings first: device-to-device copy bandwidth (a 2 GiB copy, read + write counted) and the
-bf16 matmul rate (8192^3, random data). Then, for DeepSeek-V3's cache (bf16, page 64,
-c + r = 576, value c = 512) at each (b, t, h) of ``SHAPES`` and each query length s_q of
-``--s-q``: mla_decode, plain torch (gather the pages, einsum, softmax, einsum) and FlashMLA when
-``import flash_mla`` works, all on the same inputs.
+bf16 matmul rate (8192^3, random data). Then, for DeepSeek-V3's cache (page 64, c + r = 576,
+value c = 512) at each (b, t, h) of ``SHAPES``, each query length s_q of ``--s-q`` and each
+cache layout of ``--kv-cache-dtype``: mla_decode, and on the bf16 cache (``auto``) plain torch
+(gather the pages, einsum, softmax, einsum) and FlashMLA when ``import flash_mla`` works, all on
+the same inputs.
+
+The layouts of one (b, t, h, s_q) share q, the block table and the latents: the bf16 cache holds
+random rows, and each fp8 cache (``mla.kernels.fp8``) is written from them by
+``concat_and_cache``, ``fp8_e4m3`` with the one scale ``calibrate_e4m3_scale`` gives for all of
+them, ``fp8_ds_mla`` with its per-128-value scales. An fp8 row times mla_decode alone
+(FlashMLA's dense decode reads bf16 caches only: ``flashmla_skipped`` says so) and checks it:
+``max_abs_diff`` against ``mla_decode_reference`` on the same fp8 cache (dequantised, float64),
+``max_abs_err_vs_bf16_cache`` against the reference on the bf16 rows it was written from (what
+quantising costs). ``over_bf16`` = time_us / the bf16 row's time_us (the kernel mla_decode picks
+for each: a CUDA stage 1 for bf16 where one applies, Triton for fp8), ``over_bf16_triton`` the
+same against the bf16 cache on the Triton kernel. ``TARGETS`` are the speeds the fp8_ds_mla cache
+is held to; the table ends with each against its row, as information, not an assertion.
 
 Every time is the median of do_bench's loop with L2 cleared before each call by READING a
 256 MiB buffer (``timing.clear_l2``). ``time_us`` replays one call from a CUDA graph (the
@@ -19,10 +33,13 @@ share of one graph of >= 8 back-to-back calls (the graph's launch paid once, as 
 step of many layers); ``eager_us`` a plain Python call; ``dirty_l2_time_us`` the graph replay
 after a zeroing clear (do_bench's own, which leaves dirty lines in L2 to write back).
 
-The floor of a shape is ``max(bytes / copy_bw, FLOPs / matmul_rate)`` with bytes = cache rows
-read + q + out and FLOPs = 2·b·s_q·h·t·(576 + 512). Prints a table, writes
-``DEVICE-decode.json`` (``h200-decode.json`` on an H200) and a plot of mla and FlashMLA against
-the floor beside it (``DEVICE-decode.png``, when matplotlib imports).
+The floor of a row is ``max(bytes / copy_bw, FLOPs / matmul_rate)`` with bytes = cache rows
+read (``bytes_per_token`` of its layout: 1152, 576, 656) + q + out and FLOPs =
+2·b·s_q·h·t·(576 + 512). Prints a table, writes ``DEVICE-decode.json`` (``h200-decode.json`` on
+an H200) and a plot of each against the bf16 floor beside it (``DEVICE-decode.png``, when
+matplotlib imports). The JSON's ``rows`` are the bf16 (``auto``) rows, one per (b, t, h, s_q),
+which every reader of the file takes; ``fp8_rows`` the fp8 ones, one per (b, t, h, s_q,
+kv_cache_dtype); ``targets`` the checks above.
 
 Importing this module touches no GPU: the table, the JSON and the plot are built by functions
 that take the rows, and tests/test_benchmarks.py runs them on fake timings on the CPU.
@@ -31,6 +48,7 @@ that take the rows, and tests/test_benchmarks.py runs them on fake timings on th
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import platform
@@ -43,6 +61,7 @@ C, R, PAGE = 512, 64, 64  # DeepSeek-V3: kv_lora_rank, rope dim, page size
 D = C + R
 SCALE = 192**-0.5  # (qk_nope_head_dim + qk_rope_head_dim)^-0.5; the value does not change the time
 
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_ds_mla")  # the cache layouts, in the order a shape runs them
 SHAPES = [  # (b, t, h): issue 25's table
     *[(b, t, 16) for b, t in [(1, 32768), (4, 131072), (64, 4096), (128, 8192), (64, 16384)]],
     *[(b, t, 128) for b, t in [(1, 32768), (4, 131072), (16, 4096), (64, 4096), (128, 8192), (64, 16384)]],
@@ -76,6 +95,16 @@ def parse_query_lengths(text: str) -> list[int]:
     return lengths
 
 
+def parse_kv_cache_dtypes(text: str) -> list[str]:
+    """'auto,fp8_e4m3,fp8_ds_mla' -> those layouts, each once, in KV_CACHE_DTYPES' order ('fp8'
+    is 'fp8_e4m3', as in mla_decode)."""
+    names = ["fp8_e4m3" if name.strip() == "fp8" else name.strip() for name in text.split(",")]
+    if not all(name in KV_CACHE_DTYPES for name in names):
+        raise argparse.ArgumentTypeError(
+            f"--kv-cache-dtype takes {', '.join(KV_CACHE_DTYPES)} (comma-separated; fp8 = fp8_e4m3); got {text!r}")
+    return [kind for kind in KV_CACHE_DTYPES if kind in names]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the plot")
@@ -83,6 +112,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="BxTxH,... (default: the 11 shapes of SHAPES)")
     parser.add_argument("--s-q", dest="s_q", type=parse_query_lengths, default=[1],
                         help="query tokens a sequence, comma-separated, 1..8 (default 1)")
+    parser.add_argument("--kv-cache-dtype", dest="kv_cache_dtypes", type=parse_kv_cache_dtypes, default=["auto"],
+                        metavar="LAYOUT[,LAYOUT...]",
+                        help="cache layouts to time at each shape, comma-separated: auto (bf16), fp8_e4m3, "
+                             "fp8_ds_mla (default auto); fp8 rows are paired with the auto row of their shape")
     parser.add_argument("--no-flashmla", dest="flashmla", action="store_false",
                         help="do not time FlashMLA even where it imports")
     return parser.parse_args(argv)
@@ -93,10 +126,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------
 
 
-def floor_us(b, t, h, copy_GBps, matmul_TFLOPs, s_q=1) -> tuple[float, str]:
+def bytes_per_token(kv_cache_dtype: str) -> int:
+    """Bytes a cached token of DeepSeek-V3 takes in a layout: 1152 (auto, bf16), 576, 656."""
+    from mla.kernels import fp8
+
+    return fp8.bytes_per_token(kv_cache_dtype, C, R, torch.bfloat16)
+
+
+def floor_us(b, t, h, copy_GBps, matmul_TFLOPs, s_q=1, kv_cache_dtype="auto") -> tuple[float, str]:
     """(floor in us, "memory" or "compute"): the larger of bytes / copy bandwidth and FLOPs /
-    matmul rate, for b sequences of t cached tokens, s_q query tokens of h heads each."""
-    nbytes = 2 * (b * t * D + b * s_q * h * D + b * s_q * h * C)  # cache rows + q + out, bf16
+    matmul rate, for b sequences of t cached tokens in the layout ``kv_cache_dtype``, s_q query
+    tokens of h heads each (q and out in bf16; an fp8 cache is computed on in bf16 too)."""
+    nbytes = b * t * bytes_per_token(kv_cache_dtype) + 2 * (b * s_q * h * D + b * s_q * h * C)  # cache + q + out
     flops = 2 * b * s_q * h * t * (D + C)
     mem_us = nbytes / (copy_GBps * 1e3)
     compute_us = flops / (matmul_TFLOPs * 1e6)
@@ -124,11 +165,35 @@ def make_inputs(b, t, h, *, s_q=1, copies=1, seed=0, device="cuda"):
     return q, caches, block_table, seq_lens
 
 
-def cache_copies(b, t) -> int:
-    """Copies of a (b, t) cache to rotate through so that they total >= 3x L2."""
+def cache_copies(b, t, kv_cache_dtype="auto") -> int:
+    """Copies of a (b, t) cache in a layout to rotate through so that they total >= 3x L2."""
     from benchmarks.timing import rotation_copies
 
-    return rotation_copies(2 * b * math.ceil(t / PAGE) * PAGE * D)
+    return rotation_copies(b * math.ceil(t / PAGE) * PAGE * bytes_per_token(kv_cache_dtype))
+
+
+def write_fp8_caches(kv_cache_dtype, caches, copies) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """``copies`` caches in the fp8 layout ``kv_cache_dtype``, copy i written by concat_and_cache
+    from the rows of the bf16 ``caches[i % len(caches)]`` into the same slots (so one block table
+    serves all), and the fp8_e4m3 scale: the (1,) float32 tensor mapping the largest |value| of
+    all the bf16 caches to 448 (None for fp8_ds_mla, whose scales are in its rows)."""
+    from mla.kernels import fp8
+    from mla.kernels.concat_cache import concat_and_cache
+
+    num_blocks, page, _ = caches[0].shape
+    rows = [cache.view(-1, D) for cache in caches]  # (blocks·page, c + r) each
+    slots = torch.arange(num_blocks * page, device=caches[0].device)  # every slot, in order
+    scale = None
+    if kv_cache_dtype == "fp8_e4m3":
+        scale = torch.stack([fp8.calibrate_e4m3_scale(r[:, :C], r[:, C:]) for r in rows]).amax().reshape(1)
+    dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else torch.uint8
+    written = []
+    for i in range(copies):
+        src = rows[i % len(rows)]
+        cache = torch.empty(num_blocks, page, bytes_per_token(kv_cache_dtype), dtype=dtype, device=src.device)
+        written.append(concat_and_cache(src[:, :C], src[:, C:], cache, slots, kv_cache_dtype=kv_cache_dtype,
+                                        scale=scale))
+    return written, scale
 
 
 def torch_decode(q, kv_cache, block_table, seq_lens):
@@ -254,54 +319,159 @@ def add_ratios(row: dict) -> dict:
     return row
 
 
-HEADER = (f"{'b':>4} {'t':>7} {'h':>4} {'s_q':>3} {'floor us':>9} {'bound':>7} {'mla us':>8} {'x floor':>7} "
-          f"{'steady':>7} {'eager us':>8} {'torch us':>9} {'flashmla':>8} {'FM/mla':>6} {'FM diff':>8} "
-          f"{'splits':>6} {'kernel':>9}  err")
+def _layout(row: dict) -> str:
+    return row.get("kv_cache_dtype", "auto")  # rows of runs before the fp8 layouts are bf16
+
+
+def _shape(row: dict) -> tuple[int, int, int, int]:
+    return row["b"], row["t"], row["h"], row.get("s_q", 1)
+
+
+def pair_with_bf16(rows: list[dict]) -> list[dict]:
+    """Fill each fp8 row's ``over_bf16``, its time over the time of the auto row of the same
+    (b, t, h, s_q), and ``over_bf16_triton``, over that row's time on the Triton kernel
+    (``triton_time_us``, or ``time_us`` where Triton is what mla_decode picked); None where a time
+    is missing. Returns ``rows``."""
+    bf16 = {_shape(r): r for r in rows if _layout(r) == "auto"}
+    for row in rows:
+        if _layout(row) == "auto":
+            continue
+        base = bf16.get(_shape(row), {})
+        ours, theirs = row.get("time_us"), base.get("time_us")
+        on_triton = (base.get("config") or {}).get("kernel") == "triton"
+        triton = base.get("triton_time_us") or (theirs if on_triton else None)
+        row["over_bf16"] = ours / theirs if ours and theirs else None
+        row["over_bf16_triton"] = ours / triton if ours and triton else None
+    return rows
+
+
+# The speeds the fp8_ds_mla cache is held to, one query token a sequence: heads -> (the smallest
+# batch it applies at, the most time over the bf16 cache's). 16 heads are memory bound, so the
+# time should follow the bytes (656 / 1152 = 0.57); at 128 heads the matmuls and the
+# dequantisation in registers are what the time pays for, not the bytes.
+TARGETS = {16: (64, 0.65), 128: (1, 1.15)}
+
+
+def target_checks(rows: list[dict]) -> list[dict]:
+    """One entry a fp8_ds_mla row that a target of ``TARGETS`` applies to: its shape, its
+    ``over_bf16``, the ``most`` it may be and whether it ``met`` it (None without both times)."""
+    checks = []
+    for row in rows:
+        b, t, h, s_q = _shape(row)
+        if _layout(row) != "fp8_ds_mla" or s_q != 1 or h not in TARGETS or b < TARGETS[h][0]:
+            continue
+        ratio, most = row.get("over_bf16"), TARGETS[h][1]
+        checks.append(dict(b=b, t=t, h=h, s_q=s_q, kv_cache_dtype="fp8_ds_mla", over_bf16=ratio, most=most,
+                           met=None if ratio is None else ratio <= most))
+    return checks
+
+
+def format_targets(checks: list[dict]) -> list[str]:
+    """The lines that end the table: each target against its row, and how many were met."""
+    rules = ", ".join(f"{h} heads" + (f" b >= {b}" if b > 1 else "") + f": <= {most:.2f}x"
+                      for h, (b, most) in TARGETS.items())
+    lines = [f"targets, fp8_ds_mla time over the bf16 cache's at s_q = 1 ({rules}); information, not a check:"]
+    if not checks:
+        return lines + ["  none applies: no fp8_ds_mla row beside an auto row at such a shape"]
+    for c in checks:
+        got = f"{c['over_bf16']:.2f}x" if c["over_bf16"] is not None else "n/a"
+        verdict = {True: "met", False: "missed", None: "(a time is missing)"}[c["met"]]
+        lines.append(f"  b {c['b']:>4} t {c['t']:>7} h {c['h']:>4}: {got:>6} against <= {c['most']:.2f}x  {verdict}")
+    met = sum(c["met"] is True for c in checks)
+    return lines + [f"  {met} of {len(checks)} met"]
+
+
+def assemble(rows: list[dict], **fields) -> dict:
+    """The result: ``fields`` (ceilings, versions...), then ``rows``, the auto rows (one a (b, t,
+    h, s_q), which every reader of the file takes), ``fp8_rows`` (one a (b, t, h, s_q,
+    kv_cache_dtype)) and ``targets`` (``target_checks``)."""
+    return dict(fields, rows=[r for r in rows if _layout(r) == "auto"],
+                fp8_rows=[r for r in rows if _layout(r) != "auto"], targets=target_checks(rows))
+
+
+FLASHMLA_SKIPPED = "not run: FlashMLA's dense decode reads bf16 caches only"
+
+HEADER = (f"{'b':>4} {'t':>7} {'h':>4} {'s_q':>3} {'cache':>10} {'floor us':>9} {'bound':>7} {'mla us':>8} "
+          f"{'x floor':>7} {'x bf16':>6} {'steady':>7} {'eager us':>8} {'torch us':>9} {'flashmla':>8} {'FM/mla':>6} "
+          f"{'FM diff':>8} {'splits':>6} {'kernel':>9}  err (auto: rel. to torch; fp8: abs. to reference, to bf16)")
 
 
 def format_row(row: dict) -> str:
     """One line of the table under HEADER; '-' for a time not taken, 'n/a' for FlashMLA's
-    columns when it did not run."""
+    columns when it did not run, 'skip' on an fp8 row (FlashMLA reads bf16 only)."""
     def num(key, width, fmt=".1f", missing="-"):
         value = row.get(key)
         return f"{value:>{width}{fmt}}" if value is not None else f"{missing:>{width}}"
 
     ours = row.get("time_us")
-    flashmla_missing = "n/a" if row.get("flashmla_us") is None and "flashmla_error" not in row else "error"
+    if "flashmla_skipped" in row:
+        flashmla_missing = ratio_missing = "skip"
+    else:
+        ratio_missing = "n/a"
+        flashmla_missing = "n/a" if row.get("flashmla_us") is None and "flashmla_error" not in row else "error"
+    if "max_rel_err_vs_torch" in row:
+        err = f"{row['max_rel_err_vs_torch']:.1e}"
+    elif "max_abs_diff" in row:
+        err = f"{row['max_abs_diff']:.1e} ref" + (f", {row['max_abs_err_vs_bf16_cache']:.1e} bf16"
+                                                 if row.get("max_abs_err_vs_bf16_cache") is not None else "")
+    else:
+        err = row.get("error") or row.get("check_error") or "-"
     cells = [
-        f"{row['b']:>4} {row['t']:>7} {row['h']:>4} {row.get('s_q', 1):>3} {row['floor_us']:>9.1f} {row['bound']:>7}",
+        f"{row['b']:>4} {row['t']:>7} {row['h']:>4} {row.get('s_q', 1):>3} {_layout(row):>10} "
+        f"{row['floor_us']:>9.1f} {row['bound']:>7}",
         num("time_us", 8, missing="error"),
         f"{ours / row['floor_us']:>7.2f}" if ours else f"{'':>7}",
+        num("over_bf16", 6, ".2f"),
         num("steady_us", 7), num("eager_us", 8), num("torch_us", 9),
-        num("flashmla_us", 8, missing=flashmla_missing), num("flashmla_over_mla", 6, ".2f", missing="n/a"),
-        num("flashmla_max_abs_diff", 8, ".1e", missing="n/a"),
+        num("flashmla_us", 8, missing=flashmla_missing), num("flashmla_over_mla", 6, ".2f", missing=ratio_missing),
+        num("flashmla_max_abs_diff", 8, ".1e", missing=ratio_missing),
         f"{row.get('config', {}).get('num_kv_splits', ''):>6} {row.get('config', {}).get('kernel', ''):>9}",
-        f"{row['max_rel_err_vs_torch']:.1e}" if "max_rel_err_vs_torch" in row else row.get("error", "-"),
+        err,
     ]
     return " ".join(cells)
 
 
+# the plot's bar series: (layout, time field, label); a series' colour is its place here
+SERIES = [("auto", "time_us", "mla_decode, bf16"), ("auto", "flashmla_us", "FlashMLA, bf16"),
+          ("fp8_e4m3", "time_us", "mla_decode, fp8_e4m3"), ("fp8_ds_mla", "time_us", "mla_decode, fp8_ds_mla")]
+
+
 def plot(result: dict):
-    """A matplotlib Figure: for each head count, mla_decode's and FlashMLA's time over the floor at
-    each (b, t, s_q), the floor at 1; FlashMLA's bars absent where it did not run."""
+    """A matplotlib Figure: for each head count, the time of mla_decode on each cache layout and
+    of FlashMLA over the bf16 floor at each (b, t, s_q), that floor at 1 and each fp8 layout's
+    floor as a tick over its bars; a series absent where it did not run."""
     from matplotlib.figure import Figure
 
-    rows = [r for r in result["rows"] if r.get("time_us")]
+    rows = [r for r in result["rows"] + result.get("fp8_rows", []) if r.get("time_us")]
     heads = sorted({r["h"] for r in rows})
+
+    def bf16_floor(r):
+        if _layout(r) == "auto":
+            return r["floor_us"]
+        return floor_us(r["b"], r["t"], r["h"], result["copy_GBps"], result["matmul_TFLOPs"], s_q=r.get("s_q", 1))[0]
+
     fig = Figure(figsize=(8.0, 0.4 + 3.2 * max(1, len(heads))), layout="constrained")
     axes = fig.subplots(max(1, len(heads)), 1, squeeze=False)[:, 0]
     for ax, h in zip(axes, heads):
-        sel = sorted((r for r in rows if r["h"] == h), key=lambda r: (r.get("s_q", 1), r["b"] * r["t"], r["b"]))
-        xs = range(len(sel))
-        ax.bar([x - 0.2 for x in xs], [r["time_us"] / r["floor_us"] for r in sel], 0.4, color="C0", label="mla_decode")
-        theirs = [(x, r["flashmla_us"] / r["floor_us"]) for x, r in zip(xs, sel) if r.get("flashmla_us")]
-        if theirs:
-            ax.bar([x + 0.2 for x, _ in theirs], [v for _, v in theirs], 0.4, color="C1", label="FlashMLA")
-        ax.axhline(1.0, color="black", linewidth=0.8, label="floor")
-        ax.set_xticks(list(xs), [f"b {r['b']}\nt {r['t'] // 1024}k" + (f"\ns_q {r['s_q']}" if r.get("s_q", 1) > 1 else "")
-                                 for r in sel], fontsize=7)
-        ax.set_ylabel("time / floor")
-        ax.set_title(f"{h} heads" + ("" if theirs else " (FlashMLA not run)"))
+        by = {(_layout(r), r.get("s_q", 1), r["b"], r["t"]): r for r in rows if r["h"] == h}
+        shapes = sorted({key[1:] for key in by}, key=lambda k: (k[0], k[1] * k[2], k[1]))  # (s_q, b, t)
+        drawn = [(k, kind, field, label) for k, (kind, field, label) in enumerate(SERIES)
+                 if any(by.get((kind, *shape), {}).get(field) for shape in shapes)]
+        width = 0.8 / max(1, len(drawn))
+        for i, (k, kind, field, label) in enumerate(drawn):
+            timed = [(x + (i - (len(drawn) - 1) / 2) * width, by[(kind, *shape)]) for x, shape in enumerate(shapes)
+                     if by.get((kind, *shape), {}).get(field)]
+            xs = [x for x, _ in timed]
+            ax.bar(xs, [r[field] / bf16_floor(r) for _, r in timed], width, color=f"C{k}", label=label)
+            if kind != "auto":
+                ax.plot(xs, [r["floor_us"] / bf16_floor(r) for _, r in timed], linestyle="none", marker="_",
+                        markersize=40 * width, markeredgewidth=1.5, color="black")
+        ax.axhline(1.0, color="black", linewidth=0.8, label="floor (bf16; ticks: fp8's)" if len(drawn) > 2 else "floor")
+        ax.set_xticks(range(len(shapes)), [f"b {b}\nt {t // 1024}k" + (f"\ns_q {s_q}" if s_q > 1 else "")
+                                           for s_q, b, t in shapes], fontsize=7)
+        ax.set_ylabel("time / bf16 floor")
+        flashmla_ran = any(field == "flashmla_us" for _, _, field, _ in drawn)
+        ax.set_title(f"{h} heads" + ("" if flashmla_ran else " (FlashMLA not run)"))
         ax.set_ylim(bottom=0)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7)
@@ -331,32 +501,66 @@ def write_results(out_dir, result: dict) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def bench_shape(b, t, h, s_q, ceilings, num_sms, flashmla_ok) -> dict:
-    """One row: every contender on the same inputs."""
-    from benchmarks.timing import bench_us, graphed, rotating, steady_us
+def decode_call(q, block_table, seq_lens, kernel, splits, kv_cache_dtype="auto", kv_scale=None):
+    """fn(kv_cache) -> (out, lse): mla_decode on these inputs with its stage-1 kernel and split
+    count fixed, as a captured call needs."""
     from mla.kernels.decode import mla_decode
 
+    def call(cache):
+        return mla_decode(q, cache, block_table, seq_lens, kv_lora_rank=C, softmax_scale=SCALE, num_kv_splits=splits,
+                          kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale, _backend=kernel)
+
+    return call
+
+
+def reference_out(q, kv_cache, block_table, seq_lens, **layout) -> torch.Tensor:
+    """mla_decode_reference's out (softmax in float64) as float32; ``layout``: kv_cache_dtype and
+    kv_scale of an fp8 cache."""
+    from mla.kernels.decode import mla_decode_reference
+
+    return mla_decode_reference(q, kv_cache, block_table, seq_lens, kv_lora_rank=C, softmax_scale=SCALE,
+                                **layout)[0].float()
+
+
+def bench_shape(b, t, h, s_q, ceilings, num_sms, flashmla_ok, kv_cache_dtypes=("auto",), device="cuda") -> list[dict]:
+    """One row a cache layout of ``kv_cache_dtypes``, all on the same q, block table and latents;
+    fp8 rows paired with the auto row (``pair_with_bf16``)."""
     copies = cache_copies(b, t)
-    q, caches, block_table, seq_lens = make_inputs(b, t, h, s_q=s_q, copies=copies)
+    q, caches, block_table, seq_lens = make_inputs(b, t, h, s_q=s_q, copies=copies, device=device)
+    exact = functools.cache(lambda: reference_out(q, caches[0], block_table, seq_lens))  # shared by the fp8 rows
+    rows = []
+    for kind in kv_cache_dtypes:
+        if kind == "auto":
+            rows.append(bf16_row(b, t, h, s_q, q, caches, block_table, seq_lens, ceilings, num_sms, flashmla_ok))
+        else:
+            rows.append(fp8_row(kind, b, t, h, s_q, q, caches, block_table, seq_lens, ceilings, num_sms, exact))
+        torch.cuda.empty_cache()
+    del q, caches, block_table, seq_lens, exact
+    torch.cuda.empty_cache()
+    return pair_with_bf16(rows)
+
+
+def bf16_row(b, t, h, s_q, q, caches, block_table, seq_lens, ceilings, num_sms, flashmla_ok) -> dict:
+    """The bf16 cache's row: mla_decode (and the Triton kernel where it picks a CUDA one), plain
+    torch and FlashMLA."""
+    from benchmarks.timing import bench_us, graphed, rotating, steady_us
+
     fl, bound = floor_us(b, t, h, *ceilings, s_q=s_q)
-    row = dict(b=b, t=t, h=h, s_q=s_q, page=PAGE, copies=copies, floor_us=fl, bound=bound, time_us=None,
-               flashmla_us=None, flashmla_max_abs_diff=None)
+    row = dict(b=b, t=t, h=h, s_q=s_q, kv_cache_dtype="auto", bytes_per_token=bytes_per_token("auto"), page=PAGE,
+               copies=len(caches), floor_us=fl, bound=bound, time_us=None, flashmla_us=None,
+               flashmla_max_abs_diff=None)
     ours_out = None
     try:  # a call that fails here is a result too: record it, time the rest
         kernel, config, splits = kernel_and_splits(q, caches[0], block_table, seq_lens, C, t, num_sms)
         row["config"] = dict(config, num_kv_splits=splits)
-
-        def ours(cache, backend=kernel, splits=splits):
-            return mla_decode(q, cache, block_table, seq_lens, kv_lora_rank=C, softmax_scale=SCALE,
-                              num_kv_splits=splits, _backend=backend)
-
+        ours = decode_call(q, block_table, seq_lens, kernel, splits)
         row["eager_us"] = bench_us(rotating(ours, caches))
         row["time_us"] = bench_us(graphed(ours, caches))
         row["dirty_l2_time_us"] = bench_us(graphed(ours, caches), l2="dirty")
         row["steady_us"] = steady_us(ours, caches)
         if kernel != "triton":  # the Triton kernel beside it, as it would run here
             tsplits = triton_splits(q, t, num_sms)
-            row["triton_time_us"] = bench_us(graphed(lambda cache: ours(cache, "triton", tsplits), caches))
+            row["triton_time_us"] = bench_us(graphed(decode_call(q, block_table, seq_lens, "triton", tsplits), caches))
             row["triton_num_kv_splits"] = tsplits
         ours_out = ours(caches[0])[0].float()
     except Exception as e:  # noqa: BLE001
@@ -379,8 +583,40 @@ def bench_shape(b, t, h, s_q, ceilings, num_sms, flashmla_ok) -> dict:
                 row["flashmla_max_abs_diff"] = (ours_out - their_out).abs().max().item()
         except Exception as e:  # noqa: BLE001
             row["flashmla_error"] = f"{type(e).__name__}: {e}"[:300]
-    del q, caches, block_table, seq_lens, ours_out
-    torch.cuda.empty_cache()
+    return add_ratios(row)
+
+
+def fp8_row(kind, b, t, h, s_q, q, caches, block_table, seq_lens, ceilings, num_sms, exact) -> dict:
+    """An fp8 layout's row: its caches written from the bf16 ``caches``, mla_decode timed on them
+    as on the bf16 ones, its out checked against the reference on the same fp8 cache and against
+    ``exact()``, the reference's out on the bf16 rows."""
+    from benchmarks.timing import bench_us, graphed, steady_us
+
+    fl, bound = floor_us(b, t, h, *ceilings, s_q=s_q, kv_cache_dtype=kind)
+    row = dict(b=b, t=t, h=h, s_q=s_q, kv_cache_dtype=kind, bytes_per_token=bytes_per_token(kind), page=PAGE,
+               copies=cache_copies(b, t, kind), floor_us=fl, bound=bound, time_us=None, flashmla_us=None,
+               flashmla_max_abs_diff=None, flashmla_skipped=FLASHMLA_SKIPPED)
+    try:  # a layout that fails here is a result too: record it, run the next
+        fp8_caches, scale = write_fp8_caches(kind, caches, row["copies"])
+        if scale is not None:
+            row["kv_scale"] = scale.item()
+        kernel, config, splits = kernel_and_splits(q, fp8_caches[0], block_table, seq_lens, C, t, num_sms)
+        row["config"] = dict(config, num_kv_splits=splits)
+        ours = decode_call(q, block_table, seq_lens, kernel, splits, kv_cache_dtype=kind, kv_scale=scale)
+        row["time_us"] = bench_us(graphed(ours, fp8_caches))
+        row["steady_us"] = steady_us(ours, fp8_caches)
+    except Exception as e:  # noqa: BLE001
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+        return add_ratios(row)
+    try:
+        out = ours(fp8_caches[0])[0].float()
+        want = reference_out(q, fp8_caches[0], block_table, seq_lens, kv_cache_dtype=kind, kv_scale=scale)
+        row["max_abs_diff"] = (out - want).abs().max().item()
+        row["max_rel_err_vs_reference"] = row["max_abs_diff"] / want.abs().max().item()
+        del want
+        row["max_abs_err_vs_bf16_cache"] = (out - exact()).abs().max().item()
+    except Exception as e:  # noqa: BLE001
+        row["check_error"] = f"{type(e).__name__}: {e}"[:300]
     return add_ratios(row)
 
 
@@ -397,19 +633,25 @@ def run(args) -> dict:
     print(f"ceilings: copy {ceilings[0]:.0f} GB/s (read + write), bf16 matmul {ceilings[1]:.0f} TFLOP/s, "
           f"{num_sms} SMs; a graph of one 1-element kernel times {overhead:.1f} us")
     print(f"FlashMLA: {flashmla}" + ("" if flashmla_ok else "; its columns are n/a"))
+    print(f"cache layouts: {', '.join(args.kv_cache_dtypes)}")
     print(HEADER)
     rows = []
     for s_q in args.s_q:
         for b, t, h in args.shapes:
-            rows.append(bench_shape(b, t, h, s_q, ceilings, num_sms, flashmla_ok))
-            print(format_row(rows[-1]), flush=True)
-    return dict(
+            for row in bench_shape(b, t, h, s_q, ceilings, num_sms, flashmla_ok, args.kv_cache_dtypes):
+                rows.append(row)
+                print(format_row(row), flush=True)
+    if args.kv_cache_dtypes != ["auto"]:
+        print("\n".join(format_targets(target_checks(rows))))
+    return assemble(
+        rows,
         copy_GBps=ceilings[0], matmul_TFLOPs=ceilings[1], graph_overhead_us=overhead,
         l2_clear="clean: a 256 MiB buffer read (a float32 sum) before each timed call (dirty_l2_time_us: zeroed, "
                  "do_bench's way)",
         flashmla=flashmla if flashmla_ok else None, flashmla_status=flashmla,
         device=torch.cuda.get_device_name(0), num_sms=num_sms, torch=torch.__version__,
-        triton=triton.__version__, python=platform.python_version(), wall_s=time.time() - t0, rows=rows,
+        triton=triton.__version__, python=platform.python_version(), kv_cache_dtypes=args.kv_cache_dtypes,
+        wall_s=time.time() - t0,
     )
 
 

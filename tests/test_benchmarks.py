@@ -104,11 +104,23 @@ def test_decode_arguments_default_to_the_issue_table():
     (["--shapes", "0x4096x16"], "a shape is BxTxH"),
     (["--s-q", "9"], "--s-q takes query lengths from 1 to 8"),
     (["--s-q", "1,x"], "--s-q takes query lengths from 1 to 8"),
+    (["--kv-cache-dtype", "fp16"], "--kv-cache-dtype takes auto, fp8_e4m3, fp8_ds_mla"),
+    (["--kv-cache-dtype", "auto,"], "--kv-cache-dtype takes auto, fp8_e4m3, fp8_ds_mla"),
+    (["--kv-cache-dtype", "auto fp8_e4m3"], "--kv-cache-dtype takes auto, fp8_e4m3, fp8_ds_mla"),
 ])
 def test_decode_arguments_refuse_bad_values(argv, message, capsys):
     with pytest.raises(SystemExit):
         bd.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_kv_cache_dtype_argument_lists_each_layout_once_in_order():
+    # the default run times the bf16 cache only, as before the fp8 layouts; "fp8" is mla_decode's
+    # alias of fp8_e4m3
+    assert bd.parse_args([]).kv_cache_dtypes == ["auto"]
+    args = bd.parse_args(["--kv-cache-dtype", "fp8_ds_mla, auto,fp8,fp8_e4m3"])
+    assert args.kv_cache_dtypes == ["auto", "fp8_e4m3", "fp8_ds_mla"]
+    assert bd.parse_args(["--kv-cache-dtype", "fp8_ds_mla"]).kv_cache_dtypes == ["fp8_ds_mla"]
 
 
 def test_decode_arguments_are_checked(capsys):
@@ -155,6 +167,88 @@ def test_floor_grows_with_the_query_tokens():
     one, bound = bd.floor_us(4, 4096, 16, 4000.0, 1e9)
     two, _ = bd.floor_us(4, 4096, 16, 4000.0, 1e9, s_q=2)
     assert bound == "memory" and one < two < 1.01 * one
+
+
+def test_floor_reads_each_layouts_bytes():
+    assert [bd.bytes_per_token(k) for k in bd.KV_CACHE_DTYPES] == [1152, 576, 656]
+    b, t, h = 64, 4096, 16
+    q_and_out = 2 * (b * h * bd.D + b * h * bd.C)  # bf16, whatever the cache
+    # memory bound (a huge matmul rate): the floor is the bytes over the copy bandwidth
+    for kind, per_token in [("auto", 1152), ("fp8_e4m3", 576), ("fp8", 576), ("fp8_ds_mla", 656)]:
+        floor, bound = bd.floor_us(b, t, h, 4000.0, 1e9, kv_cache_dtype=kind)
+        assert bound == "memory" and floor == pytest.approx((b * t * per_token + q_and_out) / 4000e3)
+    # compute bound (a huge copy bandwidth): the fp8 caches are computed on in bf16, same FLOPs
+    floors = {bd.floor_us(b, t, 128, 1e12, 700.0, kv_cache_dtype=k) for k in bd.KV_CACHE_DTYPES}
+    assert len(floors) == 1 and floors.pop()[1] == "compute"
+
+
+# ---- bench_decode.py: the fp8 caches and a shape's rows, on the CPU --------------------------------
+
+
+@pytest.fixture
+def torch_writer(monkeypatch):
+    """concat_and_cache on its torch reference: the CPU needs no build of the C++ twin for these
+    tests (tests/test_kernels_concat_cache.py holds the twin and the CUDA kernel to it bit for bit)."""
+    from mla.kernels import concat_cache
+
+    monkeypatch.setattr(concat_cache, "extension_available", lambda device: False)
+    monkeypatch.setattr(concat_cache, "_warned_fallback", True)
+
+
+def test_fp8_caches_hold_the_bf16_rows_in_the_same_slots(torch_writer):
+    # copy i of an fp8 layout is written from bf16 copy i % copies, so one block table reads the
+    # same latents from every layout; fp8_e4m3's one scale maps the largest |value| of all to 448
+    from mla.kernels import fp8
+
+    _, caches, table, lens = bd.make_inputs(2, 100, 1, copies=2, device="cpu")
+    rows = [cache.view(-1, bd.D).float() for cache in caches]
+    for kind in ("fp8_e4m3", "fp8_ds_mla"):
+        written, scale = bd.write_fp8_caches(kind, caches, 3)
+        assert len(written) == 3 and written[0].shape == (*caches[0].shape[:2], bd.bytes_per_token(kind))
+        assert torch.equal(written[2].view(torch.uint8), written[0].view(torch.uint8))
+        for cache, want in zip(written, rows + rows[:1]):
+            got = fp8.dequantize_rows(cache.view(-1, cache.shape[-1]), kind, bd.C, bd.R, scale)  # (T, c + r)
+            amax = want[:, :bd.C].abs().amax() if kind == "fp8_e4m3" else want[:, :bd.C].abs().amax(-1, keepdim=True)
+            assert ((got - want)[:, :bd.C].abs() <= amax / 17 * (1 + 2**-18)).all()  # half an e4m3 step
+        if kind == "fp8_e4m3":
+            assert scale.shape == (1,) and scale.dtype == torch.float32
+            assert scale.item() == pytest.approx(max(r.abs().max().item() for r in rows) / 448, rel=1e-6)
+        else:
+            assert scale is None
+
+
+def test_a_shape_gives_a_row_a_layout_on_one_set_of_inputs(monkeypatch, torch_writer):
+    # bench_shape end to end on the CPU (Triton's interpreter), the GPU's timers replaced by a
+    # call of the timed function and a fixed time: every layout runs mla_decode with its own
+    # cache and arguments, checks it against the references and is paired with the bf16 row
+    calls = []
+
+    def fake_bench_us(fn, **kwargs):
+        fn()
+        return 10.0 + len(calls)
+
+    def fake_graphed(fn, inputs):
+        calls.append(len(inputs))
+        return timing.rotating(fn, inputs)
+
+    monkeypatch.setattr(timing, "bench_us", fake_bench_us)
+    monkeypatch.setattr(timing, "graphed", fake_graphed)
+    monkeypatch.setattr(timing, "steady_us", lambda fn, inputs, **kwargs: (fn(inputs[0]), 5.0)[1])
+    monkeypatch.setattr(timing, "rotation_copies", lambda nbytes, most=8: 2 if nbytes > 100_000 else 3)
+    rows = bd.bench_shape(2, 64, 16, 1, (4242.0, 690.0), 132, False, bd.KV_CACHE_DTYPES, device="cpu")
+    assert [r["kv_cache_dtype"] for r in rows] == list(bd.KV_CACHE_DTYPES)
+    bf16, e4m3, ds_mla = rows
+    assert "error" not in bf16 and bf16["max_rel_err_vs_torch"] < 2e-2  # both out in bf16
+    assert [r["copies"] for r in rows] == [2, 3, 3] and calls == [2, 2, 3, 3]  # bf16 twice: clean, dirty L2
+    for row in (e4m3, ds_mla):
+        assert not {"error", "check_error"} & set(row), row
+        assert row["config"]["kernel"] == "triton" and row["flashmla_skipped"] == bd.FLASHMLA_SKIPPED
+        assert row["time_us"] == 10.0 + calls.index(3) + (row is ds_mla) + 1 and row["steady_us"] == 5.0
+        assert row["over_bf16"] == pytest.approx(row["time_us"] / bf16["time_us"])
+        assert row["floor_us"] < bf16["floor_us"] and row["bytes_per_token"] < 1152
+        assert row["max_rel_err_vs_reference"] <= 2**-8  # the same dequantised values; out rounded to bf16
+        assert 1e-3 < row["max_abs_err_vs_bf16_cache"] < 0.5  # what e4m3 costs: visible, bounded
+    assert e4m3["kv_scale"] > 0 and "kv_scale" not in ds_mla
 
 
 # ---- bench_decode.py: table, JSON and plot from fake timings ----------------------------------------
@@ -206,11 +300,182 @@ def test_results_are_written_with_null_flashmla_columns_when_it_is_missing(tmp_p
     assert (tmp_path / "h200-decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _fp8_row(b, t, h, kind, time_us, s_q=1):
+    floor, bound = bd.floor_us(b, t, h, 4242.0, 690.0, s_q=s_q, kv_cache_dtype=kind)
+    row = dict(b=b, t=t, h=h, s_q=s_q, kv_cache_dtype=kind, bytes_per_token=bd.bytes_per_token(kind), page=bd.PAGE,
+               copies=2, floor_us=floor, bound=bound, time_us=time_us, flashmla_us=None, flashmla_max_abs_diff=None,
+               flashmla_skipped=bd.FLASHMLA_SKIPPED, config=dict(kernel="triton", num_kv_splits=8))
+    if time_us is None:
+        row["error"] = "CompilationError: out of resources"
+    else:
+        row.update(max_abs_diff=2e-3, max_rel_err_vs_reference=1e-3, max_abs_err_vs_bf16_cache=3e-2)
+    return bd.add_ratios(row)
+
+
+def _fake_mixed_rows() -> list[dict]:
+    # bf16 rows of _fake_result at (1, 32768), (4, 131072), (64, 4096), 16 heads, and a failed one;
+    # the first has the Triton kernel's time beside the CUDA one, the third ran on Triton
+    rows = _fake_result(flashmla=True)["rows"]
+    rows[0]["triton_time_us"] = 30.0
+    rows[2]["config"] = dict(kernel="triton", num_kv_splits=4)
+    rows[2]["kv_cache_dtype"] = "auto"  # the key, as bench_decode writes it, or absent, as in earlier runs
+    for b, t, h, (e4m3, ds_mla) in [(1, 32768, 16, (20.0, 25.0)), (4, 131072, 16, (100.0, 96.6)),
+                                    (64, 4096, 16, (50.0, 51.84))]:
+        rows += [_fp8_row(b, t, h, "fp8_e4m3", e4m3), _fp8_row(b, t, h, "fp8_ds_mla", ds_mla)]
+    rows.append(_fp8_row(1, 64, 128, "fp8_ds_mla", None))  # failed, as its bf16 row
+    return bd.pair_with_bf16(rows)
+
+
+def test_fp8_rows_are_paired_with_the_bf16_row_of_their_shape():
+    rows = _fake_mixed_rows()
+    by = {(r["b"], r.get("kv_cache_dtype", "auto")): r for r in rows if r["h"] == 16}
+    assert by[(1, "fp8_ds_mla")]["over_bf16"] == pytest.approx(25.0 / 22.9)
+    assert by[(1, "fp8_ds_mla")]["over_bf16_triton"] == pytest.approx(25.0 / 30.0)  # its triton_time_us
+    assert by[(4, "fp8_e4m3")]["over_bf16"] == pytest.approx(100.0 / 161.0)
+    assert by[(4, "fp8_e4m3")]["over_bf16_triton"] is None  # a CUDA kernel ran, no Triton time beside it
+    assert by[(64, "fp8_ds_mla")]["over_bf16_triton"] == pytest.approx(51.84 / 86.4)  # Triton was the pick
+    assert by[(1, "fp8_ds_mla")]["share_of_floor"] == pytest.approx(by[(1, "fp8_ds_mla")]["floor_us"] / 25.0)
+    failed = [r for r in rows if r["h"] == 128 and r.get("kv_cache_dtype") == "fp8_ds_mla"][0]
+    assert failed["over_bf16"] is None and failed["over_bf16_triton"] is None
+    assert all("over_bf16" not in r for r in rows if r.get("kv_cache_dtype", "auto") == "auto")
+    # an fp8 row of another query length is not paired with the one-token bf16 row
+    other = bd.pair_with_bf16(_fake_result(True)["rows"][:1] + [_fp8_row(1, 32768, 16, "fp8_ds_mla", 30.0, s_q=2)])
+    assert other[-1]["over_bf16"] is None
+
+
+def test_targets_hold_fp8_ds_mla_at_16_heads_from_b_64_and_at_128_heads():
+    bf16 = [dict(b=b, t=4096, h=h, s_q=s_q, kv_cache_dtype="auto", time_us=100.0)
+            for b, h, s_q in [(1, 16, 1), (64, 16, 1), (128, 16, 1), (1, 128, 1), (64, 128, 1), (64, 16, 2)]]
+    fp8 = [dict(b=b, t=4096, h=h, s_q=s_q, kv_cache_dtype=kind, time_us=us) for b, h, s_q, kind, us in [
+        (1, 16, 1, "fp8_ds_mla", 90.0),     # b < 64 at 16 heads: no target
+        (64, 16, 1, "fp8_ds_mla", 65.0),    # 0.65: met, at the limit
+        (128, 16, 1, "fp8_ds_mla", 70.0),   # 0.70: missed
+        (64, 16, 1, "fp8_e4m3", 50.0),      # the targets are fp8_ds_mla's
+        (1, 128, 1, "fp8_ds_mla", 114.0),   # met
+        (64, 128, 1, "fp8_ds_mla", 120.0),  # missed
+        (64, 16, 2, "fp8_ds_mla", 90.0),    # two query tokens: no target
+        (256, 16, 1, "fp8_ds_mla", 50.0),   # no bf16 row: no ratio
+    ]]
+    checks = bd.target_checks(bd.pair_with_bf16(bf16 + fp8))
+    assert [(c["b"], c["h"], c["most"], c["met"]) for c in checks] == [
+        (64, 16, 0.65, True), (128, 16, 0.65, False), (1, 128, 1.15, True), (64, 128, 1.15, False),
+        (256, 16, 0.65, None)]
+    lines = bd.format_targets(checks)
+    assert "information, not a check" in lines[0] and "16 heads b >= 64: <= 0.65x" in lines[0]
+    assert lines[1].endswith("0.65x against <= 0.65x  met") and lines[2].endswith("0.70x against <= 0.65x  missed")
+    assert lines[5].endswith("n/a against <= 0.65x  (a time is missing)") and lines[-1] == "  2 of 5 met"
+    assert "none applies" in bd.format_targets(bd.target_checks(bf16))[1]
+
+
+def test_table_shows_each_layout_and_its_time_over_bf16():
+    rows = _fake_mixed_rows()
+    lines = [bd.format_row(r) for r in rows]
+    ds_mla = lines[rows.index(next(r for r in rows if r.get("kv_cache_dtype") == "fp8_ds_mla"))]
+    assert " fp8_ds_mla " in ds_mla and f" {25.0 / 22.9:.2f} " in ds_mla
+    assert ds_mla.count("skip") == 3  # FlashMLA's three columns: it reads bf16 only
+    assert ds_mla.endswith("2.0e-03 ref, 3.0e-02 bf16")
+    assert " auto " in lines[0] and "skip" not in lines[0]
+    failed = next(line for line, r in zip(lines, rows) if r["h"] == 128 and r.get("kv_cache_dtype") == "fp8_ds_mla")
+    assert " error " in failed and failed.endswith("CompilationError: out of resources")
+    # the cells line up under the header: the kernel column ends where its heading does
+    kernel_end = len(bd.HEADER.split("  err")[0])
+    assert all(line[kernel_end - 9:kernel_end].strip() in ("cuda-sm80", "triton", "") and line[kernel_end] == " "
+               for line in lines)
+
+
+def test_results_keep_one_bf16_row_a_shape_and_the_fp8_rows_apart(tmp_path, monkeypatch):
+    # docs/hooks.py and tutorial 04 read `rows` as one row a (b, t, h, s_q); the fp8 rows go to
+    # `fp8_rows`, so every reader of earlier runs still finds exactly one row a shape
+    rows = _fake_mixed_rows()
+    result = bd.assemble(rows, device="NVIDIA H200", copy_GBps=4242.0, matmul_TFLOPs=690.0, flashmla="1.0")
+    paths = bd.write_results(tmp_path, result)
+    data = json.loads((tmp_path / "h200-decode.json").read_text())
+    assert len(data["rows"]) == 4 and all(r.get("kv_cache_dtype", "auto") == "auto" for r in data["rows"])
+    assert len(data["fp8_rows"]) == 7 and {r["kv_cache_dtype"] for r in data["fp8_rows"]} == {"fp8_e4m3", "fp8_ds_mla"}
+    assert data["rows"][0]["flashmla_over_mla"] == pytest.approx(55.1 / 22.9)  # the fields of before, kept
+    assert [(c["b"], c["h"], c["met"]) for c in data["targets"]] == [(64, 16, True), (1, 128, None)]  # 51.84 / 86.4
+    hooks = _load_hooks()
+    monkeypatch.setattr(hooks, "RESULTS", tmp_path)
+    assert hooks.row("h200-decode.json", b=1, h=16)["time_us"] == 22.9
+    assert hooks.row("h200-decode.json", key="fp8_rows", b=1, h=16, kv_cache_dtype="fp8_ds_mla")["time_us"] == 25.0
+    assert len(hooks.flashmla_table().splitlines()) == 2 + 3  # header, rule, the three one-token bf16 rows
+    assert [len(ax.patches) for ax in hooks._plot_decode(data).axes] == [3, 3]
+    assert paths[-1].endswith("h200-decode.png")
+
+
+def test_plot_draws_each_layout_over_the_bf16_floor():
+    rows = _fake_mixed_rows()
+    result = bd.assemble(rows, device="NVIDIA H200", copy_GBps=4242.0, matmul_TFLOPs=690.0)
+    (ax,) = bd.plot(result).axes  # 16 heads only: the 128-head rows did not run
+    bars = {c.get_label(): [p.get_height() for p in c.patches] for c in ax.containers}
+    assert list(bars) == [label for _, _, label in bd.SERIES]
+    bf16 = sorted((r for r in rows if r["h"] == 16 and r.get("kv_cache_dtype", "auto") == "auto"),
+                  key=lambda r: r["b"] * r["t"])  # in the plot's order: by the cache's tokens
+    for kind, (_, _, label) in zip(["fp8_e4m3", "fp8_ds_mla"], bd.SERIES[2:]):
+        fp8 = [next(r for r in rows if r.get("kv_cache_dtype") == kind and r["b"] == base["b"]) for base in bf16]
+        assert bars[label] == pytest.approx([r["time_us"] / base["floor_us"] for r, base in zip(fp8, bf16)])
+    assert bars["mla_decode, bf16"] == pytest.approx([r["time_us"] / r["floor_us"] for r in bf16])
+    # a run of the bf16 cache alone draws as before: mla_decode and FlashMLA
+    (ax,) = bd.plot(_fake_result(flashmla=True)).axes
+    assert [c.get_label() for c in ax.containers] == ["mla_decode, bf16", "FlashMLA, bf16"]
+
+
 def test_flashmla_is_reported_missing_here():
     ok, what = bd.flashmla_status()
     if ok:  # a machine with FlashMLA installed: nothing to say about its absence
         pytest.skip(f"flash_mla imports here ({what})")
     assert what.startswith("not importable (")
+
+
+# ---- bench_concat.py ---------------------------------------------------------------------------------
+
+
+def test_concat_counts_the_bytes_each_layout_writes():
+    from benchmarks import bench_concat as bc
+
+    read = (bc.C + bc.R) * 2 + 8  # the bf16 inputs and the int64 slot of a token
+    assert [bc.concat_bytes(1000, k) for k in bc.KV_CACHE_DTYPES] == [1000 * (read + w) for w in (1152, 576, 656)]
+    assert [bc.cache_layout(k) for k in bc.KV_CACHE_DTYPES] == [
+        (576, torch.bfloat16), (576, torch.float8_e4m3fn), (656, torch.uint8)]
+
+
+@pytest.mark.parametrize("kind", ["auto", "fp8", "fp8_ds_mla"])
+def test_concat_baseline_writes_what_the_reference_writes(kind):
+    # the GPU run holds its kernel to this baseline bit for bit, so the baseline must be the spec
+    from benchmarks import bench_concat as bc
+    from mla.kernels.concat_cache import concat_and_cache_reference
+
+    T, blocks = 100, 3
+    gen = torch.Generator().manual_seed(1)
+    proj = torch.randn(T, bc.C + bc.R, generator=gen).mul(3).to(torch.bfloat16)
+    kv_c, k_pe = proj[:, :bc.C], proj[:, bc.C:]
+    slots = torch.randperm(blocks * bc.BLOCK_SIZE, generator=gen)[:T]
+    scale = torch.tensor([bc.FP8_SCALE]) if kind == "fp8" else None
+    width, dtype = bc.cache_layout(kind)
+    got = torch.zeros(blocks, bc.BLOCK_SIZE, width).to(dtype)
+    want = got.clone()
+    bc.torch_write(kv_c, k_pe, got, slots, kind, scale)
+    concat_and_cache_reference(kv_c, k_pe, want, slots, kv_cache_dtype=kind, scale=scale)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert got.view(torch.uint8).any()
+
+
+def test_concat_table_and_targets_from_fake_rows():
+    from benchmarks import bench_concat as bc
+
+    rows = [dict(tokens=262144, kv_cache_dtype=kind, bytes=bc.concat_bytes(262144, kind), time_us=us,
+                 GBps=bc.concat_bytes(262144, kind) / (us * 1e3), api_us=us + 50, torch_us=10 * us,
+                 speedup_vs_torch=10.0, bytes_differing_from_torch=differ)
+            for kind, us, differ in [("auto", 160.0, 0), ("fp8", 250.0, 0), ("fp8_ds_mla", 140.0, 3)]]
+    for row in rows:
+        row["share_of_copy"] = row["GBps"] / 4200.0
+    lines = [bc.format_row(r) for r in rows]
+    assert " fp8_ds_mla " in lines[2] and lines[2].endswith("DIFFERS FROM TORCH in 3 bytes")
+    assert "DIFFERS" not in lines[0] and len(lines[0]) == len(bc.HEADER)
+    checks = bc.target_checks(rows)
+    assert [(c["kv_cache_dtype"], c["met"]) for c in checks] == [("fp8", False), ("fp8_ds_mla", True)]
+    text = bc.format_targets(checks)
+    assert text[1].endswith(f"{rows[1]['share_of_copy']:.2f}  missed") and text[-1] == "  1 of 2 met"
 
 
 # ---- bench_prefill.py --------------------------------------------------------------------------------
@@ -256,18 +521,24 @@ def test_prefill_table_and_rates_from_fake_timings():
     assert "4.00 (250)" in line and "2.00 (500)" in line and line.count("error") == 2 and line.endswith("2.00")
 
 
-def test_docs_read_the_prefill_results_bench_prefill_writes():
-    # the docs' hooks draw and describe benchmarks/results/h200-prefill.json: they must read the
-    # fields bench_prefill.py writes (a contender that failed has no time), and still the
-    # crossover runs of the two prefill paths committed before it
+def _load_hooks():
+    """docs/hooks.py, the mkdocs hooks that read the committed results, as a module."""
     import importlib.util
     from pathlib import Path
-
-    from benchmarks import bench_prefill as bp
 
     spec = importlib.util.spec_from_file_location("docs_hooks", Path(__file__).parents[1] / "docs" / "hooks.py")
     hooks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hooks)
+    return hooks
+
+
+def test_docs_read_the_prefill_results_bench_prefill_writes():
+    # the docs' hooks draw and describe benchmarks/results/h200-prefill.json: they must read the
+    # fields bench_prefill.py writes (a contender that failed has no time), and still the
+    # crossover runs of the two prefill paths committed before it
+    from benchmarks import bench_prefill as bp
+
+    hooks = _load_hooks()
     rows = [bp.add_rates(dict(b=1, s=4096, t=0, layer_ms=4.0, sdpa_cudnn_ms=2.0, sdpa_efficient_ms=5.0,
                               sdpa_flash_ms=3.0, flex_error="compile failed"), 10**12),
             bp.add_rates(dict(b=1, s=4096, t=32768, layer_ms=30.0, sdpa_cudnn_ms=20.0, sdpa_efficient_ms=40.0,
