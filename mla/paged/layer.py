@@ -54,7 +54,7 @@ from ..absorbed import PREFILL_MODES, attend_absorbed
 from ..base import MLAAttention
 from ..kernels import chunked_context_prefill, mla_decode
 from ..kernels.decode import MAX_QUERY_TOKENS
-from ..kernels.prefill import DEFAULT_WORKSPACE_TOKENS
+from ..kernels.prefill import DEFAULT_WORKSPACE_TOKENS, PREFILL_BACKENDS
 from ..naive import (attend_up_projected, causal_mask, latent, query_latent, query_nope,
                      query_rope)
 from ..rope import rope_cos_sin
@@ -239,6 +239,13 @@ class PagedMLA(MLAAttention):
             and merges cost little. vLLM sizes its workspace min(max(8 x max_model_len, 4 x
             max_num_seqs x block_size), 64k) tokens; a layer does not know the model length, so
             the default is fixed and the option lets a server size it.
+        prefill_backend: what runs the up-projected new tokens' causal attention over themselves
+            when no row of the call has cached context: "auto" (default: torch SDPA on a CUDA
+            device when every such row has the same length, else the Triton kernel; see
+            `mla.kernels.prefill.choose_prefill_backend`), "triton" (`mla_prefill`, the flash
+            kernel) or "sdpa" (`sdpa_prefill`: cuDNN attention on a GPU; ragged rows take one
+            call a row, their offsets read on the host, one sync). A call in which any row has
+            cached context runs on the Triton kernels, whose log-sum-exp the merge needs.
         num_kv_splits: passed to `mla.kernels.mla_decode`; None lets it choose from the batch,
             the longest row (known on the host, so no sync) and the SM count.
         shuffle: default seed of `new_cache`'s random page order (None: pages in order).
@@ -253,8 +260,9 @@ class PagedMLA(MLAAttention):
 
     def __init__(self, weights: MLAWeights, *, block_size: int = 64, num_blocks: int | None = None,
                  prefill: str = "auto", prefill_crossover: int | None = None,
-                 workspace_tokens: int | None = None, num_kv_splits: int | None = None,
-                 shuffle: int | None = None, process_group=None):
+                 workspace_tokens: int | None = None, prefill_backend: str = "auto",
+                 num_kv_splits: int | None = None, shuffle: int | None = None,
+                 process_group=None):
         super().__init__(weights, process_group=process_group)
         if weights.dtype not in CACHE_DTYPES:
             raise TypeError(
@@ -275,6 +283,9 @@ class PagedMLA(MLAAttention):
         workspace_tokens = positive_int(
             "workspace_tokens",
             DEFAULT_WORKSPACE_TOKENS if workspace_tokens is None else workspace_tokens)
+        if prefill_backend not in PREFILL_BACKENDS:
+            raise ValueError(f"prefill_backend must be one of {PREFILL_BACKENDS}, got "
+                             f"{prefill_backend!r}")
         check_num_kv_splits(num_kv_splits, allow_none=True)
         if shuffle is not None:
             shuffle = as_int("shuffle", shuffle)
@@ -283,6 +294,7 @@ class PagedMLA(MLAAttention):
         self.prefill = prefill
         self.prefill_crossover = prefill_crossover
         self.workspace_tokens = workspace_tokens
+        self.prefill_backend = prefill_backend
         self.num_kv_splits = num_kv_splits
         self.shuffle = shuffle
 
@@ -571,13 +583,15 @@ class PagedMLA(MLAAttention):
         `path` "absorbed" is MQA mode: `attend_decode` over the rows' pieces of up to 8 new
         tokens. "up-project" is MHA mode (eqs. 42, 44-46), by `chunked_context_prefill`:
             the new tokens over themselves, causal: keys and values up-projected from their
-                latent rows (read back from their slots), one mla_prefill;
+                latent rows (read back from their slots), one mla_prefill (or, where no row
+                has context, torch SDPA as `prefill_backend` chooses);
             the new tokens over their context, non-causal: the contexts gathered from their
                 pages and up-projected `workspace_tokens` tokens at a time, one mla_prefill a
                 chunk;
             the pieces merged by their log-sum-exps.
         No (query, key) score is stored. Reads nothing on the host: the longest lengths and
-        the context chunks come from the host plan. `attend_prefill_reference` computes the
+        the context chunks come from the host plan (except a forced "sdpa" on ragged rows,
+        which reads their offsets). `attend_prefill_reference` computes the
         same with every score materialised.
         """
         if path == "absorbed":
@@ -589,7 +603,8 @@ class PagedMLA(MLAAttention):
             rows.query_start_loc.to(torch.int32), kv_cache, rows.block_table,
             rows.context_lens.to(torch.int32), W_UK=w.W_UK, W_UV=w.W_UV,
             softmax_scale=self.softmax_scale, workspace_tokens=self.workspace_tokens,
-            max_seqlen_q=rows.max_new_len, context_lens_host=rows.context_lens_host)
+            max_seqlen_q=rows.max_new_len, context_lens_host=rows.context_lens_host,
+            backend=self.prefill_backend)
         return o                                                            # (T_p, h, v)
 
     # ---- the CUDA-graph decode entry -----------------------------------------------------------
@@ -685,7 +700,8 @@ class PagedMLA(MLAAttention):
         return (f"tier={self.tier!r}, config={self.config.name!r}, block_size={self.block_size}, "
                 f"num_blocks={self.num_blocks}, prefill={self.prefill!r}, "
                 f"prefill_crossover={self.prefill_crossover}, "
-                f"workspace_tokens={self.workspace_tokens}")
+                f"workspace_tokens={self.workspace_tokens}, "
+                f"prefill_backend={self.prefill_backend!r}")
 
 
 def attend_prefill_reference(layer: PagedMLA, path: str, q_nope: torch.Tensor,
