@@ -513,12 +513,71 @@ def test_prefill_flops_count_the_causal_pairs():
 def test_prefill_table_and_rates_from_fake_timings():
     from benchmarks import bench_prefill as bp
 
-    row = bp.add_rates(dict(b=1, s=4096, t=0, layer_ms=4.0, sdpa_cudnn_ms=2.0, sdpa_efficient_ms=5.0,
-                            sdpa_flash_error="RuntimeError: no kernel", flex_error="compile failed"), 10**12)
+    row = bp.add_rates(dict(b=1, s=4096, t=0, layer_ms=4.0, layer_attention_ms=2.5, sdpa_cudnn_ms=2.0,
+                            sdpa_efficient_ms=5.0, sdpa_flash_error="RuntimeError: no kernel",
+                            sdpa_layer_ms=5.0, flex_error="compile failed"), 10**12)
     assert row["layer_TFLOPs"] == pytest.approx(250.0) and row["sdpa_cudnn_TFLOPs"] == pytest.approx(500.0)
-    assert row["sdpa_flash_TFLOPs"] is None and row["layer_over_best_sdpa"] == pytest.approx(2.0)
+    assert row["sdpa_flash_TFLOPs"] is None and row["layer_triton_TFLOPs"] is None
+    # whole call over whole call; attention over the fastest SDPA attention; the mixed ratio
+    assert row["layer_over_sdpa_layer"] == pytest.approx(0.8)
+    assert row["layer_attention_over_best_sdpa"] == pytest.approx(1.25)
+    assert row["layer_over_best_sdpa"] == pytest.approx(2.0)
+    assert bp.best_sdpa(row) == ("cudnn", 2.0) and bp.best_sdpa(row, ("efficient", "flash")) == ("efficient", 5.0)
     line = bp.format_row(row)
-    assert "4.00 (250)" in line and "2.00 (500)" in line and line.count("error") == 2 and line.endswith("2.00")
+    assert "4.00 (250)" in line and "2.00 (500)" in line and line.count("error") == 2
+    assert line.split()[-2:] == ["0.80", "1.25"]
+    assert bp.format_row(dict(b=1, s=8, t=0)).split()[-2:] == ["-", "-"]
+
+
+def test_prefill_sdpa_layer_is_the_layer_with_sdpa_attention(monkeypatch):
+    """The sdpa_layer contender's attention (whole sequences up-projected, one SDPA call, the
+    bottom-right causal mask over a context) gives the naive tier's outputs: prompts, then an
+    extend over them. On the CPU torch chooses the SDPA backend (the GPU's are named)."""
+    import contextlib
+
+    from benchmarks import bench_prefill as bp
+
+    monkeypatch.setattr(bp, "_sdpa_kernel", lambda backend: contextlib.nullcontext())
+    weights = mla.MLAWeights(mla.MLAConfig.from_preset("tiny"), dtype=torch.float32, seed=2)
+    naive = mla.build(weights, "naive")
+    paged = mla.build(weights, "paged", block_size=4, shuffle=1, prefill="up-project")
+    paged.attend_prefill = bp.sdpa_attend_prefill(paged, "cudnn")
+    n_cache, p_cache = naive.new_cache(2, 40), paged.new_cache(2, 40)
+    gen = torch.Generator().manual_seed(0)
+    for s in (11, 6):
+        x = torch.randn(2, s, weights.config.hidden_size, generator=gen)
+        with torch.no_grad():
+            ref, out = naive(x, n_cache), paged(x, p_cache)
+        assert float((out - ref).norm() / ref.norm()) < 1e-5, s
+    with pytest.raises(ValueError, match="rows of one length"):
+        with torch.no_grad():
+            paged(torch.randn(2, 8, weights.config.hidden_size), p_cache, [8, 5])
+
+
+def test_prefill_host_diagnostics():
+    """What bench_prefill records beside the times, checked where it does not need a GPU."""
+    import subprocess
+    import sys
+
+    from benchmarks import bench_prefill as bp
+
+    if sys.platform.startswith("linux"):
+        before = bp.host_load()["descendants"]
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            assert bp.host_load()["descendants"] == before + 1
+        finally:
+            child.kill()
+            child.wait()
+    triton = pytest.importorskip("triton")
+    knobs = getattr(triton, "knobs", None)
+    previous = getattr(getattr(knobs, "runtime", None), "jit_cache_hook", None)
+    with bp.counting_triton_compiles() as compiles:
+        if compiles["n"] is not None:
+            assert knobs.runtime.jit_cache_hook is not previous
+            assert knobs.runtime.jit_cache_hook("key") is False and compiles["n"] == 1
+    if knobs is not None:
+        assert knobs.runtime.jit_cache_hook is previous
 
 
 def _load_hooks():

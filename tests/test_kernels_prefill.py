@@ -23,11 +23,15 @@ import torch.nn.functional as F
 
 import mla.kernels  # noqa: F401  (sets TRITON_INTERPRET before triton is imported on a CPU machine)
 from mla import MLAConfig, MLAWeights
+from mla.kernels import prefill as prefill_module
 from mla.kernels.prefill import (
+    PREFILL_BACKENDS,
+    choose_prefill_backend,
     chunked_context_prefill,
     merge_attention_states,
     mla_prefill,
     mla_prefill_reference,
+    sdpa_prefill,
 )
 from mla.naive import attend_up_projected
 
@@ -367,6 +371,173 @@ def test_chunked_context_with_host_context_lens():
             chunked_context_prefill(**case, max_seqlen_q=12, context_lens_host=bad)
 
 
+# ---- without cached context: torch SDPA or the kernel ----------------------------------------
+
+
+def count_sdpa_calls(monkeypatch):
+    """Record the (q, k, v) of each scaled_dot_product_attention call (the call still runs)."""
+    calls, real = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append((q, k, v, kwargs))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("lens, calls", [([1, 5, 70, 33, 2], 5), ([17, 17, 17], 1), ([64], 1), ([9, 0, 9], 2)])
+def test_sdpa_prefill_matches_the_reference_and_the_kernel(lens, calls, monkeypatch):
+    """Ragged rows (one call a row), equal rows (one batched call), a single row, an empty row."""
+    seen = count_sdpa_calls(monkeypatch)
+    args = make_varlen(lens, lens, h=3)
+    q_nope, q_pe, k_nope, k_pe, v, cu, _ = args
+    before = [t.clone() for t in args]
+    out = sdpa_prefill(q_nope, q_pe, k_nope, k_pe, v, cu, softmax_scale=0.3)
+    ref_out, _ = mla_prefill_reference(*args, softmax_scale=0.3, compute_dtype=torch.float64)
+    kernel_out, _ = mla_prefill(*args, softmax_scale=0.3)
+    assert out.shape == kernel_out.shape and out.dtype == torch.float32
+    assert rel_err(out, ref_out) < 1e-5 and rel_err(out, kernel_out) < 1e-5
+    assert len(seen) == calls
+    for t, t0 in zip(args, before):
+        assert torch.equal(t, t0)
+
+
+def test_sdpa_prefill_at_v3_head_dims_stores_no_score(monkeypatch):
+    """d + r = 192 against v = 128: padded to one width, torch's CPU flash kernel takes the call
+    (its math backend would store every score)."""
+    seen = count_sdpa_calls(monkeypatch)
+    args = make_varlen([40, 40], [40, 40], h=2, d=128, r=64, dv=128)
+    out = sdpa_prefill(*args[:6], softmax_scale=192**-0.5, max_seqlen_q=40)
+    ref_out, _ = mla_prefill_reference(*args, softmax_scale=192**-0.5, compute_dtype=torch.float64)
+    assert out.shape == (80, 2, 128) and rel_err(out, ref_out) < 1e-5
+    (q, k, v, kwargs), = seen
+    assert kwargs["is_causal"] and q.shape[0] == 2
+    if DEVICE == "cpu":
+        flash = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+        assert torch._fused_sdp_choice(q, k, v, is_causal=True) == flash
+
+
+def test_sdpa_prefill_bad_input_raises_naming_the_argument():
+    q_nope, q_pe, k_nope, k_pe, v, cu, _ = make_varlen([5, 5], [5, 5])
+    with pytest.raises(ValueError, match="sdpa_prefill: k_nope must have a row for each of the total_q = 10"):
+        sdpa_prefill(q_nope, q_pe, k_nope[:9], k_pe[:9], v[:9], cu, softmax_scale=0.3)
+    with pytest.raises(ValueError, match="sdpa_prefill: max_seqlen_q is 2 but a sequence has 5"):
+        sdpa_prefill(q_nope, q_pe, k_nope, k_pe, v, cu, softmax_scale=0.3, max_seqlen_q=2)
+
+
+def test_choose_prefill_backend_rule():
+    """"auto": SDPA on a CUDA device when the rows have equal lengths, else the kernel; a forced
+    backend stays as it is anywhere; another value raises."""
+    assert PREFILL_BACKENDS == ("auto", "triton", "sdpa")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert choose_prefill_backend("auto", cuda, equal_rows=True) == "sdpa"
+    assert choose_prefill_backend("auto", "cuda:1", equal_rows=True) == "sdpa"
+    assert choose_prefill_backend("auto", cuda, equal_rows=False) == "triton"
+    assert choose_prefill_backend("auto", cpu, equal_rows=True) == "triton"
+    for device in (cuda, cpu):
+        for equal_rows in (True, False):
+            assert choose_prefill_backend("triton", device, equal_rows=equal_rows) == "triton"
+            assert choose_prefill_backend("sdpa", device, equal_rows=equal_rows) == "sdpa"
+    for bad in ("cudnn", "", None, "SDPA"):
+        with pytest.raises(ValueError, match="backend must be one of"):
+            choose_prefill_backend(bad, cuda, equal_rows=True)
+
+
+@pytest.mark.parametrize("news", [[12, 12], [5, 30]])
+def test_chunked_context_without_context_on_each_backend(news, monkeypatch):
+    """No context: "sdpa" runs SDPA (no lse), "triton" the kernel, "auto" as the rule says for
+    this device; the same output."""
+    ran = []
+    for name in ("sdpa_prefill", "mla_prefill"):
+        real = getattr(prefill_module, name)
+        monkeypatch.setattr(prefill_module, name,
+                            lambda *a, _real=real, _name=name, **k: ran.append(_name) or _real(*a, **k))
+    case, context_rows = make_context_case(news, [0, 0], page=16)
+    ref_out, _ = context_reference(case, context_rows)
+    auto = choose_prefill_backend("auto", DEVICE, equal_rows=news[0] == news[1])
+    for backend in ("sdpa", "triton", "auto"):
+        ran.clear()
+        out, lse = chunked_context_prefill(**case, backend=backend)
+        assert rel_err(out, ref_out) < 1e-5, backend
+        runs_sdpa = (auto if backend == "auto" else backend) == "sdpa"
+        assert ran == (["sdpa_prefill"] if runs_sdpa else ["mla_prefill"]), backend
+        assert (lse is None) == runs_sdpa
+
+
+def test_chunked_context_with_context_stays_on_the_kernel(monkeypatch):
+    """One row with context is enough: every row needs the lse for the merge."""
+    monkeypatch.setattr(prefill_module, "sdpa_prefill", lambda *a, **k: pytest.fail("SDPA ran with context"))
+    case, context_rows = make_context_case([6, 6], [0, 9], page=4)
+    ref_out, ref_lse = context_reference(case, context_rows)
+    for backend in PREFILL_BACKENDS:
+        out, lse = chunked_context_prefill(**case, workspace_tokens=5, backend=backend)
+        assert rel_err(out, ref_out) < 1e-5
+        assert_lse_close(lse, ref_lse, 1e-5)
+
+
+def test_chunked_context_bad_backend_raises_and_writes_nothing():
+    case, _ = make_context_case([5, 3], [0, 0], page=16)
+    before = {k: t.clone() for k, t in case.items() if isinstance(t, torch.Tensor)}
+    for bad in ("cudnn", None, "flash"):
+        with pytest.raises(ValueError, match="chunked_context_prefill: backend must be one of"):
+            chunked_context_prefill(**case, backend=bad)
+    for k, t in before.items():
+        torch.testing.assert_close(case[k], t, rtol=0, atol=0, equal_nan=True)
+
+
+def test_layer_prefill_backend_option(monkeypatch):
+    """PagedMLA(prefill_backend=...): "sdpa" and "triton" give the naive tier's outputs through
+    prompts of equal rows, ragged rows and an extend; SDPA runs only on calls without context,
+    and "auto" on the CPU keeps the kernel."""
+    import mla
+
+    ran = []
+    for name in ("sdpa_prefill", "mla_prefill"):
+        real = getattr(prefill_module, name)
+        monkeypatch.setattr(prefill_module, name,
+                            lambda *a, _real=real, _name=name, **k: ran.append(_name) or _real(*a, **k))
+    cfg = MLAConfig.from_preset("tiny")
+    weights = MLAWeights(cfg, dtype=torch.float32, seed=4).to(DEVICE)
+    naive = mla.build(weights, "naive")
+    layers = {backend: mla.build(weights, "paged", block_size=4, shuffle=2, prefill="up-project",
+                                 prefill_backend=backend) for backend in PREFILL_BACKENDS}
+    assert layers["sdpa"].prefill_backend == "sdpa" and "prefill_backend='sdpa'" in repr(layers["sdpa"])
+    assert mla.build(weights, "paged").prefill_backend == "auto"
+    # two sequences of calls on fresh caches: equal prompts then an extend; ragged prompts
+    sessions = ([[9, 9, 0], [4, 0, 7]], [[5, 1, 12]])
+    sdpa_if_no_context = {"sdpa": "sdpa", "triton": "triton",
+                          "auto": choose_prefill_backend("auto", DEVICE, equal_rows=True)}
+    gen = torch.Generator().manual_seed(0)
+    xs = [[torch.randn(3, max(lengths), cfg.hidden_size, generator=gen).to(DEVICE) for lengths in calls]
+          for calls in sessions]
+    with torch.no_grad():
+        refs = []
+        for calls, inputs in zip(sessions, xs):
+            cache = naive.new_cache(3, 32)
+            refs.append([naive(x, cache, lengths) for x, lengths in zip(inputs, calls)])
+    for backend, layer in layers.items():
+        runs = []
+        for calls, inputs, outputs in zip(sessions, xs, refs):
+            cache = layer.new_cache(3, 32)
+            cache.kv_cache.fill_(float("nan"))
+            for x, ref, lengths in zip(inputs, outputs, calls):
+                ran.clear()
+                with torch.no_grad():
+                    out = layer(x, cache, lengths)
+                assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-5, (backend, lengths)
+                runs.append(list(ran))
+        # the equal prompts as the option says; the extend on the kernel (the new tokens, then
+        # one context chunk); the ragged prompts on SDPA only where forced ("auto" keeps ragged
+        # rows on the kernel)
+        first = "sdpa_prefill" if sdpa_if_no_context[backend] == "sdpa" else "mla_prefill"
+        last = "sdpa_prefill" if backend == "sdpa" else "mla_prefill"
+        assert runs == [[first], ["mla_prefill", "mla_prefill"], [last]], backend
+    for bad in ("cudnn", None, True, "SDPA"):
+        with pytest.raises(ValueError, match="prefill_backend must be one of"):
+            mla.build(weights, "paged", prefill_backend=bad)
+
+
 # ---- memory: the scores are never materialised -------------------------------------------------
 
 _MEMORY_SCRIPT = textwrap.dedent(
@@ -478,3 +649,62 @@ def test_gpu_long_prompt_memory():
     grown = torch.cuda.max_memory_allocated() - before
     assert grown <= out.numel() * out.element_size() + lse.numel() * 4 + 2**20
     assert not out.isnan().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[2048, 2048], [300, 1000, 77]])
+def test_gpu_bf16_sdpa_prefill_v3(lens):
+    """cuDNN (or memory-efficient) SDPA at V3's head dims, 128 heads: rows of one length in one
+    batched call, ragged rows one call each."""
+    args = make_varlen(lens, lens, h=128, dtype=torch.bfloat16, device="cuda", **V3)
+    out = sdpa_prefill(*args[:6], softmax_scale=192**-0.5, max_seqlen_q=max(lens))
+    ref_out, _ = mla_prefill_reference(*args, softmax_scale=192**-0.5)
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    assert rel_err(out, ref_out) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_sdpa_prefill_stores_no_score():
+    """A 32k-token prompt at 16 heads: its scores would be 32 GiB in bf16; SDPA's tiled backends
+    allocate q, k, their copies and the output, under 2 GiB."""
+    s, h = 32768, 16
+    args = make_varlen([s], [s], h=h, dtype=torch.bfloat16, device="cuda", **V3)
+    assert s * s * h * 2 >= 32 * 2**30
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = sdpa_prefill(*args[:6], softmax_scale=192**-0.5, max_seqlen_q=s)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < 2 * 2**30
+    assert not out.isnan().any()
+
+
+@pytest.mark.gpu
+def test_gpu_layer_prefill_backends_agree():
+    """V2-Lite in bf16: prompts of one length (auto takes SDPA on the GPU), then ragged prompts
+    (auto keeps the kernel), each prefill_backend against the absorbed tier."""
+    import mla
+
+    cfg = MLAConfig.from_preset("deepseek-v2-lite")
+    weights = MLAWeights(cfg, dtype=torch.bfloat16, device="cuda", seed=0)
+    absorbed = mla.build(weights, "absorbed")
+    assert choose_prefill_backend("auto", "cuda", equal_rows=True) == "sdpa"
+    for lengths in ([700, 700], [700, 90]):
+        x = torch.randn(2, 700, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            ref = absorbed(x, absorbed.new_cache(2, 700), lengths)
+            for backend in PREFILL_BACKENDS:
+                layer = mla.build(weights, "paged", prefill_backend=backend)
+                out = layer(x, layer.new_cache(2, 700), lengths)
+                assert torch.isfinite(out).all() and rel_err(out, ref) < 2e-2, (backend, lengths)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_sdpa_prefill_head_dims_not_multiples_of_8(dtype):
+    """v of 12 dims (cuDNN and memory-efficient take multiples of 8: padded, then cut); float32
+    (memory-efficient only)."""
+    args = make_varlen([33, 33], [33, 33], h=2, dtype=dtype, device="cuda")
+    out = sdpa_prefill(*args[:6], softmax_scale=0.3)
+    ref_out, _ = mla_prefill_reference(*args, softmax_scale=0.3, compute_dtype=torch.float64)
+    assert out.shape == (66, 2, 12) and rel_err(out, ref_out) < (2e-3 if dtype == torch.float16 else 1e-4)

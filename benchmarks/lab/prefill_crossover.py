@@ -5,9 +5,11 @@
 DeepSeek-V3 sizes (one layer, random weights, bf16, page 64). Each row of the batch holds a
 ``--context`` (4096) token prefix plus s new tokens already in the paged cache; both paths run
 the code the layer runs for such a row, ``PagedMLA.attend_prefill(path, ...)`` on the rows the
-layer's own plan builds: "up-project" (MHA mode: the flash prefill kernels, the context
-up-projected a workspace at a time) or "absorbed" (MQA mode: W_UK into the query, the decode
-kernel in queries of up to 8 new tokens, W_UV out). The projections before and o_proj after are
+layer's own plan builds, so both paths run on the kernels the layer runs them on: "up-project"
+(MHA mode: the Triton flash prefill kernel over the new tokens and over the context, up-projected
+a workspace at a time, merged by log-sum-exp; with a context every ``prefill_backend`` runs it)
+or "absorbed" (MQA mode: W_UK into the query, the decode kernel, ``mla_decode``, in queries of
+up to 8 new tokens, W_UV out). The projections before and o_proj after are
 the same for both paths and left out. s = 2, 4, ..., 4096 for one sequence and up to
 ``--max-b4`` for a batch of 4.
 
@@ -123,8 +125,10 @@ def main() -> None:
     result = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
         python=platform.python_version(), config="deepseek-v3", dtype="bfloat16", block_size=64,
-        context=args.context, timed="PagedMLA.attend_prefill per path (gather + mask + attention + "
-        "W_UK/W_UV or kv_b_proj); projections and o_proj excluded (shared)",
+        context=args.context, timed="PagedMLA.attend_prefill per path: up-project = kv_b_proj on the new "
+        "tokens, mla_prefill over them and over the context a workspace at a time, the lse merge; absorbed "
+        "= W_UK into the query, mla_decode in queries of up to 8 new tokens, W_UV out; projections and "
+        "o_proj excluded (shared)",
         model_crossover=model, measured=summary, prefill_crossover_constant=PREFILL_CROSSOVER,
         rows=rows, wall_s=time.time() - t0)
     write_json(args.out, f"{device_prefix(result['device'])}-prefill-crossover.json", result)

@@ -1,17 +1,22 @@
 """MLA prefill in up-projected ("MHA") form: the public op, its reference, and chunked context.
 
-Three things live here, each a function:
+Four things live here, each a function or two:
 
 - ``mla_prefill``: attention of packed new tokens (``cu_seqlens_q``) over packed keys and values
   (``cu_seqlens_k``), causal bottom-right aligned or not, through the Triton kernel of
   ``mla.kernels.triton_prefill``; returns the output and the log-sum-exp.
   ``mla_prefill_reference`` computes the same in plain torch, one sequence at a time.
+- ``sdpa_prefill``: the new tokens' causal attention over themselves through torch's
+  ``scaled_dot_product_attention`` (cuDNN on a GPU, faster there than the Triton kernel on
+  prompts over an empty cache); ``choose_prefill_backend`` says which of the two a call without
+  cached context runs on.
 - ``merge_attention_states``: two attentions of the same queries over disjoint key sets, merged
   into the attention over their union by their log-sum-exps.
 - ``chunked_context_prefill``: new tokens over a cached context in bounded memory. They attend
-  to themselves causally (one ``mla_prefill``), and to their context, gathered from the paged
-  latent cache and up-projected by W_UK and W_UV a chunk of at most ``workspace_tokens`` tokens
-  at a time, non-causally (one ``mla_prefill`` a chunk); the pieces are merged by log-sum-exp.
+  to themselves causally (one ``mla_prefill``; ``sdpa_prefill`` instead where no sequence has
+  context and its ``backend`` says so), and to their context, gathered from the paged latent
+  cache and up-projected by W_UK and W_UV a chunk of at most ``workspace_tokens`` tokens at a
+  time, non-causally (one ``mla_prefill`` a chunk); the pieces are merged by log-sum-exp.
   Peak memory grows with the new tokens and the workspace, never with new tokens x context.
 
 Shape letters: b sequences, h heads, d nope dim, r rope dim, v value dim, c latent dim, n tokens
@@ -20,12 +25,16 @@ a page; ``total_q`` / ``total_k`` are the packed rows of all sequences' queries 
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import math
 import numbers
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import fp8
 from .constants import LOG2E, MAX_GRID_YZ
@@ -36,6 +45,9 @@ __all__ = [
     "mla_prefill_reference",
     "merge_attention_states",
     "chunked_context_prefill",
+    "sdpa_prefill",
+    "choose_prefill_backend",
+    "PREFILL_BACKENDS",
     "DEFAULT_WORKSPACE_TOKENS",
 ]
 
@@ -46,6 +58,18 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # at the 16 heads a GPU holds under tensor parallelism 8). vLLM sizes its workspace
 # min(max(8 * max_model_len, 4 * max_num_seqs * page), 64k) tokens.
 DEFAULT_WORKSPACE_TOKENS = 16384
+
+# What runs the new tokens' causal attention over themselves when a call has no cached context:
+# "triton" (mla_prefill), "sdpa" (sdpa_prefill) or "auto" (choose_prefill_backend's rule).
+PREFILL_BACKENDS = ("auto", "triton", "sdpa")
+
+# SDPA's backends on a GPU, in priority order: cuDNN (the fastest at DeepSeek's head dims on an
+# H200, benchmarks/results/h200-prefill.json), then memory-efficient (any float dtype). Both are
+# tiled, so no score is stored; math (which stores every score) and flash (which needs the
+# value's head dim equal to the key's: 128 against 192) are left out.
+# An older torch's sdpa_kernel takes no set_priority: its own order then decides between the two.
+_SDPA_CUDA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+_SDPA_SET_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,6 +349,116 @@ def mla_prefill_reference(
 
 
 # ---------------------------------------------------------------------------------------------
+# The context-free case through torch's SDPA, and the choice between it and the kernel
+# ---------------------------------------------------------------------------------------------
+
+
+def choose_prefill_backend(backend: str, device: torch.device | str, *, equal_rows: bool) -> str:
+    """What runs a call's causal self-attention of new tokens without cached context.
+
+    Args:
+        backend: "triton" or "sdpa" (returned as they are), or "auto".
+        device: where the call runs.
+        equal_rows: whether every row has the same number of new tokens (one batched SDPA call).
+
+    Returns "triton" (``mla_prefill``) or "sdpa" (``sdpa_prefill``). "auto" is "sdpa" on a CUDA
+    device with equal rows: there torch's cuDNN attention was faster than the Triton kernel at
+    every empty-cache prompt measured, 1 x 1k to 1 x 128k tokens and 4 x 2k, at DeepSeek-V3's
+    sizes in bf16 on an H200 (``benchmarks/results/h200-prefill.json``; the prefill derivation
+    page has the figures). Else "triton": ragged rows would take one SDPA call a row, which was
+    not measured; and on the CPU the paged tier is the kernels' test bench (Triton's interpreter
+    runs the code the GPU runs), where SDPA would stand in for the kernel under test.
+    """
+    if backend not in PREFILL_BACKENDS:
+        raise ValueError(f"prefill backend must be one of {PREFILL_BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    return "sdpa" if torch.device(device).type == "cuda" and equal_rows else "triton"
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """scaled_dot_product_attention(q, k, v), causal, q and k (m, h, s, d + r), v (m, h, s, v).
+
+    On a GPU through cuDNN or memory-efficient attention (``_SDPA_CUDA_BACKENDS``), which take
+    head dims that are multiples of 8. Elsewhere torch chooses; its CPU flash kernel takes one
+    head dim for q, k and v (else the CPU runs the math backend, which stores every score). So
+    the head dims are padded with zeros where a backend needs it: zeros add nothing to q . k,
+    and the padded values' outputs are cut off.
+    """
+    dk, dv = q.shape[-1], v.shape[-1]
+    if q.device.type == "cuda":
+        width_k, width_v = -(-dk // 8) * 8, -(-dv // 8) * 8
+        backends = sdpa_kernel(_SDPA_CUDA_BACKENDS, **(dict(set_priority=True) if _SDPA_SET_PRIORITY else {}))
+    else:
+        width_k = width_v = max(dk, dv)
+        backends = contextlib.nullcontext()
+    if width_k > dk:
+        q, k = (F.pad(t, (0, width_k - dk)) for t in (q, k))
+    if width_v > dv:
+        v = F.pad(v, (0, width_v - dv))
+    with backends:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[..., :dv]
+
+
+def sdpa_prefill(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_pe: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    softmax_scale: float,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
+    """New tokens attending causally to themselves, by torch's ``scaled_dot_product_attention``.
+
+    The arguments of ``mla_prefill`` for a call whose keys are the new tokens themselves
+    (``cu_seqlens_k = cu_seqlens_q``, ``causal=True``): q_nope (total_q, h, d), q_pe (total_q, h,
+    r), k_nope (total_q, h, d), k_pe (total_q, r), v (total_q, h, v). SDPA takes one key of
+    d + r dims a head, so the rope key is broadcast over the heads: q = [q_nope | q_pe] and
+    k = [k_nope | k_pe] are built, (total_q, h, d + r) each. Rows of equal length (known on the
+    host from the shapes: ``total_q == b * max_seqlen_q``) go in one batched call; ragged rows in
+    one call a row, their offsets read on the host (one sync on a GPU).
+
+    Returns out (total_q, h, v) in q's dtype; no log-sum-exp (SDPA's public call returns none),
+    so this serves only calls with nothing to merge: no cached context.
+    """
+    fn = "sdpa_prefill"
+    for name, t in (("k_nope", k_nope), ("k_pe", k_pe), ("v", v)):  # the new tokens are the keys
+        if isinstance(t, torch.Tensor) and isinstance(q_nope, torch.Tensor) and t.shape[:1] != q_nope.shape[:1]:
+            raise ValueError(f"{fn}: {name} must have a row for each of the total_q = {q_nope.shape[0]} new "
+                             f"tokens (they are their own keys), got shape {tuple(t.shape)}")
+    check_values = max_seqlen_q is None or q_nope.device.type == "cpu"
+    max_seqlen_q, _ = _check_prefill_inputs(
+        fn, q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_q, softmax_scale, True,
+        max_seqlen_q, max_seqlen_q, check_values,
+    )
+    total_q, h, _ = q_nope.shape
+    b = cu_seqlens_q.shape[0] - 1
+    out = torch.empty((total_q, h, v.shape[2]), dtype=q_nope.dtype, device=q_nope.device)
+    if total_q == 0 or h == 0:
+        return out
+    q = torch.cat([q_nope, q_pe], dim=-1)                                       # (total_q, h, d + r)
+    k = torch.cat([k_nope, k_pe[:, None].expand(-1, h, -1)], dim=-1)            # (total_q, h, d + r)
+
+    def attend(lo: int, hi: int, m: int) -> None:
+        """Tokens lo .. hi - 1, m rows of (hi - lo) / m tokens each, in one call."""
+        q_m, k_m, v_m = (t[lo:hi].unflatten(0, (m, -1)).transpose(1, 2) for t in (q, k, v))  # (m, h, s, ·)
+        o = _causal_sdpa(q_m, k_m, v_m, float(softmax_scale))                   # (m, h, s, v)
+        out[lo:hi] = o.transpose(1, 2).flatten(0, 1)                             # (m·s, h, v)
+
+    if b * max_seqlen_q == total_q:   # b rows of at most max_seqlen_q tokens: all of that length
+        attend(0, total_q, b)
+    else:
+        cu = cu_seqlens_q.tolist()
+        for lo, hi in zip(cu, cu[1:]):
+            if hi > lo:
+                attend(lo, hi, 1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # Merging two attentions of the same queries by log-sum-exp
 # ---------------------------------------------------------------------------------------------
 
@@ -477,7 +611,8 @@ def chunked_context_prefill(
     context_lens_host: list[int] | None = None,
     kv_cache_dtype: str = "auto",
     kv_scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    backend: str = "triton",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """New tokens attend causally to themselves and fully to their cached context, in bounded memory.
 
     Sequence i has s_i new tokens (rows ``cu_seqlens_q[i] ...`` of q_nope, q_pe, kv_c, k_pe) at
@@ -519,9 +654,14 @@ def chunked_context_prefill(
             there (still checked on the CPU, where that costs nothing).
         kv_cache_dtype: the cache's layout, ``"auto"``, ``"fp8_e4m3"`` or ``"fp8_ds_mla"``.
         kv_scale: ``"fp8_e4m3"`` only: the cache's (1,) float32 scale on q's device.
+        backend: what runs step 1 when no sequence has context (``PREFILL_BACKENDS``): "triton"
+            (``mla_prefill``, the default), "sdpa" (``sdpa_prefill``) or "auto"
+            (``choose_prefill_backend``). With context, step 1 always runs on ``mla_prefill``:
+            the merge needs its log-sum-exp.
 
     Returns:
-        out (total_q, h, v) in q's dtype, lse (total_q, h) float32 natural log.
+        out (total_q, h, v) in q's dtype, lse (total_q, h) float32 natural log; lse is None when
+        step 1 ran on SDPA, which gives none.
     """
     fn = "chunked_context_prefill"
     # q_nope, q_pe, k_pe and the offsets as mla_prefill checks them (the new tokens are their own
@@ -534,6 +674,8 @@ def chunked_context_prefill(
     lens = _check_context_inputs(fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, block_table, context_lens,
                                  W_UK, W_UV, workspace_tokens, context_lens_host, check_values, kv_cache_dtype,
                                  kv_scale)
+    if backend not in PREFILL_BACKENDS:
+        raise ValueError(f"{fn}: backend must be one of {PREFILL_BACKENDS}, got {backend!r}")
     h, d = q_nope.shape[1:]
     c, r, dv = kv_c.shape[1], k_pe.shape[1], W_UV.shape[1]
     page = kv_cache.shape[1]
@@ -548,11 +690,15 @@ def chunked_context_prefill(
 
     # ---- 1. the new tokens over themselves, causal (bottom-right: s_i keys for s_i queries)
     k_nope_new, v_new = up_project(kv_c)
+    total_context = sum(lens)
+    equal_rows = (cu_seqlens_q.shape[0] - 1) * max_seqlen_q == q_nope.shape[0]
+    if total_context == 0 and choose_prefill_backend(backend, device, equal_rows=equal_rows) == "sdpa":
+        return sdpa_prefill(q_nope, q_pe, k_nope_new, k_pe, v_new, cu_seqlens_q, softmax_scale=softmax_scale,
+                            max_seqlen_q=max_seqlen_q), None
     out, lse = mla_prefill(q_nope, q_pe, k_nope_new, k_pe, v_new, cu_seqlens_q, cu_seqlens_q,
                            softmax_scale=softmax_scale, causal=True, max_seqlen_q=max_seqlen_q,
                            max_seqlen_k=max_seqlen_q)
     del k_nope_new, v_new
-    total_context = sum(lens)
     if total_context == 0:
         return out, lse
     out = out.float()

@@ -58,7 +58,7 @@ from ..base import MLAAttention
 from ..kernels import chunked_context_prefill, mla_decode
 from ..kernels.constants import MAX_GRID_YZ
 from ..kernels.decode import MAX_QUERY_TOKENS
-from ..kernels.prefill import DEFAULT_WORKSPACE_TOKENS
+from ..kernels.prefill import DEFAULT_WORKSPACE_TOKENS, PREFILL_BACKENDS
 from ..naive import (attend_up_projected, causal_mask, latent, query_latent, query_nope,
                      query_rope)
 from ..rope import rope_cos_sin
@@ -246,6 +246,13 @@ class PagedMLA(MLAAttention):
             and merges cost little. vLLM sizes its workspace min(max(8 x max_model_len, 4 x
             max_num_seqs x block_size), 64k) tokens; a layer does not know the model length, so
             the default is fixed and the option lets a server size it.
+        prefill_backend: what runs the up-projected new tokens' causal attention over themselves
+            when no row of the call has cached context: "auto" (default: torch SDPA on a CUDA
+            device when every such row has the same length, else the Triton kernel; see
+            `mla.kernels.prefill.choose_prefill_backend`), "triton" (`mla_prefill`, the flash
+            kernel) or "sdpa" (`sdpa_prefill`: cuDNN attention on a GPU; ragged rows take one
+            call a row, their offsets read on the host, one sync). A call in which any row has
+            cached context runs on the Triton kernels, whose log-sum-exp the merge needs.
         kv_cache_dtype: the layout of caches from `new_cache` (`mla.kernels.fp8`): "auto" (the
             weights' dtype, c + r values a token), "fp8_e4m3" (alias "fp8": c + r bytes and one
             float32 scale for the cache) or "fp8_ds_mla" (FlashMLA's 656-byte token: the latent
@@ -268,9 +275,10 @@ class PagedMLA(MLAAttention):
 
     def __init__(self, weights: MLAWeights, *, block_size: int = 64, num_blocks: int | None = None,
                  prefill: str = "auto", prefill_crossover: int | None = None,
-                 workspace_tokens: int | None = None, kv_cache_dtype: str = "auto",
-                 kv_scale: float | torch.Tensor | None = None, num_kv_splits: int | None = None,
-                 shuffle: int | None = None, process_group=None):
+                 workspace_tokens: int | None = None, prefill_backend: str = "auto",
+                 kv_cache_dtype: str = "auto", kv_scale: float | torch.Tensor | None = None,
+                 num_kv_splits: int | None = None, shuffle: int | None = None,
+                 process_group=None):
         super().__init__(weights, process_group=process_group)
         if weights.dtype not in CACHE_DTYPES:
             raise TypeError(
@@ -291,6 +299,9 @@ class PagedMLA(MLAAttention):
         workspace_tokens = positive_int(
             "workspace_tokens",
             DEFAULT_WORKSPACE_TOKENS if workspace_tokens is None else workspace_tokens)
+        if prefill_backend not in PREFILL_BACKENDS:
+            raise ValueError(f"prefill_backend must be one of {PREFILL_BACKENDS}, got "
+                             f"{prefill_backend!r}")
         kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype, self.config.kv_lora_rank)
         kv_scale = check_kv_scale(kv_cache_dtype, kv_scale, weights.device)
         check_num_kv_splits(num_kv_splits, allow_none=True)
@@ -301,6 +312,7 @@ class PagedMLA(MLAAttention):
         self.prefill = prefill
         self.prefill_crossover = prefill_crossover
         self.workspace_tokens = workspace_tokens
+        self.prefill_backend = prefill_backend
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_scale = kv_scale
         self.num_kv_splits = num_kv_splits
@@ -596,13 +608,15 @@ class PagedMLA(MLAAttention):
         `path` "absorbed" is MQA mode: `attend_decode` over the rows' pieces of up to 8 new
         tokens. "up-project" is MHA mode (eqs. 42, 44-46), by `chunked_context_prefill`:
             the new tokens over themselves, causal: keys and values up-projected from their
-                latent rows (read back from their slots and dequantised), one mla_prefill;
+                latent rows (read back from their slots and dequantised), one mla_prefill
+                (or, where no row has context, torch SDPA as `prefill_backend` chooses);
             the new tokens over their context, non-causal: the contexts gathered from their
                 pages and up-projected `workspace_tokens` tokens at a time, one mla_prefill a
                 chunk;
             the pieces merged by their log-sum-exps.
         No (query, key) score is stored. Reads nothing on the host: the longest lengths and
-        the context chunks come from the host plan. `attend_prefill_reference` computes the
+        the context chunks come from the host plan (except a forced "sdpa" on ragged rows,
+        which reads their offsets). `attend_prefill_reference` computes the
         same with every score materialised.
         """
         if path == "absorbed":
@@ -615,7 +629,8 @@ class PagedMLA(MLAAttention):
             rows.context_lens.to(torch.int32), W_UK=w.W_UK, W_UV=w.W_UV,
             softmax_scale=self.softmax_scale, workspace_tokens=self.workspace_tokens,
             max_seqlen_q=rows.max_new_len, context_lens_host=rows.context_lens_host,
-            kv_cache_dtype=cache.kv_cache_dtype, kv_scale=cache.kv_scale)
+            backend=self.prefill_backend, kv_cache_dtype=cache.kv_cache_dtype,
+            kv_scale=cache.kv_scale)
         return o                                                            # (T_p, h, v)
 
     # ---- the CUDA-graph decode entry -----------------------------------------------------------
@@ -716,6 +731,7 @@ class PagedMLA(MLAAttention):
                 f"num_blocks={self.num_blocks}, prefill={self.prefill!r}, "
                 f"prefill_crossover={self.prefill_crossover}, "
                 f"workspace_tokens={self.workspace_tokens}, "
+                f"prefill_backend={self.prefill_backend!r}, "
                 f"kv_cache_dtype={self.kv_cache_dtype!r}")
 
 
