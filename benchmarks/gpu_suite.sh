@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in parts, each time-boxed, logs and JSON under $OUT.
-#   bash benchmarks/gpu_suite.sh tests concat-bench sanitize decode-bench sweep layer prefill
+#   bash benchmarks/gpu_suite.sh tests concat-bench sanitize decode-bench decode-sq accuracy sweep layer prefill
 #   bash benchmarks/gpu_suite.sh tp   (two GPUs: nvidia-h200-x2)
 #   bash benchmarks/gpu_suite.sh variants concat-probe cuda-probe cuda-timeline sm90-probe prefill-crossover prefill-probe   (the lab: benchmarks/lab/)
 # Run from the repository root with PYTHONPATH=. (the device machine has no package registry);
@@ -25,8 +25,10 @@ for part in "$@"; do
     tests) run tests 560 bash benchmarks/gpu_tests.sh "$OUT" ;;
     tests-all) run tests-all 500 python3 -m pytest -q -p no:cacheprovider tests ;;
     concat-bench) run concat-bench 180 python3 -m mla bench concat --out "$OUT" ;;
-    sanitize) run sanitize 240 bash -c 'compute-sanitizer --tool memcheck python3 benchmarks/lab/sanitize_concat.py && compute-sanitizer --tool memcheck python3 benchmarks/lab/sanitize_decode.py' ;;
-    decode-bench) run decode-bench 540 python3 -m mla bench decode --out "$OUT" ;;
+    sanitize) run sanitize 400 bash -c 'compute-sanitizer --tool memcheck python3 benchmarks/lab/sanitize_concat.py && compute-sanitizer --tool memcheck python3 benchmarks/lab/sanitize_decode.py && compute-sanitizer --tool memcheck python3 benchmarks/lab/sanitize_prefill.py' ;;
+    decode-bench) run decode-bench 560 python3 -m mla bench decode --kv-cache-dtype auto,fp8_e4m3,fp8_ds_mla --out "$OUT" ;;
+    decode-sq) run decode-sq 560 python3 -m mla bench decode --s-q 2,4 --out "$OUT/s_q" ;;  # several query tokens, beside FlashMLA
+    accuracy) run accuracy 240 python3 benchmarks/accuracy_fp8.py --device cuda --prompt 1024 --decode-steps 8 --out "$OUT" ;;
     variants) run variants 300 python3 benchmarks/lab/tune_decode.py --out "$OUT" --variants --budget-s 240 ;;
     cuda-probe) run cuda-probe 300 python3 benchmarks/lab/probe_decode_cuda.py --out "$OUT" ;;
     sm90-probe) run sm90-probe 300 python3 benchmarks/lab/probe_decode_sm90.py --out "$OUT" ;;  # writes h200-decode-sm90-probe.json
