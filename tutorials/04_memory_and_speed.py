@@ -400,6 +400,28 @@ else:
     plt.show()
 
 # %% [markdown]
+# ### Decode on an fp8 cache
+#
+# `python -m mla bench decode --kv-cache-dtype auto,fp8_e4m3,fp8_ds_mla` times each layout on
+# the same latents in the same run and keeps the fp8 rows apart (`fp8_rows`), each with its
+# time over the bf16 row's (`over_bf16`). At 16 heads a step is memory bound and
+# `"fp8_ds_mla"` reads 656 of 1152 bytes a token, so it can approach 0.57x; at 128 heads it is
+# compute bound and the dequantisation is extra work.
+
+# %%
+fp8_runs = {name: data for name, data in results.items() if data.get("fp8_rows")}
+if not fp8_runs:
+    print("No fp8 decode results committed yet: run `python -m mla bench decode --kv-cache-dtype "
+          "auto,fp8_e4m3,fp8_ds_mla` on a GPU.")
+for name, data in fp8_runs.items():
+    print(f"{name}: {data.get('device', '')}")
+    print(f"  {'b':>4s} {'t':>7s} {'h':>4s} {'cache':>11s} {'us':>8s} {'x bf16':>7s}")
+    for row in data["fp8_rows"]:
+        if row.get("s_q", 1) == 1 and row.get("time_us"):
+            print(f"  {row['b']:>4d} {row['t']:>7d} {row['h']:>4d} {row['kv_cache_dtype']:>11s} "
+                  f"{row['time_us']:>8.1f} {row.get('over_bf16') or float('nan'):>7.2f}")
+
+# %% [markdown]
 # ### concat_and_cache against device copy
 #
 # The cache write is pure data movement, so its ceiling is the copy bandwidth (read + write)
