@@ -320,7 +320,7 @@ def add_ratios(row: dict) -> dict:
 
 
 def _layout(row: dict) -> str:
-    return row.get("kv_cache_dtype", "auto")  # rows of runs before the fp8 layouts are bf16
+    return row.get("kv_cache_dtype", "auto")  # a row without the key is a bf16 row
 
 
 def _shape(row: dict) -> tuple[int, int, int, int]:

@@ -359,13 +359,13 @@ def sdpa_attend_prefill(paged, backend: str):
     h, d, c, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
     W_kv = torch.cat([w.W_UK, w.W_UV], dim=1).reshape(h * (d + dv), c)                # (h·(d+v), c)
 
-    def attend(path, q_nope, q_pe, kv_cache, rows):
+    def attend(path, q_nope, q_pe, cache, rows):
         if path != "up-project":
-            return type(paged).attend_prefill(paged, path, q_nope, q_pe, kv_cache, rows)
+            return type(paged).attend_prefill(paged, path, q_nope, q_pe, cache, rows)
         m, s, total = rows.context_lens.numel(), rows.max_new_len, rows.max_seq_len
         if q_nope.shape[0] != m * s:
             raise ValueError("sdpa_layer times rows of one length only")
-        latent = gather_pages(kv_cache, rows.block_table, rows.context_lens + s, total)  # (m, t + s, c + r)
+        latent = gather_pages(cache, rows.block_table, rows.context_lens + s, total)  # (m, t + s, c + r)
         kv = (latent[..., :c] @ W_kv.T).view(m, total, h, d + dv)                       # (m, t + s, h, d + v)
         k_pe = latent[:, :, None, c:].expand(-1, -1, h, -1)                              # (m, t + s, h, r)
         k = torch.cat([kv[..., :d], k_pe], dim=-1).transpose(1, 2)                       # (m, h, t + s, d + r)

@@ -77,7 +77,7 @@ def demo(args: argparse.Namespace, *, rank: int = 0, world_size: int = 1, group=
     skipped = []
     if "paged" in tiers:
         at = tiers.index("paged")
-        fp8_kinds = [k for k in args.kv_cache_dtype.split(",") if k != "auto"]
+        fp8_kinds = list(args.kv_cache_dtype)
         if not fp8.fp8_available():
             skipped, fp8_kinds = [(k, "this torch has no float8_e4m3fn") for k in fp8_kinds], []
         elif config.kv_lora_rank % fp8.DS_MLA_GROUP and "fp8_ds_mla" in fp8_kinds:
@@ -397,13 +397,19 @@ def _at_least(low: int):
     return parse
 
 
-def _cache_dtypes(text: str) -> str:
-    kinds = text.split(",")
-    unknown = [k for k in kinds if k not in CACHE_DTYPES]
-    if unknown or "auto" not in kinds:
-        raise argparse.ArgumentTypeError(
-            f"expected some of {', '.join(CACHE_DTYPES)}, auto among them, got {text!r}")
-    return text
+def _cache_dtypes(text: str) -> list[str]:
+    """The paged tier's fp8 layouts to run besides "auto", canonical and once each."""
+    kinds = []
+    for kind in text.split(","):
+        try:
+            kind = fp8.canonical_kv_cache_dtype(kind)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected some of {', '.join(CACHE_DTYPES)} (fp8 = fp8_e4m3), comma-separated, "
+                f"got {text!r}") from None
+        if kind != "auto" and kind not in kinds:
+            kinds.append(kind)
+    return kinds
 
 
 def _device(text: str) -> str:
@@ -455,7 +461,8 @@ def main(argv: list[str] | None = None) -> None:
                         "--device cuda NCCL, one GPU a rank)")
     p.add_argument("--kv-cache-dtype", type=_cache_dtypes, default=",".join(CACHE_DTYPES),
                    help="the paged tier's cache layouts, comma-separated: auto (the weights' "
-                        "dtype), fp8_e4m3, fp8_ds_mla; each fp8 one adds a row")
+                        "dtype, always run), fp8_e4m3 (or fp8), fp8_ds_mla; each fp8 one adds "
+                        "a paged row")
 
     p = sub.add_parser("memory", help="KV cache per token and per sequence by attention scheme")
     p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))

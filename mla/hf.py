@@ -424,10 +424,9 @@ class MLALayerCache(CacheLayerMixin):
         assert old is not None
         if isinstance(old, PagedLatentCache):
             new = self._new(len(rows), 0, num_blocks or old.num_blocks)
-            new.kv_scale = old.kv_scale         # an fp8_e4m3 cache keeps its calibrated scale
-            for k, i in enumerate(rows):
+            for k, i in enumerate(rows):       # bytes as stored, an fp8_e4m3 scale kept
                 if int(old.seq_lens[i]):
-                    new.append_stored(old.gather(i, stored=True), k)  # bytes as stored
+                    new.append_stored(old.gather(i, stored=True), k, kv_scale=old.kv_scale)
         else:
             new = self._new(len(rows), max_seq_len or old.max_seq_len, None)
             idx = torch.tensor(rows, dtype=torch.int64)

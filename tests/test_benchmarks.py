@@ -115,8 +115,7 @@ def test_decode_arguments_refuse_bad_values(argv, message, capsys):
 
 
 def test_kv_cache_dtype_argument_lists_each_layout_once_in_order():
-    # the default run times the bf16 cache only, as before the fp8 layouts; "fp8" is mla_decode's
-    # alias of fp8_e4m3
+    # the default run times the bf16 cache only; "fp8" is mla_decode's alias of fp8_e4m3
     assert bd.parse_args([]).kv_cache_dtypes == ["auto"]
     args = bd.parse_args(["--kv-cache-dtype", "fp8_ds_mla, auto,fp8,fp8_e4m3"])
     assert args.kv_cache_dtypes == ["auto", "fp8_e4m3", "fp8_ds_mla"]
@@ -318,7 +317,7 @@ def _fake_mixed_rows() -> list[dict]:
     rows = _fake_result(flashmla=True)["rows"]
     rows[0]["triton_time_us"] = 30.0
     rows[2]["config"] = dict(kernel="triton", num_kv_splits=4)
-    rows[2]["kv_cache_dtype"] = "auto"  # the key, as bench_decode writes it, or absent, as in earlier runs
+    rows[2]["kv_cache_dtype"] = "auto"  # the key as bench_decode writes it; the other rows lack it
     for b, t, h, (e4m3, ds_mla) in [(1, 32768, 16, (20.0, 25.0)), (4, 131072, 16, (100.0, 96.6)),
                                     (64, 4096, 16, (50.0, 51.84))]:
         rows += [_fp8_row(b, t, h, "fp8_e4m3", e4m3), _fp8_row(b, t, h, "fp8_ds_mla", ds_mla)]
@@ -385,7 +384,7 @@ def test_table_shows_each_layout_and_its_time_over_bf16():
 
 def test_results_keep_one_bf16_row_a_shape_and_the_fp8_rows_apart(tmp_path, monkeypatch):
     # docs/hooks.py and tutorial 04 read `rows` as one row a (b, t, h, s_q); the fp8 rows go to
-    # `fp8_rows`, so every reader of earlier runs still finds exactly one row a shape
+    # `fp8_rows`, so every reader finds exactly one row a shape
     rows = _fake_mixed_rows()
     result = bd.assemble(rows, device="NVIDIA H200", copy_GBps=4242.0, matmul_TFLOPs=690.0, flashmla="1.0")
     paths = bd.write_results(tmp_path, result)

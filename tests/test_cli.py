@@ -66,7 +66,13 @@ def test_demo_runs_the_paged_tier_on_each_fp8_cache(tmp_path):
                   "--no-progress", "--json", str(out)])
         assert [r["kv_cache_dtype"] for r in json.loads(out.read_text())["tiers"]] == [
             "auto", "auto", "fp8_ds_mla"]
-    for bad in ("fp8_e4m3", "auto,fp16"):
+        # the alias and a repeat: each layout once
+        cli.main(["demo", "--preset", "tiny", "--tiers", "paged", "--kv-cache-dtype",
+                  "fp8,fp8_e4m3", "--batch", "1", "--prompt-len", "2", "--decode-steps", "0",
+                  "--no-progress", "--json", str(out)])
+        assert [r["kv_cache_dtype"] for r in json.loads(out.read_text())["tiers"]] == [
+            "auto", "auto", "fp8_e4m3"]
+    for bad in ("fp16", "auto,fp8_e5m2"):
         proc = _run("demo", "--kv-cache-dtype", bad)
         assert proc.returncode == 2 and "--kv-cache-dtype: expected some of auto" in proc.stderr
 

@@ -93,20 +93,30 @@ def test_greedy_generate_matches_transformers(reference, tier, monkeypatch):
     assert len(set(ref.sequences[:, -NEW:].flatten().tolist())) > 5
 
 
-def test_fp8_cache_grows_and_reorders_without_requantising(reference, monkeypatch):
+def test_fp8_cache_grows_and_reorders_keeping_its_bytes_and_scale(reference, monkeypatch):
     """The paged tier on an fp8_e4m3 cache inside generate(): when the page pool grows (a small
-    headroom) or beam search reorders rows, the cache is re-made with its bytes and its
-    calibrated scale as they were, so the tokens and logits are those of a run that never
-    re-made it; and the fp8 run stays within e4m3's error of transformers' own."""
+    headroom) or beam search reorders rows, the cache is re-made with its bytes (never written
+    again through append, which would quantise what it reads back) and its calibrated scale, so
+    the tokens and logits are those of a run that never re-made it; and the fp8 run stays
+    within e4m3's error of transformers' own."""
     model, batch, ref = reference
     options = dict(TIER_OPTIONS["paged"], kv_cache_dtype="fp8_e4m3")
     runs = {}
+    appended = []
+    real_append = mla.paged.PagedLatentCache.append
+    monkeypatch.setattr(mla.paged.PagedLatentCache, "append",
+                        lambda self, *a, **k: appended.append(1) or real_append(self, *a, **k))
+    remade = []
+    real_remake = hf.MLALayerCache._remake
+    monkeypatch.setattr(hf.MLALayerCache, "_remake",
+                        lambda self, *a, **k: remade.append(1) or real_remake(self, *a, **k))
     for headroom in (8, 1024):
         monkeypatch.setattr(hf, "HEADROOM", headroom)
         swapped = hf.swap_attention(copy.deepcopy(model), "paged", **options)
         runs[headroom] = (generate(swapped, batch),
                           generate(swapped, batch, num_beams=2, max_new_tokens=6))
     (grown, grown_beams), (fixed, fixed_beams) = runs[8], runs[1024]
+    assert remade and not appended
     assert torch.equal(grown.sequences, fixed.sequences)
     assert torch.equal(grown_beams.sequences, fixed_beams.sequences)
     for a, b in zip(grown.logits, fixed.logits):

@@ -680,11 +680,16 @@ def test_gpu_sdpa_prefill_stores_no_score():
 
 
 @pytest.mark.gpu
-def test_gpu_layer_prefill_backends_agree():
+def test_gpu_layer_prefill_backends_agree(monkeypatch):
     """V2-Lite in bf16: prompts of one length (auto takes SDPA on the GPU), then ragged prompts
     (auto keeps the kernel), each prefill_backend against the absorbed tier."""
     import mla
+    import mla.kernels.prefill as prefill_module
 
+    ran = []
+    real_sdpa = prefill_module.sdpa_prefill
+    monkeypatch.setattr(prefill_module, "sdpa_prefill",
+                        lambda *a, **k: ran.append("sdpa") or real_sdpa(*a, **k))
     cfg = MLAConfig.from_preset("deepseek-v2-lite")
     weights = MLAWeights(cfg, dtype=torch.bfloat16, device="cuda", seed=0)
     absorbed = mla.build(weights, "absorbed")
@@ -695,8 +700,11 @@ def test_gpu_layer_prefill_backends_agree():
             ref = absorbed(x, absorbed.new_cache(2, 700), lengths)
             for backend in PREFILL_BACKENDS:
                 layer = mla.build(weights, "paged", prefill_backend=backend)
+                ran.clear()
                 out = layer(x, layer.new_cache(2, 700), lengths)
                 assert torch.isfinite(out).all() and rel_err(out, ref) < 2e-2, (backend, lengths)
+                took_sdpa = backend == "sdpa" or (backend == "auto" and lengths[0] == lengths[1])
+                assert bool(ran) == took_sdpa, (backend, lengths, ran)
 
 
 @pytest.mark.gpu

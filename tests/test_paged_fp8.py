@@ -214,6 +214,47 @@ def test_rows_move_between_caches_as_stored(kind):
         new.append_stored(torch.zeros(2, 7), 0)
 
 
+def test_append_stored_carries_the_e4m3_scale():
+    old = PagedLatentCache(2, 16, C, R, block_size=4, kv_cache_dtype="fp8_e4m3")
+    old.append(torch.randn(5, C), torch.randn(5, R), [0], [5])
+    rows = old.gather(0, stored=True)
+    new = PagedLatentCache(1, 16, C, R, block_size=4, kv_cache_dtype="fp8_e4m3")
+    new.append_stored(rows, 0, kv_scale=old.kv_scale)           # an uncalibrated cache adopts it
+    assert torch.equal(new.kv_scale, old.kv_scale)
+    new.append(100 * torch.randn(2, C), torch.randn(2, R), [0], [2])   # larger: clips, keeps it
+    assert torch.equal(torch.cat(new.gather(0), dim=-1)[:5], torch.cat(old.gather(0), dim=-1))
+    other = PagedLatentCache(1, 16, C, R, block_size=4, kv_cache_dtype="fp8_e4m3", kv_scale=3.0)
+    before = other.seq_lens.clone(), list(other.free_blocks)
+    with pytest.raises(ValueError, match="append_stored: kv_scale .* differs from this cache's"):
+        other.append_stored(rows, 0, kv_scale=old.kv_scale)
+    assert torch.equal(other.seq_lens, before[0]) and other.free_blocks == before[1]
+    ds = PagedLatentCache(1, 16, C, R, block_size=4, kv_cache_dtype="fp8_ds_mla")
+    with pytest.raises(ValueError, match="kv_scale is for kv_cache_dtype='fp8_e4m3' only"):
+        ds.append_stored(torch.zeros(1, ds.kv_cache.shape[2], dtype=torch.uint8), 0, kv_scale=1.0)
+
+
+def test_calibrate_and_dequantize_rows_name_their_bad_arguments():
+    cache = PagedLatentCache(1, 8, C, R, kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match=r"calibrate: kv_c must be \(T, 128\)"):
+        cache.calibrate(torch.randn(3, 7), torch.randn(3, R))
+    with pytest.raises(ValueError, match=r"calibrate: k_pe must be \(T, 8\)"):
+        cache.calibrate(torch.randn(3, C), torch.randn(3, 2))
+    assert cache.needs_scale
+    e4m3 = torch.zeros(2, C + R).to(torch.float8_e4m3fn)
+    for rows, kind, scale, error, match in [
+        (torch.zeros(2, C + R, dtype=torch.uint8), "fp8_e4m3", 1.0, TypeError, "torch.float8_e4m3fn"),
+        (e4m3[:, :5], "fp8_e4m3", 1.0, ValueError, r"rows must be \(\.\.\., c \+ r = 136\)"),
+        (e4m3, "fp8_e4m3", None, ValueError, "need its scale"),
+        (e4m3, "fp8_e4m3", math.nan, ValueError, "scale must be one positive finite number"),
+        (e4m3, "fp8_e4m3", torch.ones(2), ValueError, "scale must be a 1-element float32 tensor"),
+        (torch.zeros(2, C + R, dtype=torch.int32), "auto", None, TypeError, "bfloat16, float16"),
+    ]:
+        with pytest.raises(error, match=match):
+            fp8.dequantize_rows(rows, kind, C, R, scale)
+    assert torch.equal(fp8.dequantize_rows(e4m3, "fp8_e4m3", C, R, 0.5),
+                       torch.zeros(2, C + R))
+
+
 def test_gather_padded_dequantises_and_zero_fills():
     cache = PagedLatentCache(2, 16, C, R, block_size=4, kv_cache_dtype="fp8_ds_mla")
     poison(cache)
@@ -238,6 +279,7 @@ def test_bad_cache_dtypes_and_scales_are_refused_by_name():
         (dict(kv_cache_dtype="fp8_e4m3", kv_scale=-2), ValueError, "kv_scale must be positive"),
         (dict(kv_cache_dtype="fp8_e4m3", kv_scale=math.inf), ValueError, "positive and finite"),
         (dict(kv_cache_dtype="fp8_e4m3", kv_scale=math.nan), ValueError, "positive and finite"),
+        (dict(kv_cache_dtype="fp8_e4m3", kv_scale=1e-40), ValueError, "at least 2\\^-126"),
         (dict(kv_cache_dtype="fp8_e4m3", kv_scale=True), TypeError, "kv_scale must be a float"),
         (dict(kv_cache_dtype="fp8_e4m3", kv_scale=torch.ones(2)), TypeError, "kv_scale must be"),
         (dict(kv_cache_dtype="fp8_e4m3", kv_scale=torch.ones(1, dtype=torch.float64)),
@@ -260,14 +302,51 @@ def test_without_float8_the_fp8_caches_are_refused(monkeypatch):
     PagedMLA(weights(), kv_cache_dtype="auto").new_cache(1, 4)      # "auto" does not need it
 
 
-def test_uncalibrated_decode_step_is_refused_before_the_write():
+def test_uncalibrated_cache_is_refused_by_the_graph_step_before_anything_changes():
     paged = PagedMLA(weights(), kv_cache_dtype="fp8_e4m3", block_size=4)
     cache = poison(paged.new_cache(2, 8))
-    inputs = paged.decode_inputs(cache)
-    before = cache.kv_cache.view(torch.uint8).clone()
-    with pytest.raises(ValueError, match="fp8_e4m3 without a scale, and decode_step does not"):
-        paged.decode_step(torch.randn(2, 1, CFG.hidden_size), cache, num_kv_splits=1, **inputs)
-    assert torch.equal(cache.kv_cache.view(torch.uint8), before) and cache.kv_scale is None
+    before = (cache.kv_cache.view(torch.uint8).clone(), cache.seq_lens.clone(),
+              list(cache.free_blocks), cache.block_table_cpu.clone())
+    with pytest.raises(ValueError, match="fp8_e4m3 without a scale, and decode_inputs"):
+        paged.decode_inputs(cache)
+    buffers = dict(slot_mapping=torch.zeros(2, dtype=torch.int64),
+                   positions=torch.zeros(2, dtype=torch.int64),
+                   seq_lens_after=torch.ones(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="fp8_e4m3 without a scale, and decode_inputs"):
+        paged.decode_step(torch.randn(2, 1, CFG.hidden_size), cache, num_kv_splits=1, **buffers)
+    assert torch.equal(cache.kv_cache.view(torch.uint8), before[0])
+    assert torch.equal(cache.seq_lens, before[1]) and cache.free_blocks == before[2]
+    assert torch.equal(cache.block_table_cpu, before[3]) and cache.kv_scale is None
+
+
+def test_a_cache_never_calibrates_on_nothing():
+    """A write of no tokens, or of tokens that are all zero, leaves an fp8_e4m3 cache
+    uncalibrated (a scale from them would be 2^-126 and clip everything after); the zeros it
+    holds meanwhile read back as zeros, and the first real write calibrates it."""
+    cache = PagedLatentCache(2, 16, C, R, block_size=4, kv_cache_dtype="fp8_e4m3")
+    cache.append(torch.randn(3, C), torch.randn(3, R), [0], [0])
+    assert cache.needs_scale and cache.seq_lens.tolist() == [0, 0]
+    cache.append(torch.zeros(2, C), torch.zeros(2, R), [0], [2])
+    assert cache.needs_scale and cache.seq_lens.tolist() == [2, 0]
+    kv_c, k_pe = torch.randn(3, C), torch.randn(3, R)
+    cache.append(kv_c, k_pe, [1], [3])
+    assert not cache.needs_scale
+    assert torch.equal(cache.kv_scale, fp8.calibrate_e4m3_scale(kv_c, k_pe, headroom=2))
+    assert torch.all(torch.cat(cache.gather(0), dim=-1) == 0)
+    assert torch.equal(torch.cat(cache.gather(1), dim=-1),
+                       round_trip("fp8_e4m3", kv_c, k_pe, cache.kv_scale))
+    # through the layer: an all-zero prompt first, then real tokens, against float32 naive
+    w = weights()
+    naive, paged = mla.build(w, "naive"), PagedMLA(w, kv_cache_dtype="fp8_e4m3", block_size=4)
+    n_cache, p_cache = naive.new_cache(1, 40), poison(paged.new_cache(1, 40))
+    with torch.no_grad():
+        zeros = torch.zeros(1, 5, CFG.hidden_size)   # no bias: the latent of x = 0 is all zero
+        naive(zeros, n_cache), paged(zeros, p_cache)
+        assert p_cache.needs_scale
+        for s in (7, 1, 1):
+            x = torch.randn(1, s, CFG.hidden_size)
+            assert rel(paged(x, p_cache), naive(x, n_cache)) < FP8_BOUND
+    assert not p_cache.needs_scale and float(p_cache.kv_scale) > 1e-6
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -288,6 +367,19 @@ def test_bad_call_leaves_an_fp8_cache_unchanged(kind):
     assert (cache.kv_scale is None) == (before[3] is None)
     if before[3] is not None:
         assert torch.equal(cache.kv_scale, before[3])
+
+
+def test_a_refused_write_leaves_an_uncalibrated_cache_uncalibrated():
+    """append's checks that run after calibration (the write's own) give the scale back."""
+    cache = poison(PagedLatentCache(2, 16, C, R, block_size=4, kv_cache_dtype="fp8_e4m3"))
+    before = cache.kv_cache.view(torch.uint8).clone()
+    with pytest.raises(ValueError, match="kv_c must have shape"):
+        cache.append(torch.randn(3, C + 1), torch.randn(3, R), [0], [3])
+    with pytest.raises(TypeError, match="k_pe must have kv_c's dtype"):
+        cache.append(torch.randn(3, C), torch.randn(3, R).half(), [0], [3])
+    assert cache.kv_scale is None and cache.seq_lens.tolist() == [0, 0]
+    assert cache.num_free_blocks == cache.num_blocks
+    assert torch.equal(cache.kv_cache.view(torch.uint8), before)
 
 
 def test_the_cache_dtype_is_a_build_option_and_in_the_repr():

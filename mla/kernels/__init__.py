@@ -20,7 +20,9 @@ if not torch.cuda.is_available():
 
 from .concat_cache import concat_and_cache, concat_and_cache_reference  # noqa: E402
 from .decode import mla_decode, mla_decode_reference  # noqa: E402
-from .prefill import chunked_context_prefill, merge_attention_states, mla_prefill, mla_prefill_reference  # noqa: E402
+from .prefill import (chunked_context_prefill, merge_attention_states, mla_prefill,  # noqa: E402
+                      mla_prefill_reference, sdpa_prefill)
 
 __all__ = ["concat_and_cache", "concat_and_cache_reference", "mla_decode", "mla_decode_reference",
-           "mla_prefill", "mla_prefill_reference", "merge_attention_states", "chunked_context_prefill"]
+           "mla_prefill", "mla_prefill_reference", "sdpa_prefill", "merge_attention_states",
+           "chunked_context_prefill"]

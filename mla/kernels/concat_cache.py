@@ -68,7 +68,7 @@ def _warn_fallback_once(device: torch.device) -> None:
 def _check_cache_layout(kind, kv_cache_dtype, kv_c, kv_cache, c, r) -> None:
     """The cache's width and dtype for the layout ``kind`` (the canonical name)."""
     if kind != "auto":
-        fp8._require_fp8(kv_cache_dtype)
+        fp8.require_fp8(kv_cache_dtype)
     if kind == "fp8_ds_mla":
         if c % fp8.DS_MLA_GROUP or c == 0:
             raise ValueError(

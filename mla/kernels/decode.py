@@ -545,7 +545,7 @@ def _check_kv_format(q, kv_cache, kv_lora_rank, kv_cache_dtype, kv_scale) -> str
             raise ValueError(f"mla_decode: kv_cache's last dim must equal q's (c + r = {d}), got {kv_cache.shape[2]}")
     else:
         try:
-            fp8._require_fp8(kind)
+            fp8.require_fp8(kind)
         except RuntimeError as error:
             raise RuntimeError(f"mla_decode: {error}") from None
         if kind == "fp8_e4m3":

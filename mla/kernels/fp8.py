@@ -43,6 +43,7 @@ __all__ = [
     "KV_CACHE_DTYPES", "DS_MLA_GROUP", "E4M3_MAX", "MIN_SCALE", "canonical_kv_cache_dtype",
     "fp8_available", "bytes_per_token", "ds_mla_layout", "quantize_e4m3", "dequantize_e4m3",
     "calibrate_e4m3_scale", "quantize_ds_mla", "dequantize_ds_mla", "dequantize_rows",
+    "require_fp8",
 ]
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
@@ -70,7 +71,8 @@ def fp8_available() -> bool:
     return hasattr(torch, "float8_e4m3fn")
 
 
-def _require_fp8(kv_cache_dtype: str) -> None:
+def require_fp8(kv_cache_dtype: str) -> None:
+    """A RuntimeError naming ``kv_cache_dtype`` where this torch has no float8_e4m3fn."""
     if not fp8_available():
         raise RuntimeError(
             f"kv_cache_dtype={kv_cache_dtype!r} needs torch.float8_e4m3fn, which this torch "
@@ -136,7 +138,7 @@ def _scale_tensor(scale: float | torch.Tensor, device: torch.device) -> torch.Te
 def quantize_e4m3(kv_c: torch.Tensor, k_pe: torch.Tensor,
                   scale: float | torch.Tensor) -> torch.Tensor:
     """(T, c), (T, r) -> (T, c + r) float8_e4m3fn rows: e4m3(clamp([kv_c | k_pe] / s, ±448))."""
-    _require_fp8("fp8_e4m3")
+    require_fp8("fp8_e4m3")
     _check_rows(kv_c, k_pe)
     s = _scale_tensor(scale, kv_c.device)
     rows = torch.cat([kv_c, k_pe], dim=-1).float()  # (T, c + r)
@@ -148,7 +150,7 @@ def quantize_e4m3(kv_c: torch.Tensor, k_pe: torch.Tensor,
 def dequantize_e4m3(rows: torch.Tensor, kv_lora_rank: int,
                     scale: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, c + r) float8_e4m3fn rows -> kv_c (T, c), k_pe (T, r) float32 = row · scale."""
-    _require_fp8("fp8_e4m3")
+    require_fp8("fp8_e4m3")
     if rows.dtype != torch.float8_e4m3fn:
         raise TypeError(f"rows must be torch.float8_e4m3fn, got {rows.dtype}")
     x = rows.float() * _scale_tensor(scale, rows.device)  # (T, c + r)
@@ -168,9 +170,8 @@ def calibrate_e4m3_scale(kv_c: torch.Tensor, k_pe: torch.Tensor,
         raise ValueError(f"headroom must be a finite number >= 1, got {headroom!r}")
     amax = torch.zeros(1, dtype=torch.float32, device=kv_c.device)
     for t in (kv_c, k_pe):
-        if t.numel():
-            a = t.float().abs()
-            amax = torch.maximum(amax, a.masked_fill(~torch.isfinite(a), 0).amax())
+        if t.numel():  # one temporary in the rows' own dtype
+            amax = torch.maximum(amax, t.abs().nan_to_num_(nan=0.0, posinf=0.0).amax().float())
     limit = torch.tensor(E4M3_MAX / headroom, dtype=torch.float32, device=amax.device)
     return (amax / limit).clamp_min(MIN_SCALE)
 
@@ -182,16 +183,37 @@ def dequantize_rows(rows: torch.Tensor, kv_cache_dtype: str, kv_lora_rank: int, 
     ``dtype``: as they are for ``"auto"``, ``row · scale`` for ``"fp8_e4m3"`` (``scale``: the
     cache's (1,) float32 tensor), value · its group's scale and the bf16 rope for
     ``"fp8_ds_mla"``. The product is formed in float32 and rounded once to ``dtype``, as the
-    decode kernels do in registers."""
+    decode kernels do in registers. ``scale`` may also be a float (its value checked); a
+    tensor's value is not read (no host sync): it is the cache's own. Rows of the wrong dtype or
+    width, or a missing scale, raise naming the argument."""
     kind = canonical_kv_cache_dtype(kv_cache_dtype)
+    if kind == "fp8_ds_mla":
+        kv_c, k_pe = dequantize_ds_mla(rows, kv_lora_rank, rope_dim)
+        return torch.cat([kv_c, k_pe], dim=-1).to(dtype)
+    width = kv_lora_rank + rope_dim
+    if not isinstance(rows, torch.Tensor) or rows.dim() < 1 or rows.shape[-1] != width:
+        got = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
+        raise ValueError(f"dequantize_rows: rows must be (..., c + r = {width}), got {got}")
     if kind == "auto":
+        if rows.dtype not in _INPUT_DTYPES:
+            raise TypeError(f"dequantize_rows: rows of an 'auto' cache must be bfloat16, float16 "
+                            f"or float32, got {rows.dtype}")
         return rows.to(dtype)
-    if kind == "fp8_e4m3":
-        if scale is None:
-            raise ValueError("dequantize_rows: an fp8_e4m3 cache needs its scale (not calibrated?)")
-        return (rows.float() * scale.reshape(1)).to(dtype)
-    kv_c, k_pe = dequantize_ds_mla(rows, kv_lora_rank, rope_dim)
-    return torch.cat([kv_c, k_pe], dim=-1).to(dtype)
+    require_fp8(kind)
+    if rows.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"dequantize_rows: rows of an fp8_e4m3 cache must be "
+                        f"torch.float8_e4m3fn, got {rows.dtype}")
+    if isinstance(scale, torch.Tensor):
+        # the cache's own scale: its shape and dtype checked, its value not (that would sync)
+        if scale.numel() != 1 or scale.dtype != torch.float32:
+            raise ValueError(f"dequantize_rows: scale must be a 1-element float32 tensor, got "
+                             f"{scale.dtype} of shape {tuple(scale.shape)}")
+        scale = scale.reshape(1).to(rows.device)
+    elif scale is None:
+        raise ValueError("dequantize_rows: an fp8_e4m3 cache's rows need its scale")
+    else:
+        scale = _scale_tensor(scale, rows.device)
+    return (rows.float() * scale).to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,7 +222,7 @@ def dequantize_rows(rows: torch.Tensor, kv_cache_dtype: str, kv_lora_rank: int, 
 
 def quantize_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     """(T, c), (T, r) -> (T, c + 4·c/128 + 2·r) uint8 rows in FlashMLA's layout (module doc)."""
-    _require_fp8("fp8_ds_mla")
+    require_fp8("fp8_ds_mla")
     _check_rows(kv_c, k_pe)
     T, c = kv_c.shape
     groups = _ds_mla_groups(c)
@@ -223,7 +245,7 @@ def dequantize_ds_mla(rows: torch.Tensor, kv_lora_rank: int,
                       rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., c + 4·c/128 + 2·r) uint8 rows -> kv_c (..., c) = value · scale of its group and
     k_pe (..., r), both float32."""
-    _require_fp8("fp8_ds_mla")
+    require_fp8("fp8_ds_mla")
     layout = ds_mla_layout(kv_lora_rank, rope_dim)
     width = layout["rope"][1]
     if rows.dtype != torch.uint8 or rows.shape[-1] != width:

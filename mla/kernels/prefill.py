@@ -530,7 +530,7 @@ def _check_context_inputs(fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, 
     _check_tensor(fn, "kv_cache", kv_cache, ("num_blocks", "n", "width"))
     kind = fp8.canonical_kv_cache_dtype(kv_cache_dtype)
     if kind != "auto":
-        fp8._require_fp8(kv_cache_dtype)
+        fp8.require_fp8(kv_cache_dtype)
     width = fp8.bytes_per_token(kind, c, r) if kind == "fp8_ds_mla" else c + r
     dtype = {"auto": q_nope.dtype, "fp8_e4m3": getattr(torch, "float8_e4m3fn", None),
              "fp8_ds_mla": torch.uint8}[kind]

@@ -27,9 +27,9 @@ and `block_table_cpu`, the allocator's own copy, from which slot mappings are bu
 A row need not be c + r values of the weights' dtype: `kv_cache_dtype` picks one of the layouts of
 `mla.kernels.fp8`. "auto" stores the values as they are; "fp8_e4m3" stores each value in one
 byte of float8_e4m3fn with one float32 scale for the whole cache (`kv_scale`: given, or
-calibrated from the first tokens written and then fixed); "fp8_ds_mla" stores FlashMLA's
-656-byte token, the latent in e4m3 with a scale per 128 values computed as the row is written,
-the rope part in bf16. Every reader dequantises what it reads (`dequantize_rows`).
+calibrated from the first write that holds a non-zero value, then fixed); "fp8_ds_mla" stores
+FlashMLA's 656-byte token, the latent in e4m3 with a scale per 128 values computed as the row is
+written, the rope part in bf16. Every reader dequantises what it reads (`dequantize_rows`).
 """
 
 from __future__ import annotations
@@ -56,9 +56,10 @@ class OutOfBlocksError(RuntimeError):
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # An fp8_e4m3 cache calibrated from its first tokens maps their largest |value| to
-# E4M3_MAX / CALIBRATION_HEADROOM: later tokens up to twice as large are stored without
+# E4M3_MAX / CALIBRATION_HEADROOM = 224: later tokens up to twice as large are stored without
 # clipping. e4m3's relative step is the same in every binade, so the headroom costs the normal
-# values nothing; only values below 2^-15 of the calibration's largest reach the subnormals.
+# values nothing; only values below 2^-6 / 224 = 2^-13.8 of the calibration's largest reach
+# the subnormals.
 CALIBRATION_HEADROOM = 2.0
 
 
@@ -101,7 +102,7 @@ def check_kv_cache_dtype(kv_cache_dtype, kv_lora_rank: int) -> str:
                         f"{kv_cache_dtype!r}")
     kind = fp8.canonical_kv_cache_dtype(kv_cache_dtype)
     if kind != "auto":
-        fp8._require_fp8(kv_cache_dtype)
+        fp8.require_fp8(kv_cache_dtype)
     if kind == "fp8_ds_mla":
         fp8.ds_mla_layout(kv_lora_rank, 1)     # c a multiple of 128, else a ValueError naming c
     return kind
@@ -126,8 +127,9 @@ def check_kv_scale(kind: str, kv_scale, device: torch.device) -> torch.Tensor | 
         raise TypeError(f"kv_scale must be a float or a 1-element float32 tensor, got "
                         f"{kv_scale!r}")
     scale = torch.tensor([value], dtype=torch.float32)
-    if not (math.isfinite(float(scale)) and float(scale) > 0):
-        raise ValueError(f"kv_scale must be positive and finite, got {value}")
+    if not (math.isfinite(float(scale)) and float(scale) >= fp8.MIN_SCALE):
+        raise ValueError(f"kv_scale must be positive and finite, at least 2^-126 (a normal "
+                         f"float32), got {value}")
     return scale.to(device)
 
 
@@ -172,7 +174,7 @@ class PagedLatentCache:
             c + r of float8_e4m3fn ("fp8_e4m3") or c + 4·c/128 + 2·r of uint8 ("fp8_ds_mla").
         kv_cache_dtype: the layout's canonical name: "auto", "fp8_e4m3" or "fp8_ds_mla".
         kv_scale: "fp8_e4m3": a (1,) float32 tensor on `device`, or None until calibrated;
-            None for the other layouts.
+            None for the other layouts. `kernel_scale` is what the kernels are given.
         block_table: (b, max_blocks) int32 on `device`; UNUSED (-1) past a row's pages.
         block_table_cpu: the same on the CPU (the allocator's copy).
         seq_lens: (b,) int64 on the CPU.
@@ -196,6 +198,8 @@ class PagedLatentCache:
         kind = check_kv_cache_dtype(kv_cache_dtype, kv_lora_rank)
         self.kv_cache_dtype = kind
         self.kv_scale = check_kv_scale(kind, kv_scale, device)
+        # the scale an uncalibrated fp8_e4m3 cache writes and reads with (see kernel_scale)
+        self._unit_scale = torch.ones(1, device=device) if kind == "fp8_e4m3" else None
         self._dtype = dtype
         self.kv_lora_rank, self.rope_dim, self.block_size = kv_lora_rank, rope_dim, block_size
         self._max_seq_len = max_seq_len
@@ -259,22 +263,45 @@ class PagedLatentCache:
 
     @property
     def needs_scale(self) -> bool:
-        """True for an fp8_e4m3 cache not yet calibrated: its first write calibrates it."""
+        """True for an fp8_e4m3 cache not yet calibrated: a write calibrates it (`calibrate`)."""
         return self.kv_cache_dtype == "fp8_e4m3" and self.kv_scale is None
 
+    @property
+    def kernel_scale(self) -> torch.Tensor | None:
+        """The (1,) float32 scale the kernels write and read this cache with: `kv_scale`, or 1
+        while an fp8_e4m3 cache is uncalibrated; None for the other layouts. An uncalibrated
+        cache holds only tokens with no finite non-zero value (see `calibrate`), whose bytes
+        (zeros, NaN) read back the same under any scale."""
+        return self.kv_scale if self.kv_scale is not None else self._unit_scale
+
     def calibrate(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
-        """Fix an uncalibrated fp8_e4m3 cache's scale from these rows (T, c), (T, r): their
-        largest finite |value| maps to E4M3_MAX / CALIBRATION_HEADROOM (224). Computed on the
-        device, no host sync. Anything else (a scale already set, another layout) raises."""
+        """Fix an uncalibrated fp8_e4m3 cache's scale from the rows about to be written, kv_c
+        (T, c) and k_pe (T, r) on the cache's device: their largest finite |value| maps to
+        E4M3_MAX / CALIBRATION_HEADROOM (224). Rows with no finite non-zero value leave the
+        cache uncalibrated: a scale from them would be 2^-126 and every later value would clip.
+        Reads one number on the host. Anything else (a scale already set, another layout, rows
+        of other widths) raises."""
         if not self.needs_scale:
             raise RuntimeError(f"calibrate() is for an fp8_e4m3 cache without a scale; this cache "
                                f"is {self.kv_cache_dtype!r} with kv_scale={self.kv_scale}")
-        self.kv_scale = fp8.calibrate_e4m3_scale(kv_c, k_pe, headroom=CALIBRATION_HEADROOM)
+        for name, t, width in (("kv_c", kv_c, self.kv_lora_rank), ("k_pe", k_pe, self.rope_dim)):
+            if (not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != width
+                    or t.device != self.device):
+                got = (f"{tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+                       else type(t).__name__)
+                raise ValueError(f"calibrate: {name} must be (T, {width}) on {self.device}, "
+                                 f"got {got}")
+        if kv_c.shape[0] != k_pe.shape[0]:
+            raise ValueError(f"calibrate: kv_c and k_pe must have one row a token, got "
+                             f"{kv_c.shape[0]} and {k_pe.shape[0]}")
+        scale = fp8.calibrate_e4m3_scale(kv_c, k_pe, headroom=CALIBRATION_HEADROOM)
+        if float(scale) > fp8.MIN_SCALE:
+            self.kv_scale = scale
 
     def dequantize(self, rows: torch.Tensor) -> torch.Tensor:
         """Stored rows (..., width) of this cache -> (..., c + r) values in `dtype`."""
         return fp8.dequantize_rows(rows, self.kv_cache_dtype, self.kv_lora_rank, self.rope_dim,
-                                   self.kv_scale, self.dtype)
+                                   self.kernel_scale, self.dtype)
 
     def check_fits(self, *, batch_size: int, kv_lora_rank: int, rope_dim: int,
                    dtype: torch.dtype, device: torch.device | str) -> None:
@@ -423,10 +450,10 @@ class PagedLatentCache:
         self.allocate(seq_ids, new_lens)
         try:
             slots = self.slot_mapping(token_row, token_pos).to(self.device)
-            if self.needs_scale:
+            if self.needs_scale and real:
                 self.calibrate(kv_c[:real], k_pe[:real])
             concat_and_cache(kv_c, k_pe, self.kv_cache, slots,
-                             kv_cache_dtype=self.kv_cache_dtype, scale=self.kv_scale,
+                             kv_cache_dtype=self.kv_cache_dtype, scale=self.kernel_scale,
                              **concat_options)
         except Exception:
             # the write was refused (checks run before it writes): give the pages back
@@ -453,11 +480,23 @@ class PagedLatentCache:
         rows = self.dequantize(rows)                            # (t, c + r)
         return rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank:]
 
-    def append_stored(self, rows: torch.Tensor, i: int) -> None:
-        """Append stored rows (t, width) of a cache of the same layout (and, for fp8_e4m3, the
-        same scale: `gather(j, stored=True)` of it) to row i, bytes as they are. For moving a
-        sequence between caches without quantising it twice. All-or-nothing, as `append`."""
+    def append_stored(self, rows: torch.Tensor, i: int, *,
+                      kv_scale: float | torch.Tensor | None = None) -> None:
+        """Append stored rows (t, width) of a cache of the same layout (`gather(j,
+        stored=True)` of it) to row i, bytes as they are: a sequence moves between caches
+        without being quantised twice.
+
+        kv_scale: fp8_e4m3 only, the scale the rows were stored with (the other cache's
+        `kv_scale`; None for rows of an uncalibrated cache, which read the same under any
+        scale). An uncalibrated cache takes it as its own; a calibrated one must have the same.
+        All-or-nothing, as `append`.
+        """
         i = self._row_index("append_stored(i)", i)
+        scale = check_kv_scale(self.kv_cache_dtype, kv_scale, self.device)
+        if scale is not None and self.kv_scale is not None and not torch.equal(scale,
+                                                                                self.kv_scale):
+            raise ValueError(f"append_stored: kv_scale {float(scale)} differs from this cache's "
+                             f"{float(self.kv_scale)}: the rows would read back rescaled")
         if (not isinstance(rows, torch.Tensor) or rows.dim() != 2
                 or rows.shape[1] != self.kv_cache.shape[2] or rows.dtype != self.kv_cache.dtype
                 or rows.device != self.device):
@@ -468,6 +507,8 @@ class PagedLatentCache:
         seq_ids, new_lens = self.check_rows([i], [rows.shape[0]])
         positions = self.seq_lens[i] + torch.arange(rows.shape[0])
         self.allocate(seq_ids, new_lens)
+        if scale is not None and self.kv_scale is None and rows.shape[0]:
+            self.kv_scale = scale
         slots = self.slot_mapping(torch.full_like(positions, i), positions).to(self.device)
         self.kv_cache.view(-1, self.kv_cache.shape[2])[slots] = rows
         self.seq_lens[i] += rows.shape[0]
@@ -568,7 +609,7 @@ def write_slots(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: PagedLatentCache,
     """
     if extension_available(cache.device):
         torch.ops.mla.concat_and_cache_mla(kv_c, k_pe, cache.kv_cache, slot_mapping,
-                                           cache.kv_cache_dtype, cache.kv_scale)
+                                           cache.kv_cache_dtype, cache.kernel_scale)
     else:
         concat_and_cache_reference(kv_c, k_pe, cache.kv_cache, slot_mapping,
-                                   kv_cache_dtype=cache.kv_cache_dtype, scale=cache.kv_scale)
+                                   kv_cache_dtype=cache.kv_cache_dtype, scale=cache.kernel_scale)

@@ -27,8 +27,9 @@ computes. One call, for the new tokens of n sequences packed into N rows:
 No path stores a (query, key) score: a call's memory grows with its new tokens and the
 workspace, never with new tokens x context. Every path reads the cache through its layout: an
 fp8 cache's rows are dequantised as they are read (in the decode kernel's registers, into the
-prefill's workspace), so the attention is that over the dequantised cache. `attend_prefill_reference` is the same attention in
-plain torch, every score materialised: the readable version the kernels are tested against.
+prefill's workspace), so the attention is that over the dequantised cache.
+`attend_prefill_reference` is the same attention in plain torch, every score materialised: the
+readable version the kernels are tested against.
 
 The eager call (`forward`, `forward_ragged`) and the CUDA-graph step (`decode_step`) run the same
 `_run`; they differ only in who builds the metadata: the host plan, or the caller's device
@@ -202,8 +203,17 @@ def decode_attention(q: torch.Tensor, cache: PagedLatentCache, block_table: torc
                         kv_lora_rank=cache.kv_lora_rank, softmax_scale=softmax_scale,
                         num_kv_splits=num_kv_splits, max_seq_len=max_seq_len,
                         check_block_table=False, kv_cache_dtype=cache.kv_cache_dtype,
-                        kv_scale=cache.kv_scale)
+                        kv_scale=cache.kernel_scale)
     return out
+
+
+def check_calibrated(cache: PagedLatentCache) -> None:
+    """The CUDA-graph step reads nothing on the host, so it cannot calibrate: an fp8_e4m3
+    cache must have its scale before `decode_inputs` touches it."""
+    if isinstance(cache, PagedLatentCache) and cache.needs_scale:
+        raise ValueError("cache is fp8_e4m3 without a scale, and decode_inputs / decode_step do "
+                         "not calibrate (the step reads nothing on the host); give the layer or "
+                         "cache a kv_scale, or run an eager call (a prefill) first")
 
 
 def check_num_kv_splits(num_kv_splits, *, allow_none: bool) -> None:
@@ -258,9 +268,10 @@ class PagedMLA(MLAAttention):
             float32 scale for the cache) or "fp8_ds_mla" (FlashMLA's 656-byte token: the latent
             in e4m3 with a scale per 128 values, the rope part in bf16). A call reads any cache
             in the cache's own layout.
-        kv_scale: "fp8_e4m3" only: the scale of new caches, a positive finite float or
-            1-element float32 tensor; None = each cache calibrates its own from its first
-            write (its largest finite |value| maps to 224, half of e4m3's range), then keeps it.
+        kv_scale: "fp8_e4m3" only: the scale of new caches, a float or 1-element float32
+            tensor, finite and at least 2^-126; None = each cache calibrates its own from its
+            first write that holds a non-zero value (its largest finite |value| maps to 224,
+            half of e4m3's range; one host read), then keeps it.
         num_kv_splits: passed to `mla.kernels.mla_decode`; None lets it choose from the batch,
             the longest row (known on the host, so no sync) and the SM count.
         shuffle: default seed of `new_cache`'s random page order (None: pages in order).
@@ -546,7 +557,7 @@ class PagedMLA(MLAAttention):
 
         # Append: each token's [kv_c | k_pe] row into its slot, in the cache's layout; the
         # attention below reads it back. An fp8_e4m3 cache without a scale takes it from the
-        # first tokens it holds.
+        # first tokens it holds that are not all zero.
         if cache.needs_scale:
             cache.calibrate(kv_c_normed[0], k_pe[0])
         write_slots(kv_c_normed[0], k_pe[0], cache, plan.slot_mapping)
@@ -630,7 +641,7 @@ class PagedMLA(MLAAttention):
             softmax_scale=self.softmax_scale, workspace_tokens=self.workspace_tokens,
             max_seqlen_q=rows.max_new_len, context_lens_host=rows.context_lens_host,
             backend=self.prefill_backend, kv_cache_dtype=cache.kv_cache_dtype,
-            kv_scale=cache.kv_scale)
+            kv_scale=cache.kernel_scale)
         return o                                                            # (T_p, h, v)
 
     # ---- the CUDA-graph decode entry -----------------------------------------------------------
@@ -647,6 +658,7 @@ class PagedMLA(MLAAttention):
         each replay.
         """
         names = ("slot_mapping", "positions", "seq_lens_after")
+        check_calibrated(cache)
         if out is not None and not (isinstance(out, dict) and all(k in out for k in names)):
             raise ValueError(f"out must be a dict with the tensors {names} (an earlier "
                              f"decode_inputs' result), got {out!r}")
@@ -704,10 +716,7 @@ class PagedMLA(MLAAttention):
         self.check_x(x, ragged=True)
         self.check_cache(cache, x.shape[0], cache_type=PagedLatentCache)
         b = cache.batch_size
-        if cache.needs_scale:
-            raise ValueError("cache is fp8_e4m3 without a scale, and decode_step does not "
-                             "calibrate (it reads nothing on the host); give the layer or cache a "
-                             "kv_scale, or run an eager call (a prefill) first")
+        check_calibrated(cache)
         check_num_kv_splits(num_kv_splits, allow_none=False)
         table = cache.block_table if block_table is None else block_table
         for name, t, shape, dtype in (("slot_mapping", slot_mapping, (b,), torch.int64),
