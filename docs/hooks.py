@@ -88,6 +88,7 @@ def _namespace() -> dict:
         "generate_table": generate_table,
         "capacity_table": capacity_table,
         "fp8_accuracy_table": fp8_accuracy_table,
+        "fp8_decode_section": fp8_decode_section,
         "kib": lambda n: n / 1024,
         "mib": lambda n: n / 1024**2,
     }
@@ -634,6 +635,26 @@ def fp8_accuracy_table(name: str = "cpu-fp8-accuracy.json") -> str:
         ("prefill", lambda r: f"{r['prefill_rel_err']:.1e}"),
         ("extend + prefill + decode", lambda r: f"{r['mixed_rel_err']:.1e}"),
         ("decode", lambda r: f"{r['decode_rel_err']:.1e}"),
+    ])
+
+
+def fp8_decode_section(name: str = "h200-decode.json") -> str:
+    """Markdown: the decode benchmark's fp8 rows (one query token), each layout's time beside
+    the bf16 row's, or a sentence saying the committed run has none."""
+    data = result(name)
+    rows = [r for r in data.get("fp8_rows", []) if r.get("s_q", 1) == 1]
+    if not rows:
+        return (f"`benchmarks/results/{name}` holds no fp8 rows yet: its run timed the bf16 "
+                "cache only. `python -m mla bench decode --kv-cache-dtype "
+                "auto,fp8_e4m3,fp8_ds_mla` times every layout in one run, and this table fills "
+                "in from it.")
+    rows.sort(key=lambda r: (r["h"], r["b"] * r["t"], r["b"], r["kv_cache_dtype"]))
+    return _table(rows, [
+        ("b", lambda r: str(r["b"])), ("t", lambda r: f"{r['t']:,}"), ("h", lambda r: str(r["h"])),
+        ("cache", lambda r: f"`{r['kv_cache_dtype']}`"),
+        ("µs (x floor)", lambda r: f"{r['time_us']:.1f} ({r['time_us'] / r['floor_us']:.2f})"),
+        ("x bf16", lambda r: f"**{r['over_bf16']:.2f}**"),
+        ("x bf16 on Triton", lambda r: f"{r['over_bf16_triton']:.2f}"),
     ])
 
 
