@@ -82,24 +82,66 @@ ConcatAndCacheArgs check_concat_and_cache_mla(const at::Tensor& kv_c, const at::
   return {T, c, r, kv_cache.size(0) * kv_cache.size(1), format};
 }
 
-void check_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                      const at::Tensor& seq_lens, const at::Tensor& part_out, const at::Tensor& part_lse,
-                      int64_t num_splits, const DecodeKernelSizes& sizes) {
+CacheFormat check_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                             const at::Tensor& seq_lens, const at::Tensor& part_out, const at::Tensor& part_lse,
+                             int64_t num_splits, const DecodeKernelSizes& sizes, const std::string& kv_cache_dtype,
+                             const std::optional<at::Tensor>& kv_scale) {
   const int64_t d = sizes.c + sizes.r;
   TORCH_CHECK(q.is_cuda(), sizes.name, ": q must be a CUDA tensor, got one on ", q.device());
   TORCH_CHECK(q.dim() == 3 && q.size(1) <= sizes.max_heads && q.size(2) == d,
               sizes.name, ": q must be (b, h <= ", num(sizes.max_heads), ", ", num(d), "), got ", dims(q));
-  TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(2) == d && kv_cache.size(1) > 0 &&
+  // the cache's layout, then its row width and dtype in that layout
+  CacheFormat format = CacheFormat::kAuto;
+  if (kv_cache_dtype == "fp8" || kv_cache_dtype == "fp8_e4m3") {
+    format = CacheFormat::kFp8E4M3;
+  } else if (kv_cache_dtype == "fp8_ds_mla") {
+    format = CacheFormat::kFp8DsMla;
+  } else {
+    TORCH_CHECK(kv_cache_dtype == "auto", sizes.name,
+                ": kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_ds_mla', got '", kv_cache_dtype, "'");
+  }
+  const auto kv_dtype = kv_cache.scalar_type();
+  if (format == CacheFormat::kAuto) {
+    TORCH_CHECK(kv_dtype != at::kByte && kv_dtype != at::kFloat8_e4m3fn, sizes.name, ": kv_cache is ", kv_dtype,
+                " (an fp8 cache) but kv_cache_dtype is 'auto'; ",
+                sizes.reads_fp8 ? "pass kv_cache_dtype 'fp8_e4m3' (with kv_scale) or 'fp8_ds_mla'"
+                                : "this kernel reads caches in q's dtype (bfloat16 / float16) only");
+  } else {
+    TORCH_CHECK(sizes.reads_fp8, sizes.name, ": reads caches in q's dtype only, not kv_cache_dtype '",
+                kv_cache_dtype, "'");
+  }
+  const bool ds_mla = format == CacheFormat::kFp8DsMla;
+  const int64_t width = ds_mla ? sizes.c + 4 * (sizes.c / kDsMlaGroup) + 2 * sizes.r : d;
+  TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(2) == width && kv_cache.size(1) > 0 &&
                   kv_cache.size(1) % sizes.tile == 0,
-              sizes.name, ": kv_cache must be (pages, page_size, ", num(d),
+              sizes.name, ": kv_cache must be (pages, page_size, ", num(width), ds_mla ? " bytes" : "",
               ") with page_size a multiple of ", num(sizes.tile), ", got ", dims(kv_cache));
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() &&
-                  (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf),
-              sizes.name, ": q and kv_cache must both be bfloat16 or both float16, got ",
-              q.scalar_type(), " and ", kv_cache.scalar_type());
+  if (format == CacheFormat::kAuto) {
+    TORCH_CHECK(q.scalar_type() == kv_dtype && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf),
+                sizes.name, ": q and kv_cache must both be bfloat16 or both float16, got ", q.scalar_type(), " and ",
+                kv_dtype);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, sizes.name,
+                ": q must be bfloat16 or float16, got ", q.scalar_type());
+    const auto stored = ds_mla ? at::kByte : at::kFloat8_e4m3fn;
+    TORCH_CHECK(kv_dtype == stored, sizes.name, ": kv_cache must be ", stored, " for kv_cache_dtype '",
+                kv_cache_dtype, "', got ", kv_dtype);
+  }
+  if (format == CacheFormat::kFp8E4M3) {
+    TORCH_CHECK(kv_scale.has_value(), sizes.name, ": kv_scale (the cache's one scale) is required for kv_cache_dtype '",
+                kv_cache_dtype, "'");
+    TORCH_CHECK(kv_scale->numel() == 1 && kv_scale->scalar_type() == at::kFloat && kv_scale->device() == q.device(),
+                sizes.name, ": kv_scale must be a 1-element float32 tensor on q's device ", q.device(), ", got ",
+                dims(*kv_scale), " ", kv_scale->scalar_type(), " on ", kv_scale->device());
+  } else {
+    TORCH_CHECK(!kv_scale.has_value(), sizes.name, ": kv_scale must be None for kv_cache_dtype '", kv_cache_dtype,
+                "'", ds_mla ? " (its scales are in each row)" : "");
+  }
   const int64_t b = q.size(0), h = q.size(1);
+  const int64_t kv_item = kv_cache.element_size();  // the row strides in bytes: whole 16-byte pieces
   TORCH_CHECK(q.stride(2) == 1 && kv_cache.stride(2) == 1 && q.stride(0) % 8 == 0 &&
-                  q.stride(1) % 8 == 0 && kv_cache.stride(0) % 8 == 0 && kv_cache.stride(1) % 8 == 0 &&
+                  q.stride(1) % 8 == 0 && kv_cache.stride(0) * kv_item % 16 == 0 &&
+                  kv_cache.stride(1) * kv_item % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(kv_cache.data_ptr()) % 16 == 0,
               sizes.name, ": q's and kv_cache's rows must be contiguous and 16-byte aligned");
@@ -130,6 +172,7 @@ void check_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at:
     TORCH_CHECK(t->device() == q.device(), sizes.name, ": all tensors must be on q's device ",
                 q.device(), ", got one on ", t->device());
   }
+  return format;
 }
 
 }  // namespace mla
@@ -142,10 +185,14 @@ TORCH_LIBRARY(mla, m) {
   // Stage 1 of split-KV decode for <= 16 heads (mla/kernels/decode.py calls it as "cuda-sm80"): each split's
   // fp32 partial output and log-sum-exp, which the Triton merge combines into out and lse; with
   // num_splits = 1, part_out may be out itself (b, h, 1, c) in q's dtype and part_lse lse (b, h, 1).
+  // kv_cache_dtype names the cache's layout (mla/kernels/fp8.py): 'auto' (q's dtype), 'fp8' /
+  // 'fp8_e4m3' (kv_scale its 1-element float32 scale on the device) or 'fp8_ds_mla'.
   m.def(
       "mla_decode_sm80(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor(a!) part_out, Tensor(b!) part_lse, float softmax_scale, int num_splits) -> ()");
-  // The same for any number of heads, 64 a CTA, with Hopper's wgmma (mla_decode_sm90.cu).
+      "Tensor(a!) part_out, Tensor(b!) part_lse, float softmax_scale, int num_splits, "
+      "str kv_cache_dtype='auto', Tensor? kv_scale=None) -> ()");
+  // The same for any number of heads, 64 a CTA, with Hopper's wgmma (mla_decode_sm90.cu), on caches
+  // in q's dtype only.
   m.def(
       "mla_decode_sm90(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor(a!) part_out, Tensor(b!) part_lse, float softmax_scale, int num_splits) -> ()");

@@ -12,6 +12,14 @@
 // bf16 / fp16 with c = 512, r = 64 and pages of a multiple of 32 rows, on a GPU of compute
 // capability >= 8.0.
 //
+// It also reads the two fp8 layouts of mla/kernels/fp8.py (kv_cache_dtype "fp8_e4m3": 576
+// e4m3 bytes a row and one float32 scale in a 1-element device tensor; "fp8_ds_mla": 656 bytes,
+// 512 e4m3 values, 4 float32 scales one per 128 values, 64 bf16 rope values). The copies then
+// bring a tile's stored bytes into shared memory, and once they land the CTA dequantises them
+// into the tile in q's dtype that the products read: e4m3 x scale in float32, rounded once to
+// q's dtype (the bf16 rope values converted to it), the values the Triton kernel computes in
+// registers. The products, the softmax and the launch shapes are the same for every layout.
+//
 // Why a second kernel: at 16 heads the Triton program holds 255 registers and spills (each warp
 // keeps the whole (16, 576) query and a full tile's operand fragments) and keeps one tile in
 // flight. Here the fragments are loaded a k-step at a time (229-236 registers on sm_90 by nvcc
@@ -28,6 +36,7 @@
 //
 //   q (16, 576) -> shared -> each warp's fragments of its quarter of the 576 dims (registers)
 //   for each tile of 32 tokens of this split (cp.async, kStages - 1 tiles ahead):
+//     (fp8 cache: the tile's stored bytes -> the one tile in q's dtype, all threads)
 //     warp dq in 0..3: s_part = q[:, dq quarter] . K[:, dq quarter]^T       (16, 32) fp32
 //     s = sum over the 4 quarters (through shared memory) * scale * log2(e); -inf past the split
 //     online softmax, 8 threads a head row: m, l in registers; p (16, 32) and alpha to shared
@@ -46,9 +55,13 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
 #include <type_traits>
 
 namespace mla {
@@ -62,6 +75,19 @@ constexpr int kRowStride = kD + 8;       // 584 values = 1168 bytes: 8 rows of l
 constexpr int kVecsPerRow = kD / 8;      // 72 16-byte vectors a row
 constexpr int kQKDims = kD / 4;          // 144 dims a warp in q . k (4 dim quarters)
 constexpr int kQKSteps = kQKDims / 16;   // 9 k-steps
+
+// The stored rows of the fp8 layouts (mla/kernels/fp8.py): fp8_e4m3 holds c + r e4m3 bytes;
+// fp8_ds_mla holds c e4m3 bytes, then c / 128 float32 scales from byte kDsMlaScales, then r bf16
+// values from byte kDsMlaRope.
+constexpr int kDsMlaScales = kC;                                                    // 512
+constexpr int kDsMlaRope = kDsMlaScales + 4 * kC / static_cast<int>(kDsMlaGroup);  // 528
+// Bytes of a stored row (0 for kAuto, whose rows are copied as they are): 576 and 656.
+template <CacheFormat F>
+constexpr int kStoredRowBytes =
+    F == CacheFormat::kFp8E4M3 ? kD : F == CacheFormat::kFp8DsMla ? kDsMlaRope + 2 * kR : 0;
+static_assert(kStoredRowBytes<CacheFormat::kFp8E4M3> % 16 == 0 && kStoredRowBytes<CacheFormat::kFp8DsMla> % 16 == 0 &&
+                  kDsMlaRope % 16 == 0,
+              "stored rows and the rope part come in whole 16-byte copies");
 
 // A launch shape: TILE tokens a step, STAGES tiles in shared memory, WARPS warps a CTA, and
 // MIN_BLOCKS CTAs an SM for __launch_bounds__. Warps split q . k as (WARPS / 4 token groups) x
@@ -83,11 +109,23 @@ struct Shape {
   static_assert(kPVDims % 16 == 0 && TILE % 16 == 0, "p . V: whole n-tile pairs and k-steps");
   static_assert(kRowThreads <= 32 && 32 % kRowThreads == 0 && kRowTok % 2 == 0, "softmax rows");
   static_assert(TILE * kVecsPerRow % kThreads == 0, "tile loads split evenly over the threads");
-  static constexpr size_t kSmemBytes =
-      (size_t(STAGES) * TILE * kRowStride + kHeads * kRowStride) * 2  // tiles, q
-      + size_t(4) * kHeads * kRedStride * 4                           // partial scores
-      + size_t(kHeads) * kPStride * 2                                 // p
-      + 2 * kHeads * 4;                                               // alpha, l
+  static constexpr size_t kTileBytes = size_t(TILE) * kRowStride * 2;  // one tile in q's dtype
+  static constexpr size_t kRestBytes = size_t(kHeads) * kRowStride * 2  // q
+                                       + size_t(4) * kHeads * kRedStride * 4  // partial scores
+                                       + size_t(kHeads) * kPStride * 2        // p
+                                       + 2 * kHeads * 4;                      // alpha, l
+  static constexpr size_t kSmemBytes = STAGES * kTileBytes + kRestBytes;  // a cache in q's dtype
+};
+
+// Shared memory of shape S reading a cache of layout F: the tiles in q's dtype (kStages of them
+// for kAuto; for fp8 the one the products read), q, the partial scores, p, alpha and l; then, for
+// fp8, the kStages tiles of stored bytes the copies fill.
+template <typename S, CacheFormat F>
+struct Smem {
+  static constexpr int kTiles = F == CacheFormat::kAuto ? S::kStages : 1;
+  static constexpr size_t kRawOffset = kTiles * S::kTileBytes + S::kRestBytes;
+  static constexpr size_t kBytes = kRawOffset + size_t(S::kStages) * S::kTile * kStoredRowBytes<F>;
+  static_assert(kRawOffset % 16 == 0, "cp.async writes the stored bytes in 16-byte pieces");
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -143,10 +181,116 @@ __device__ __forceinline__ void store_pair(__half* dst, float x, float y) {
   *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(x, y);
 }
 
-template <typename T, typename S>
+// ---------------------------------------------------------------------------------------------
+// Reading fp8 rows: stored bytes -> values in q's dtype
+
+// A float8_e4m3fn byte (in the low 8 bits) -> its float value, exactly, with integer operations
+// and one exact multiply: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 holds
+// the subnormals m * 2^-9 and the zeros, 0x7F / 0xFF are NaN (no infinities), as in
+// mla/kernels/triton_decode.py's _e4m3_to_float32. GPUs before sm_89 use it (they have no e4m3
+// conversion instruction).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 890
+__host__ __device__ __forceinline__ float e4m3_to_float(uint32_t byte) {
+  const uint32_t mag = byte & 0x7Fu;
+  // a normal value 2^(e-7) (1 + m/8) is the float with exponent field e + 120 and the 3 mantissa
+  // bits on top of float's 23
+  uint32_t bits = (mag << 20) + (120u << 23);
+  if ((mag >> 3) == 0) {  // m * 2^-9: exact (m < 8), a normal float
+    const float subnormal = static_cast<float>(mag) * 0.001953125f;
+    memcpy(&bits, &subnormal, 4);
+  }
+  if (mag == 0x7Fu) bits = 0x7FC00000u;  // NaN
+  bits |= (byte & 0x80u) << 24;          // the sign, -0 included
+  float value;
+  memcpy(&value, &bits, 4);
+  return value;
+}
+#endif
+
+// Two e4m3 bytes (the low 16 bits, the lower byte first) -> their float values, exactly: on
+// sm_89 and later one cvt.rn.f16x2.e4m3x2 (every e4m3 value, NaN included, is exact in fp16),
+// before that e4m3_to_float.
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t two) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  __half2 h;
+  h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xFFFFu), __NV_E4M3);
+  return __half22float2(h);
+#else
+  return make_float2(e4m3_to_float(two & 0xFFu), e4m3_to_float((two >> 8) & 0xFFu));
+#endif
+}
+
+// Two floats rounded to T (round to nearest even) as 4 bytes, x in the low half.
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float x, float y) {
+  uint32_t pair;
+  store_pair(reinterpret_cast<T*>(&pair), x, y);
+  return pair;
+}
+
+// 8 e4m3 bytes -> 8 values e4m3 * scale in T (16 bytes): the product in float32, rounded once.
+template <typename T>
+__device__ __forceinline__ uint4 e4m3x8_to(uint2 bytes, float scale) {
+  uint32_t out[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 v = e4m3x2_to_float2((j < 2 ? bytes.x : bytes.y) >> (16 * (j & 1)));
+    out[j] = pack_pair<T>(v.x * scale, v.y * scale);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// 8 bf16 values -> T: as they are for bf16, rounded to nearest even for fp16 (a bf16 is the top
+// half of the float of the same value).
+template <typename T>
+__device__ __forceinline__ uint4 bf16x8_to(uint4 v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return v;
+  } else {
+    uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[j] = pack_pair<T>(__uint_as_float(w[j] << 16), __uint_as_float(w[j] & 0xFFFF0000u));
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// The stored rows of one tile (raw: TILE rows of kStoredRowBytes<F>) -> the tile in q's dtype that
+// the products read (TILE rows of kRowStride values), 8 values (16 bytes of the tile) a thread at a
+// time. fp8_e4m3: every value e4m3 * kv_scale. fp8_ds_mla: the latent e4m3 * the float32 scale of
+// its 128-value group (stored in the row), the rope part bf16. Rows at and past `valid` (past the
+// split's end: their copies read nothing) are zeros, as in a tile of a cache in q's dtype, whatever
+// the scale.
+template <typename T, CacheFormat F, int TILE, int THREADS>
+__device__ __forceinline__ void dequantize_tile(const unsigned char* raw, T* tile, int valid, float kv_scale,
+                                                int tid) {
+  constexpr int kRowBytes = kStoredRowBytes<F>;
+  static_assert(TILE * kVecsPerRow % THREADS == 0, "the tile's 16-byte pieces split evenly over the threads");
+#pragma unroll 2
+  for (int k = 0; k < TILE * kVecsPerRow / THREADS; ++k) {
+    const int i = tid + k * THREADS;
+    const int row = i / kVecsPerRow, col = (i % kVecsPerRow) * 8;  // values col ... col + 7 of the row
+    const unsigned char* src = raw + row * kRowBytes;
+    uint4 out = make_uint4(0u, 0u, 0u, 0u);
+    if (row < valid) {
+      if (F == CacheFormat::kFp8DsMla && col >= kC) {
+        out = bf16x8_to<T>(*reinterpret_cast<const uint4*>(src + kDsMlaRope + 2 * (col - kC)));
+      } else {
+        const float scale =
+            F == CacheFormat::kFp8E4M3 ? kv_scale
+                                       : *reinterpret_cast<const float*>(src + kDsMlaScales + 4 * (col / kDsMlaGroup));
+        out = e4m3x8_to<T>(*reinterpret_cast<const uint2*>(src + col), scale);
+      }
+    }
+    *reinterpret_cast<uint4*>(tile + row * kRowStride + col) = out;
+  }
+}
+
+// T: q's dtype; S: the launch shape; F: the cache's layout; KV: what its rows hold (T, or fp8 bytes).
+template <typename T, typename S, CacheFormat F, typename KV = std::conditional_t<F == CacheFormat::kAuto, T, uint8_t>>
 __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_kernel(
     const T* __restrict__ q,             // (b, h, 576)
-    const T* __restrict__ kv,            // (pages, page_size, 576)
+    const KV* __restrict__ kv,           // (pages, page_size, 576) in T, or (pages, page_size, bytes) fp8
+    const float* __restrict__ kv_scale,  // (1,): the fp8_e4m3 cache's scale; not read otherwise
     const int* __restrict__ block_table,  // (b, max_pages), last dim contiguous
     const int* __restrict__ seq_lens,     // (b,), contiguous
     void* __restrict__ part_out,          // (b, h, splits, 512) fp32; out (b, h, 1, 512) in T if final_out
@@ -156,13 +300,15 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
     int64_t sqb, int64_t sqh, int64_t skp, int64_t skn, int64_t sbb,
     int64_t sob, int64_t soh, int64_t sos, int64_t slb, int64_t slh, int64_t sls) {
   constexpr int kTile = S::kTile, kStages = S::kStages, kThreads = S::kThreads;
+  using L = Smem<S, F>;
   extern __shared__ __align__(128) unsigned char smem[];
-  T* kv_s = reinterpret_cast<T*>(smem);                               // (kStages, kTile, kRowStride)
-  T* q_s = kv_s + kStages * kTile * kRowStride;                       // (kHeads, kRowStride)
+  T* kv_s = reinterpret_cast<T*>(smem);                               // (L::kTiles, kTile, kRowStride)
+  T* q_s = kv_s + L::kTiles * kTile * kRowStride;                     // (kHeads, kRowStride)
   float* red_s = reinterpret_cast<float*>(q_s + kHeads * kRowStride);  // (4, kHeads, kRedStride)
   T* p_s = reinterpret_cast<T*>(red_s + 4 * kHeads * S::kRedStride);  // (kHeads, kPStride)
   float* alpha_s = reinterpret_cast<float*>(p_s + kHeads * S::kPStride);  // (kHeads,)
   float* l_s = alpha_s + kHeads;                                      // (kHeads,)
+  unsigned char* raw_s = smem + L::kRawOffset;  // fp8: (kStages, kTile, kStoredRowBytes<F>) stored bytes
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int h0 = blockIdx.x * kHeads;
@@ -183,19 +329,34 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
   cp_async_commit();
 
   // ---- tile t of the split -> stage: one block-table entry (the tile lies in one page), kTile
-  // rows of 72 vectors; rows past the split's end are zero-filled, never read
+  // rows of 72 vectors; rows past the split's end are zero-filled, never read. An fp8 tile is
+  // its rows' stored bytes, 16 at a time, into the stage's raw bytes
   const int* bt_row = block_table + b * sbb;
   auto load_tile = [&](int t, int stage) {
     const int tok0 = start + t * kTile;
     const int64_t page = bt_row[tok0 / page_size];
-    const T* src = kv + page * skp + static_cast<int64_t>(tok0 % page_size) * skn;
-    T* dst = kv_s + stage * kTile * kRowStride;
+    const KV* src = kv + page * skp + static_cast<int64_t>(tok0 % page_size) * skn;
+    if constexpr (F == CacheFormat::kAuto) {
+      T* dst = kv_s + stage * kTile * kRowStride;
 #pragma unroll
-    for (int k = 0; k < S::kLoads; ++k) {
-      const int i = tid + k * kThreads;
-      const int row = i / kVecsPerRow, col = (i % kVecsPerRow) * 8;
-      const bool ok = tok0 + row < end;
-      cp_async16(smem_addr(dst + row * kRowStride + col), ok ? src + row * skn + col : kv, ok);
+      for (int k = 0; k < S::kLoads; ++k) {
+        const int i = tid + k * kThreads;
+        const int row = i / kVecsPerRow, col = (i % kVecsPerRow) * 8;
+        const bool ok = tok0 + row < end;
+        cp_async16(smem_addr(dst + row * kRowStride + col), ok ? src + row * skn + col : kv, ok);
+      }
+    } else {
+      constexpr int kRowBytes = kStoredRowBytes<F>, kPieces = kTile * kRowBytes / 16;
+      unsigned char* dst = raw_s + stage * kTile * kRowBytes;
+#pragma unroll
+      for (int k = 0; k < (kPieces + kThreads - 1) / kThreads; ++k) {
+        const int i = tid + k * kThreads;
+        if (kPieces % kThreads == 0 || i < kPieces) {
+          const int row = i / (kRowBytes / 16), col = (i % (kRowBytes / 16)) * 16;
+          const bool ok = tok0 + row < end;
+          cp_async16(smem_addr(dst + row * kRowBytes + col), ok ? src + row * skn + col : kv, ok);
+        }
+      }
     }
   };
 #pragma unroll
@@ -206,6 +367,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
 
   // ---- this warp's query fragments: dims [dq * 144, dq * 144 + 144), 9 k-steps of 16
   const int tq = warp >> 2, dq = warp & 3;
+  float scale_e4m3 = 1.f;  // fp8_e4m3: the cache's one scale
+  if constexpr (F == CacheFormat::kFp8E4M3) scale_e4m3 = *kv_scale;
   cp_async_wait<kStages - 1>();  // the q group (the oldest) has landed
   __syncthreads();
   uint32_t qf[kQKSteps][4];
@@ -230,8 +393,15 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
       if (next < n_tiles) load_tile(next, next % kStages);
       cp_async_commit();
     }
-    const T* tile = kv_s + (t % kStages) * kTile * kRowStride;
+    const T* tile = kv_s + (F == CacheFormat::kAuto ? (t % kStages) * kTile * kRowStride : 0);
     const int valid = min(kTile, end - (start + t * kTile));
+    if constexpr (F != CacheFormat::kAuto) {
+      // the landed stored bytes -> the tile in q's dtype (every read of the last one is done:
+      // the barrier above), whole before any warp reads it
+      dequantize_tile<T, F, kTile, kThreads>(raw_s + (t % kStages) * kTile * kStoredRowBytes<F>, kv_s, valid,
+                                             scale_e4m3, tid);
+      __syncthreads();
+    }
 
     // -- partial scores of this warp: 16 heads x its kQKTok tokens over its 144 dims
     float s[S::kQKN][4];
@@ -376,16 +546,45 @@ static_assert(DecodeShape::kSmemBytes == 105088,
 // faster at one sequence of 32k-128k tokens, 0.6 us slower at 4k, where a split has 4 tiles).
 using WaveShape = Shape<32, 4, 4, 1>;
 static_assert(WaveShape::kSmemBytes == 179840, "the one-wave shape's shared memory");
+// On an fp8 cache the same shapes hold kStages tiles of stored bytes and one tile in q's dtype:
+// less than or a little more than the bf16 shapes, so two CTAs of DecodeShape still share an
+// H100 / H200 SM (228 KiB, 1 KiB of it reserved a CTA) and WaveShape still fits a block.
+static_assert(Smem<DecodeShape, CacheFormat::kAuto>::kBytes == DecodeShape::kSmemBytes &&
+                  Smem<WaveShape, CacheFormat::kAuto>::kBytes == WaveShape::kSmemBytes,
+              "a cache in q's dtype: the shapes' own shared memory");
+static_assert(Smem<DecodeShape, CacheFormat::kFp8E4M3>::kBytes == 104576 &&
+                  Smem<DecodeShape, CacheFormat::kFp8DsMla>::kBytes == 109696,
+              "mla/kernels/backends.py's SM80_FP8_SMEM_BYTES must equal these");
+static_assert(Smem<WaveShape, CacheFormat::kFp8E4M3>::kBytes == 141440 &&
+                  Smem<WaveShape, CacheFormat::kFp8DsMla>::kBytes == 151680,
+              "the one-wave shape's shared memory on fp8 caches");
+static_assert(2 * (Smem<DecodeShape, CacheFormat::kFp8DsMla>::kBytes + 1024) <= 228 * 1024,
+              "two CTAs an H100 / H200 SM on an fp8_ds_mla cache");
 
 // ---------------------------------------------------------------------------------------------
 // Host side: the check (binding.cpp), then the launch on the current stream
 
+// Shared memory a CTA of shape S needs on a cache of layout `format`.
+template <typename S>
+size_t smem_bytes(CacheFormat format) {
+  switch (format) {
+    case CacheFormat::kFp8E4M3:
+      return Smem<S, CacheFormat::kFp8E4M3>::kBytes;
+    case CacheFormat::kFp8DsMla:
+      return Smem<S, CacheFormat::kFp8DsMla>::kBytes;
+    default:
+      return Smem<S, CacheFormat::kAuto>::kBytes;
+  }
+}
+
 void mla_decode_sm80(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, at::Tensor& part_out, at::Tensor& part_lse,
-                     double softmax_scale, int64_t num_splits) {
+                     double softmax_scale, int64_t num_splits, const std::string& kv_cache_dtype,
+                     const std::optional<at::Tensor>& kv_scale) {
   // mla_decode checked the user's arguments; these guard the kernel's own assumptions.
-  check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
-                   {"mla_decode_sm80", kHeads, kC, kR, DecodeShape::kTile});
+  const CacheFormat format =
+      check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
+                       {"mla_decode_sm80", kHeads, kC, kR, DecodeShape::kTile, true}, kv_cache_dtype, kv_scale);
   const int64_t b = q.size(0), h = q.size(1);
   if (b == 0 || h == 0) return;
 
@@ -394,20 +593,26 @@ void mla_decode_sm80(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         q.get_device()));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, q.get_device()));
-  TORCH_CHECK(static_cast<size_t>(smem_optin) >= DecodeShape::kSmemBytes,
-              "mla_decode_sm80: this GPU allows too little shared memory a block (103 KiB needed)");
+  TORCH_CHECK(static_cast<size_t>(smem_optin) >= smem_bytes<DecodeShape>(format),
+              "mla_decode_sm80: this GPU allows too little shared memory a block (",
+              num(static_cast<int64_t>(smem_bytes<DecodeShape>(format))), " bytes needed, ",
+              num(static_cast<int64_t>(smem_optin)), " allowed)");
   const bool one_wave =
-      b * num_splits <= num_sms && static_cast<size_t>(smem_optin) >= WaveShape::kSmemBytes;
+      b * num_splits <= num_sms && static_cast<size_t>(smem_optin) >= smem_bytes<WaveShape>(format);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid(1, static_cast<unsigned>(b), static_cast<unsigned>(num_splits));
   const float scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
-  auto run = [&](auto* kernel, auto type_tag, auto shape_tag) {
+  const float* scale_ptr = format == CacheFormat::kFp8E4M3 ? kv_scale->data_ptr<float>() : nullptr;
+  auto run = [&](auto* kernel, auto type_tag, auto shape_tag, auto format_tag) {
     using T = decltype(type_tag);
     using S = decltype(shape_tag);
+    constexpr CacheFormat F = decltype(format_tag)::value;
+    using KV = std::conditional_t<F == CacheFormat::kAuto, T, uint8_t>;
+    constexpr size_t kBytes = Smem<S, F>::kBytes;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(S::kSmemBytes)));
-    kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(
-        reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(kv_cache.data_ptr()),
+                                        static_cast<int>(kBytes)));
+    kernel<<<grid, S::kThreads, kBytes, stream>>>(
+        reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const KV*>(kv_cache.data_ptr()), scale_ptr,
         block_table.data_ptr<int>(), seq_lens.data_ptr<int>(), part_out.data_ptr(),
         part_lse.data_ptr<float>(), part_out.scalar_type() != at::kFloat, static_cast<int>(h),
         static_cast<int>(kv_cache.size(1)), static_cast<int>(num_splits), scale_log2, q.stride(0),
@@ -415,12 +620,25 @@ void mla_decode_sm80(const at::Tensor& q, const at::Tensor& kv_cache, const at::
         part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  auto run_shape = [&](auto shape_tag) {
+  auto run_format = [&](auto shape_tag, auto format_tag) {
     using S = decltype(shape_tag);
+    constexpr CacheFormat F = decltype(format_tag)::value;
     if (q.scalar_type() == at::kBFloat16) {
-      run(mla_decode_sm80_kernel<__nv_bfloat16, S>, __nv_bfloat16{}, shape_tag);
+      run(mla_decode_sm80_kernel<__nv_bfloat16, S, F>, __nv_bfloat16{}, shape_tag, format_tag);
     } else {
-      run(mla_decode_sm80_kernel<__half, S>, __half{}, shape_tag);
+      run(mla_decode_sm80_kernel<__half, S, F>, __half{}, shape_tag, format_tag);
+    }
+  };
+  auto run_shape = [&](auto shape_tag) {
+    switch (format) {
+      case CacheFormat::kFp8E4M3:
+        run_format(shape_tag, std::integral_constant<CacheFormat, CacheFormat::kFp8E4M3>{});
+        break;
+      case CacheFormat::kFp8DsMla:
+        run_format(shape_tag, std::integral_constant<CacheFormat, CacheFormat::kFp8DsMla>{});
+        break;
+      default:
+        run_format(shape_tag, std::integral_constant<CacheFormat, CacheFormat::kAuto>{});
     }
   };
   if (one_wave) {

@@ -1007,16 +1007,17 @@ print("untouched", bool((part_out == 7.0).all() and (part_lse == 7.0).all()), fl
 """
 
 
-@pytest.mark.gpu
-def test_gpu_cuda_ops_reject_what_they_cannot_run():
-    # the op's own checks (mla_decode checks first; these guard direct callers), nothing written
+def run_op_checks(script: str) -> dict:
+    """Run ``script`` in a child Python (the repository on its path) that prints a line
+    "OP CASE RAISED message" or "OP CASE RAN" per call and "untouched True|False" last; returns
+    {"OP CASE": "RAISED message", "untouched": "True"}. A check that crashes the child fails here."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    child = subprocess.run([sys.executable, "-c", _OPS_REJECT_CHILD], cwd=root, capture_output=True, text=True,
+    child = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True,
                            timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
     assert child.returncode == 0, f"the child exited with {child.returncode}:\n{child.stdout}\n{child.stderr[-2000:]}"
     lines = {}  # "sm80 heads" -> "RAISED ...", "untouched" -> "True"
@@ -1024,6 +1025,13 @@ def test_gpu_cuda_ops_reject_what_they_cannot_run():
         words = line.split(" ", 2)
         key, rest = (words[0], words[1]) if words[0] == "untouched" else (" ".join(words[:2]), words[2])
         lines[key] = rest
+    return lines
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_ops_reject_what_they_cannot_run():
+    # the op's own checks (mla_decode checks first; these guard direct callers), nothing written
+    lines = run_op_checks(_OPS_REJECT_CHILD)
     expected = {"sm80 heads": "mla_decode_sm80: q must be (b, h <= 16", "sm80 dtype": "bfloat16 or both float16",
                 "sm80 page": "multiple of 32", "sm80 no-page": "multiple of 32", "sm80 table": "block_table must be",
                 "sm80 splits": "part_out must be", "sm80 answer-splits": "q's dtype when num_splits is 1"}

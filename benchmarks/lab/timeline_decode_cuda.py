@@ -135,9 +135,11 @@ def instrumented_source() -> str:
 """)
     end = src.rindex("}\n", 0, src.index("// The shapes built"))  # the kernel's closing brace
     src = src[:end] + "  __syncthreads();\n  stamp(4);\n" + src[end:]
-    edit("""  check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
-                   {"mla_decode_sm80", kHeads, kC, kR, DecodeShape::kTile});""", "")
-    edit("double softmax_scale, int64_t num_splits) {", "double softmax_scale, int64_t num_splits, at::Tensor& timing) {")
+    edit("""  const CacheFormat format =
+      check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
+                       {"mla_decode_sm80", kHeads, kC, kR, DecodeShape::kTile, true}, kv_cache_dtype, kv_scale);""",
+         "  const CacheFormat format = CacheFormat::kAuto;  // bf16 caches only here")
+    edit("const std::optional<at::Tensor>& kv_scale) {", "const std::optional<at::Tensor>& kv_scale, at::Tensor& timing) {")
     edit("part_lse.stride(0), part_lse.stride(1), part_lse.stride(2));",
          "part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), (long long*)timing.data_ptr<int64_t>());")
     src = src[: src.index("TORCH_LIBRARY_IMPL")]
@@ -191,7 +193,7 @@ def one_shape(mod, b, t, splits, repeats=5, clear="dirty"):
     runs = []
 
     def launch():
-        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, timing)
+        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, "auto", None, timing)
 
     for x, start, end, ghz, us in stamped_runs(launch, timing, clear, repeats):
         def med(v):

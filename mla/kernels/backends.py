@@ -7,21 +7,29 @@ same partials, which the Triton merge combines (with one split, each writes the 
   8 new tokens a sequence (s_q); on the CPU it runs in Triton's interpreter.
 - ``"cuda-sm80"``: ``csrc/mla_decode_sm80.cu``, warp-level tensor-core instructions (sm_80 and
   later). Up to 16 heads (one GPU's share of 128 at tensor parallelism 8, the memory-bound
-  case), c = 512, r = 64, bf16 / fp16, pages of a multiple of 32 rows. Its fragments are loaded
-  a k-step at a time, so nothing spills and two programs share an H100 / H200 SM.
+  case), c = 512, r = 64, bf16 / fp16 q, pages of a multiple of 32 rows. Its fragments are
+  loaded a k-step at a time, so nothing spills and two programs share an H100 / H200 SM. It
+  reads caches in q's dtype and both fp8 layouts (``kv_cache_dtype="fp8_e4m3"``,
+  ``"fp8_ds_mla"``), dequantising each tile into q's dtype in shared memory.
 - ``"cuda-sm90"``: ``csrc/mla_decode_sm90.cu``, Hopper's warpgroup MMA (compute capability 9.0).
   Any heads, 64 a program (the compute-bound case), c = 512, r = 64, bf16 / fp16, pages of a
-  multiple of 64 rows; one 64-token tile load serves both products.
+  multiple of 64 rows; one 64-token tile load serves both products. It reads caches in q's
+  dtype only: forcing it for an fp8 cache is a ValueError.
 
-Both CUDA kernels read caches in q's dtype: an fp8 cache (``kv_cache_dtype="fp8_e4m3"`` or
-``"fp8_ds_mla"``) always runs on ``"triton"``, and forcing a CUDA one for it is a ValueError.
-Both take one new token a sequence (q of (b, h, c + r), or s_q = 1): a query of
+What is validated on a GPU: ``"cuda-sm80"`` and ``"cuda-sm90"`` on caches in q's dtype, and
+``"triton"`` on every layout. ``"cuda-sm80"``'s fp8 path is written and compile-checked (nvcc
+13 for sm_80, 86, 89, 90a, 100 and 120, no spills) but has not yet run on a GPU, so an fp8 cache
+runs on ``"triton"`` unless ``_backend="cuda-sm80"`` asks for it; ``SM80_READS_FP8_BY_DEFAULT =
+True`` makes it the default for <= 16 heads once the GPU tests of
+``tests/test_kernels_decode_fp8.py`` pass.
+
+The CUDA kernels take one new token a sequence (q of (b, h, c + r), or s_q = 1): a query of
 s_q > 1 new tokens (speculative decoding, multi-token prediction) always runs on ``"triton"``, and
 forcing a CUDA one for it is a ValueError.
 
 By default a GPU runs ``"cuda-sm80"`` for <= 16 heads and ``"cuda-sm90"`` for more where each
-applies (one new token, the extension is built, the GPU and the arguments fit), else
-``"triton"``. The times of each on an H200 are in ``benchmarks/results/h200-decode.json``.
+applies (one new token, a cache in q's dtype, the extension is built, the GPU and the arguments
+fit), else ``"triton"``. The times of each on an H200 are in ``benchmarks/results/h200-decode.json``.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import warnings
 import torch
 
 from .extension import load_extension
+from .fp8 import canonical_kv_cache_dtype
 
 __all__ = ["DECODE_BACKENDS", "CUDA_TILES", "choose_decode_backend", "sm_count", "why_backend_cannot_run"]
 
@@ -40,8 +49,13 @@ DECODE_BACKENDS = ("triton", "cuda-sm80", "cuda-sm90")
 CUDA_TILES = {"cuda-sm80": (16, 32), "cuda-sm90": (64, 64)}
 SM80_MAX_HEADS = 16  # the sm_80 kernel holds all heads of a sequence in one mma M of 16
 CUDA_LATENT = (512, 64)  # (c, r) both CUDA kernels are built for
-# shared memory a CTA (kSmemBytes in each .cu file, fixed by a static_assert there)
+# shared memory a CTA on a cache in q's dtype (kSmemBytes in each .cu file, fixed by a
+# static_assert there), and the sm_80 kernel's on each fp8 layout (Smem<DecodeShape, F>::kBytes)
 CUDA_SMEM_BYTES = {"cuda-sm80": 105_088, "cuda-sm90": 231_712}
+SM80_FP8_SMEM_BYTES = {"fp8_e4m3": 104_576, "fp8_ds_mla": 109_696}
+# Whether an fp8 cache runs on "cuda-sm80" by default (<= 16 heads) rather than on "triton": True
+# once the GPU tests of its fp8 path pass (module docstring)
+SM80_READS_FP8_BY_DEFAULT = False
 _EXTENSION_KEY = {"cuda-sm80": "decode", "cuda-sm90": "decode_sm90"}
 _CPU_SM_COUNT = 132  # an H100/H200's SM count, so CPU runs choose the splits a GPU would
 
@@ -55,14 +69,21 @@ def sm_count(device: torch.device | str) -> int:
     return _CPU_SM_COUNT
 
 
-def why_backend_cannot_run(backend, q, kv_cache, block_table, seq_lens, kv_lora_rank) -> str | None:
+def why_backend_cannot_run(backend, q, kv_cache, block_table, seq_lens, kv_lora_rank,
+                           kv_cache_dtype: str = "auto") -> str | None:
     """None if the CUDA stage 1 ``backend`` can run these (checked) arguments, else why not.
 
-    q is (b, h, c + r) or (b, s_q, h, c + r); the CUDA kernels run s_q = 1 only, on caches in
-    q's dtype (an fp8 cache runs on Triton)."""
-    if kv_cache.dtype != q.dtype:
-        return (f"kv_cache is {kv_cache.dtype} (an fp8 cache); the CUDA stage-1 kernels read caches in "
-                "q's dtype only, the Triton kernel (_backend='triton') reads fp8_e4m3 and fp8_ds_mla")
+    q is (b, h, c + r) or (b, s_q, h, c + r); the CUDA kernels run s_q = 1 only. ``kv_cache_dtype``
+    is the cache's layout (``mla_decode``'s): ``"cuda-sm80"`` reads all three, ``"cuda-sm90"``
+    caches in q's dtype only."""
+    kind = canonical_kv_cache_dtype(kv_cache_dtype)
+    if kind == "auto" and kv_cache.dtype != q.dtype:
+        return (f"kv_cache is {kv_cache.dtype}, not q's dtype {q.dtype}, and kv_cache_dtype is 'auto' "
+                "(an fp8 cache needs its kv_cache_dtype)")
+    if kind != "auto" and backend == "cuda-sm90":
+        return (f"kv_cache is {kv_cache.dtype} (an fp8 cache, kv_cache_dtype={kind!r}); the wgmma stage 1 "
+                "reads caches in q's dtype only, 'cuda-sm80' (<= 16 heads) and 'triton' read fp8_e4m3 "
+                "and fp8_ds_mla")
     if q.dim() == 4:
         if q.shape[1] != 1:
             return (f"q has s_q = {q.shape[1]} new tokens a sequence; the CUDA stage-1 kernels take "
@@ -79,7 +100,7 @@ def why_backend_cannot_run(backend, q, kv_cache, block_table, seq_lens, kv_lora_
         return "the GPU's compute capability is below 8.0 (mma.sync, cp.async)"
     props = torch.cuda.get_device_properties(q.device)
     smem = getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
-    need = CUDA_SMEM_BYTES[backend]
+    need = SM80_FP8_SMEM_BYTES[kind] if kind != "auto" else CUDA_SMEM_BYTES[backend]
     if smem < need:
         return f"the GPU allows {smem} bytes of shared memory a block, the kernel needs {need}"
     if q.dtype not in (torch.bfloat16, torch.float16):
@@ -91,7 +112,8 @@ def why_backend_cannot_run(backend, q, kv_cache, block_table, seq_lens, kv_lora_
     tile = CUDA_TILES[backend][1]
     if kv_cache.shape[1] % tile:
         return f"the block size {kv_cache.shape[1]} is not a multiple of {tile}"
-    rows_aligned = all(st % 8 == 0 for st in (q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1)))
+    rows_aligned = (q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0
+                    and all(st * kv_cache.element_size() % 16 == 0 for st in kv_cache.stride()[:2]))
     if not rows_aligned or q.data_ptr() % 16 or kv_cache.data_ptr() % 16:
         return "q's or kv_cache's rows are not 16-byte aligned"
     if block_table.stride(1) != 1 or seq_lens.stride(0) != 1:
@@ -118,6 +140,7 @@ def choose_decode_backend(
     kv_lora_rank: int,
     backend: str | None = None,
     tuned: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> str:
     """The stage-1 kernel a ``mla_decode`` call with these (checked) arguments runs.
 
@@ -127,6 +150,8 @@ def choose_decode_backend(
     stands in the way). ``tuned``: a Triton launch configuration was given, so Triton runs.
     q is (b, h, c + r) or (b, s_q, h, c + r): s_q > 1 new tokens run on ``"triton"`` (the CUDA
     kernels take one token a sequence; forcing one of them is a ValueError).
+    ``kv_cache_dtype``: the cache's layout; an fp8 one runs on ``"triton"`` unless forced, or
+    on ``"cuda-sm80"`` where it applies once ``SM80_READS_FP8_BY_DEFAULT`` is True.
     """
     global _warned_cuda_fallback
     if backend is not None and backend not in DECODE_BACKENDS:
@@ -135,8 +160,11 @@ def choose_decode_backend(
         return "triton"
     if backend is not None and tuned:
         raise ValueError(f"mla_decode: _config tunes the Triton kernel; it cannot go with _backend={backend!r}")
+    fp8_cache = canonical_kv_cache_dtype(kv_cache_dtype) != "auto"
+    if backend is None and fp8_cache and not SM80_READS_FP8_BY_DEFAULT:
+        return "triton"
     kernel = backend or ("cuda-sm80" if q.shape[-2] <= SM80_MAX_HEADS else "cuda-sm90")
-    why_not = why_backend_cannot_run(kernel, q, kv_cache, block_table, seq_lens, kv_lora_rank)
+    why_not = why_backend_cannot_run(kernel, q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_cache_dtype)
     if why_not is None:
         return kernel
     if backend is not None:
