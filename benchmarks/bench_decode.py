@@ -223,17 +223,19 @@ def torch_decode(q, kv_cache, block_table, seq_lens):
 CUDA_WARPS = {"cuda-sm80": 4, "cuda-sm90": 8}
 
 
-def kernel_and_splits(q, kv_cache, block_table, seq_lens, kv_lora_rank, t, num_sms):
-    """The stage-1 kernel mla_decode picks for these arguments, its tile, and the split count a
-    call that fixes it (a captured one) should pass for sequences of up to t tokens:
-    (kernel, config, splits). A q of s_q > 1 tokens is planned as the s_q·h query rows the
-    kernels pack into their head tile."""
+def kernel_and_splits(q, kv_cache, block_table, seq_lens, kv_lora_rank, t, num_sms,
+                      kv_cache_dtype="auto"):
+    """The stage-1 kernel mla_decode picks for these arguments (the cache in the layout
+    ``kv_cache_dtype``), its tile, and the split count a call that fixes it (a captured one)
+    should pass for sequences of up to t tokens: (kernel, config, splits). A q of s_q > 1 tokens
+    is planned as the s_q·h query rows the kernels pack into their head tile."""
     from mla.kernels.backends import CUDA_TILES, choose_decode_backend
     from mla.kernels.decode import choose_num_kv_splits, default_config
 
     rows = q.flatten(1, 2) if q.dim() == 4 else q  # (b, s_q·h, c + r)
     b, h, _ = rows.shape
-    kernel = choose_decode_backend(q, kv_cache, block_table, seq_lens, kv_lora_rank=kv_lora_rank)
+    kernel = choose_decode_backend(q, kv_cache, block_table, seq_lens, kv_lora_rank=kv_lora_rank,
+                                   kv_cache_dtype=kv_cache_dtype)
     if kernel == "triton":
         config = dict(default_config(h), kernel=kernel)
         block_h, block_n = config["BLOCK_H"], config["BLOCK_N"]
@@ -330,8 +332,9 @@ def _shape(row: dict) -> tuple[int, int, int, int]:
 def pair_with_bf16(rows: list[dict]) -> list[dict]:
     """Fill each fp8 row's ``over_bf16``, its time over the time of the auto row of the same
     (b, t, h, s_q), and ``over_bf16_triton``, over that row's time on the Triton kernel
-    (``triton_time_us``, or ``time_us`` where Triton is what mla_decode picked); None where a time
-    is missing. Returns ``rows``."""
+    (``triton_time_us``, or ``time_us`` where Triton is what mla_decode picked), and where the
+    16-head CUDA kernel's fp8 path was timed, ``sm80_over_bf16``; None where a time is missing.
+    Returns ``rows``."""
     bf16 = {_shape(r): r for r in rows if _layout(r) == "auto"}
     for row in rows:
         if _layout(row) == "auto":
@@ -342,6 +345,9 @@ def pair_with_bf16(rows: list[dict]) -> list[dict]:
         triton = base.get("triton_time_us") or (theirs if on_triton else None)
         row["over_bf16"] = ours / theirs if ours and theirs else None
         row["over_bf16_triton"] = ours / triton if ours and triton else None
+        sm80 = row.get("sm80_time_us")
+        if sm80 is not None:
+            row["sm80_over_bf16"] = sm80 / theirs if theirs else None
     return rows
 
 
@@ -600,7 +606,8 @@ def fp8_row(kind, b, t, h, s_q, q, caches, block_table, seq_lens, ceilings, num_
         fp8_caches, scale = write_fp8_caches(kind, caches, row["copies"])
         if scale is not None:
             row["kv_scale"] = scale.item()
-        kernel, config, splits = kernel_and_splits(q, fp8_caches[0], block_table, seq_lens, C, t, num_sms)
+        kernel, config, splits = kernel_and_splits(q, fp8_caches[0], block_table, seq_lens, C, t, num_sms,
+                                                   kv_cache_dtype=kind)
         row["config"] = dict(config, num_kv_splits=splits)
         ours = decode_call(q, block_table, seq_lens, kernel, splits, kv_cache_dtype=kind, kv_scale=scale)
         row["time_us"] = bench_us(graphed(ours, fp8_caches))
@@ -617,7 +624,33 @@ def fp8_row(kind, b, t, h, s_q, q, caches, block_table, seq_lens, ceilings, num_
         row["max_abs_err_vs_bf16_cache"] = (out - exact()).abs().max().item()
     except Exception as e:  # noqa: BLE001
         row["check_error"] = f"{type(e).__name__}: {e}"[:300]
+    if kernel == "triton" and s_q == 1 and h <= 16:
+        sm80_fp8(row, q, fp8_caches, block_table, seq_lens, scale, t, num_sms)
     return add_ratios(row)
+
+
+def sm80_fp8(row, q, fp8_caches, block_table, seq_lens, scale, t, num_sms) -> None:
+    """The 16-head CUDA stage 1's fp8 path, forced while mla_decode does not pick it by default
+    (``backends.SM80_READS_FP8_BY_DEFAULT``): ``sm80_time_us`` timed as ``time_us``,
+    ``sm80_max_rel_err_vs_reference`` checked against the reference on the same cache, or
+    ``sm80_error``."""
+    from benchmarks.timing import bench_us, graphed
+    from mla.kernels.backends import CUDA_TILES
+    from mla.kernels.decode import choose_num_kv_splits
+
+    kind = row["kv_cache_dtype"]
+    try:
+        block_h, block_n = CUDA_TILES["cuda-sm80"]
+        splits = choose_num_kv_splits(row["b"], row["h"], t, num_sms, block_h=block_h, block_n=block_n)
+        call = decode_call(q, block_table, seq_lens, "cuda-sm80", splits, kv_cache_dtype=kind, kv_scale=scale)
+        out = call(fp8_caches[0])[0].float()
+        want = reference_out(q, fp8_caches[0], block_table, seq_lens, kv_cache_dtype=kind, kv_scale=scale)
+        row["sm80_max_rel_err_vs_reference"] = (out - want).abs().max().item() / want.abs().max().item()
+        del out, want
+        row["sm80_time_us"] = bench_us(graphed(call, fp8_caches))
+        row["sm80_num_kv_splits"] = splits
+    except Exception as e:  # noqa: BLE001
+        row["sm80_error"] = f"{type(e).__name__}: {e}"[:300]
 
 
 def run(args) -> dict:

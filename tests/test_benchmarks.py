@@ -325,6 +325,19 @@ def _fake_mixed_rows() -> list[dict]:
     return bd.pair_with_bf16(rows)
 
 
+def test_the_forced_sm80_fp8_path_is_timed_beside_the_default_and_paired():
+    row = _fp8_row(64, 4096, 16, "fp8_ds_mla", 51.84)
+    row["sm80_time_us"] = 43.2
+    rows = bd.pair_with_bf16(_fake_result(flashmla=True)["rows"] + [row])
+    assert rows[-1]["sm80_over_bf16"] == pytest.approx(43.2 / 86.4)
+    # on the CPU the forced CUDA kernel cannot run: the row says why, and keeps its other fields
+    q = torch.zeros(1, 16, bd.D)
+    failed = dict(b=1, h=16, kv_cache_dtype="fp8_ds_mla")
+    bd.sm80_fp8(failed, q, [torch.zeros(1, 64, 656, dtype=torch.uint8)],
+                torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), None, 64, 132)
+    assert "sm80_error" in failed and "sm80_time_us" not in failed
+
+
 def test_fp8_rows_are_paired_with_the_bf16_row_of_their_shape():
     rows = _fake_mixed_rows()
     by = {(r["b"], r.get("kv_cache_dtype", "auto")): r for r in rows if r["h"] == 16}
