@@ -476,49 +476,21 @@ def test_gpu_sm90_fp8_matches_reference_and_triton(kind, dtype, heads, block_siz
     _check_against_reference_and_triton(args, "cuda-sm90", (None, 1, 3, 40))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", KINDS)
-def test_gpu_sm80_fp8_both_launch_shapes(kind):
-    # 4 stages, one CTA an SM, when b * splits fits on the SMs; 2 stages, two CTAs an SM, above:
-    # split counts on both sides of the line, partial buffers NaN-filled so an unwritten slot shows
-    from mla.kernels import decode
-    from mla.kernels.extension import load_extension
-
-    assert load_extension()["decode"]
-    heads, b = 16, len(SM80_LENGTHS)
-    args = _cuda_case(kind, torch.bfloat16, heads, 64, seed=11)
-    ref_out, ref_lse = _reference_in_q_dtype(args)
-    wave = torch.cuda.get_device_properties(0).multi_processor_count // b
-    for splits in (wave, wave + 1):
-        part_out = torch.full((b, heads, splits, 512), float("nan"), device="cuda")
-        part_lse = torch.full((b, heads, splits), float("nan"), device="cuda")
-        torch.ops.mla.mla_decode_sm80(args["q"], args["kv_cache"], args["block_table"], args["seq_lens"], part_out,
-                                      part_lse, float(args["softmax_scale"]), splits, kind, args["kv_scale"])
-        out = torch.empty((b, heads, 512), dtype=torch.bfloat16, device="cuda")
-        lse = torch.empty((b, heads), device="cuda")
-        decode._merge(part_out, part_lse, out, lse)
-        assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
-        out2, lse2 = mla_decode(**args, num_kv_splits=splits, _backend="cuda-sm80")  # the public call's path
-        assert torch.equal(out2, out) and torch.equal(lse2, lse)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", KINDS)
-def test_gpu_sm90_fp8_op_writes_every_partial(kind):
-    # the op itself, partial buffers NaN-filled so a slot it leaves unwritten shows: 1 split (the
-    # answer in q's dtype), 7 (several pairs a split) and 40 (empty splits write zeros and -inf)
+def _check_op_writes_every_partial(args, backend, splits_list):
+    """The op of ``backend`` itself (bf16 q) at each split count, its partial buffers NaN-filled so
+    a slot it leaves unwritten shows, merged (or with one split the answer it writes) against the
+    reference, and equal to the public call's."""
     from mla.kernels import decode
 
-    _skip_unless_sm90()
-    heads, b = 128, len(SM90_LENGTHS)
-    args = _cuda_case(kind, torch.bfloat16, heads, 64, seed=12, seq_lens=SM90_LENGTHS)
+    b, heads, _ = args["q"].shape
+    op = {"cuda-sm80": torch.ops.mla.mla_decode_sm80, "cuda-sm90": torch.ops.mla.mla_decode_sm90}[backend]
     ref_out, ref_lse = _reference_in_q_dtype(args)
-    for splits in (1, 7, 40):
-        dtype = torch.bfloat16 if splits == 1 else torch.float32
+    for splits in splits_list:
+        dtype = torch.bfloat16 if splits == 1 else torch.float32  # one split: out itself, in q's dtype
         part_out = torch.full((b, heads, splits, 512), float("nan"), device="cuda", dtype=dtype)
         part_lse = torch.full((b, heads, splits), float("nan"), device="cuda")
-        torch.ops.mla.mla_decode_sm90(args["q"], args["kv_cache"], args["block_table"], args["seq_lens"], part_out,
-                                      part_lse, float(args["softmax_scale"]), splits, kind, args["kv_scale"])
+        op(args["q"], args["kv_cache"], args["block_table"], args["seq_lens"], part_out, part_lse,
+           float(args["softmax_scale"]), splits, args["kv_cache_dtype"], args["kv_scale"])
         if splits == 1:
             out, lse = part_out[:, :, 0], part_lse[:, :, 0]
         else:
@@ -526,8 +498,31 @@ def test_gpu_sm90_fp8_op_writes_every_partial(kind):
             lse = torch.empty((b, heads), device="cuda")
             decode._merge(part_out, part_lse, out, lse)
         assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
-        out2, lse2 = mla_decode(**args, num_kv_splits=splits, _backend="cuda-sm90")  # the public call's path
+        out2, lse2 = mla_decode(**args, num_kv_splits=splits, _backend=backend)  # the public call's path
         assert torch.equal(out2, out) and torch.equal(lse2, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_sm80_fp8_both_launch_shapes(kind):
+    # 4 stages, one CTA an SM, when b * splits fits on the SMs; 2 stages, two CTAs an SM, above:
+    # split counts on both sides of the line
+    from mla.kernels.extension import load_extension
+
+    assert load_extension()["decode"]
+    args = _cuda_case(kind, torch.bfloat16, 16, 64, seed=11)
+    wave = torch.cuda.get_device_properties(0).multi_processor_count // len(SM80_LENGTHS)
+    _check_op_writes_every_partial(args, "cuda-sm80", (wave, wave + 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_sm90_fp8_op_writes_every_partial(kind):
+    # 1 split (the answer in q's dtype), 7 (several pairs a split) and 40 (empty splits write
+    # zeros and -inf)
+    _skip_unless_sm90()
+    args = _cuda_case(kind, torch.bfloat16, 128, 64, seed=12, seq_lens=SM90_LENGTHS)
+    _check_op_writes_every_partial(args, "cuda-sm90", (1, 7, 40))
 
 
 @pytest.mark.gpu
