@@ -104,7 +104,8 @@ static_assert(kSmemBytes <= 227 * 1024 && 64 * 256 == kLoBlocks * kBlockBytes / 
               "an fp8 tile's stored bytes fit in place");
 // named barriers between the warpgroups (0 is __syncthreads): one arrives, the other waits
 enum : int { kBarScaleA = 1, kBarScaleB = 2, kBarPA = 3, kBarPB = 4 };
-// named barrier of one warpgroup (128 threads; 5 and 6): a partial tile's copies all issued
+// named barrier of one warpgroup (128 threads; 5 and 6): a partial tile's copies all issued, an
+// fp8 block group's copies landed, scales read, values converted
 template <int Id>
 __device__ __forceinline__ void bar_sync_wg() { asm volatile("bar.sync %0, 128;\n" ::"n"(Id) : "memory"); }
 
