@@ -20,8 +20,12 @@ them, ``fp8_ds_mla`` with its per-128-value scales. An fp8 row times mla_decode 
 ``max_abs_err_vs_bf16_cache`` against the reference on the bf16 rows it was written from (what
 quantising costs). ``over_bf16`` = time_us / the bf16 row's time_us (the kernel mla_decode picks
 for each: a CUDA stage 1 for bf16 where one applies, Triton for fp8), ``over_bf16_triton`` the
-same against the bf16 cache on the Triton kernel. ``TARGETS`` are the speeds the fp8_ds_mla cache
-is held to; the table ends with each against its row, as information, not an assertion.
+same against the bf16 cache on the Triton kernel. While mla_decode runs an fp8 cache on Triton
+(``mla.kernels.backends``' switches off), a one-token fp8 row also times the CUDA stage 1 of its
+heads forced on it (``cuda_fp8_kernel``: "cuda-sm80" at <= 16 heads, "cuda-sm90" above;
+``cuda_fp8_time_us``, ``cuda_fp8_over_bf16``, ``cuda_fp8_max_rel_err_vs_reference``, or
+``cuda_fp8_error``). ``TARGETS`` are the speeds the fp8_ds_mla cache is held to; the table ends
+with each against its row, as information, not an assertion.
 
 Every time is the median of do_bench's loop with L2 cleared before each call by READING a
 256 MiB buffer (``timing.clear_l2``). ``time_us`` replays one call from a CUDA graph (the
@@ -332,9 +336,9 @@ def _shape(row: dict) -> tuple[int, int, int, int]:
 def pair_with_bf16(rows: list[dict]) -> list[dict]:
     """Fill each fp8 row's ``over_bf16``, its time over the time of the auto row of the same
     (b, t, h, s_q), and ``over_bf16_triton``, over that row's time on the Triton kernel
-    (``triton_time_us``, or ``time_us`` where Triton is what mla_decode picked), and where the
-    16-head CUDA kernel's fp8 path was timed, ``sm80_over_bf16``; None where a time is missing.
-    Returns ``rows``."""
+    (``triton_time_us``, or ``time_us`` where Triton is what mla_decode picked), and where a CUDA
+    kernel's fp8 path was timed forced (``cuda_fp8``), ``cuda_fp8_over_bf16``; None where a time is
+    missing. Returns ``rows``."""
     bf16 = {_shape(r): r for r in rows if _layout(r) == "auto"}
     for row in rows:
         if _layout(row) == "auto":
@@ -345,9 +349,9 @@ def pair_with_bf16(rows: list[dict]) -> list[dict]:
         triton = base.get("triton_time_us") or (theirs if on_triton else None)
         row["over_bf16"] = ours / theirs if ours and theirs else None
         row["over_bf16_triton"] = ours / triton if ours and triton else None
-        sm80 = row.get("sm80_time_us")
-        if sm80 is not None:
-            row["sm80_over_bf16"] = sm80 / theirs if theirs else None
+        forced = row.get("cuda_fp8_time_us")
+        if forced is not None:
+            row["cuda_fp8_over_bf16"] = forced / theirs if theirs else None
     return rows
 
 
@@ -624,33 +628,37 @@ def fp8_row(kind, b, t, h, s_q, q, caches, block_table, seq_lens, ceilings, num_
         row["max_abs_err_vs_bf16_cache"] = (out - exact()).abs().max().item()
     except Exception as e:  # noqa: BLE001
         row["check_error"] = f"{type(e).__name__}: {e}"[:300]
-    if kernel == "triton" and s_q == 1 and h <= 16:
-        sm80_fp8(row, q, fp8_caches, block_table, seq_lens, scale, t, num_sms)
+    if kernel == "triton" and s_q == 1:
+        cuda_fp8(row, "cuda-sm80" if h <= 16 else "cuda-sm90", q, fp8_caches, block_table, seq_lens, scale, t,
+                 num_sms)
     return add_ratios(row)
 
 
-def sm80_fp8(row, q, fp8_caches, block_table, seq_lens, scale, t, num_sms) -> None:
-    """The 16-head CUDA stage 1's fp8 path, forced while mla_decode does not pick it by default
-    (``backends.SM80_READS_FP8_BY_DEFAULT``): ``sm80_time_us`` timed as ``time_us``,
-    ``sm80_max_rel_err_vs_reference`` checked against the reference on the same cache, or
-    ``sm80_error``."""
+def cuda_fp8(row, kernel, q, fp8_caches, block_table, seq_lens, scale, t, num_sms) -> None:
+    """The fp8 path of the CUDA stage 1 ``kernel`` ("cuda-sm80" at <= 16 heads, "cuda-sm90" above),
+    forced while mla_decode does not pick it by default (``backends.SM80_READS_FP8_BY_DEFAULT``,
+    ``SM90_READS_FP8_BY_DEFAULT``): ``cuda_fp8_kernel`` names it, ``cuda_fp8_time_us`` is timed as
+    ``time_us``, ``cuda_fp8_max_rel_err_vs_reference`` checked against the reference on the same
+    cache, or ``cuda_fp8_error`` says why it did not run."""
     from benchmarks.timing import bench_us, graphed
     from mla.kernels.backends import CUDA_TILES
     from mla.kernels.decode import choose_num_kv_splits
 
     kind = row["kv_cache_dtype"]
+    row["cuda_fp8_kernel"] = kernel
     try:
-        block_h, block_n = CUDA_TILES["cuda-sm80"]
-        splits = choose_num_kv_splits(row["b"], row["h"], t, num_sms, block_h=block_h, block_n=block_n)
-        call = decode_call(q, block_table, seq_lens, "cuda-sm80", splits, kv_cache_dtype=kind, kv_scale=scale)
+        block_h, block_n = CUDA_TILES[kernel]
+        splits = choose_num_kv_splits(row["b"], row["h"], t, num_sms, block_h=block_h, block_n=block_n,
+                                      one_wave=kernel == "cuda-sm90")
+        call = decode_call(q, block_table, seq_lens, kernel, splits, kv_cache_dtype=kind, kv_scale=scale)
         out = call(fp8_caches[0])[0].float()
         want = reference_out(q, fp8_caches[0], block_table, seq_lens, kv_cache_dtype=kind, kv_scale=scale)
-        row["sm80_max_rel_err_vs_reference"] = (out - want).abs().max().item() / want.abs().max().item()
+        row["cuda_fp8_max_rel_err_vs_reference"] = (out - want).abs().max().item() / want.abs().max().item()
         del out, want
-        row["sm80_time_us"] = bench_us(graphed(call, fp8_caches))
-        row["sm80_num_kv_splits"] = splits
+        row["cuda_fp8_time_us"] = bench_us(graphed(call, fp8_caches))
+        row["cuda_fp8_num_kv_splits"] = splits
     except Exception as e:  # noqa: BLE001
-        row["sm80_error"] = f"{type(e).__name__}: {e}"[:300]
+        row["cuda_fp8_error"] = f"{type(e).__name__}: {e}"[:300]
 
 
 def run(args) -> dict:

@@ -101,15 +101,10 @@ CacheFormat check_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, co
                 ": kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_ds_mla', got '", kv_cache_dtype, "'");
   }
   const auto kv_dtype = kv_cache.scalar_type();
-  if (format == CacheFormat::kAuto) {
-    TORCH_CHECK(kv_dtype != at::kByte && kv_dtype != at::kFloat8_e4m3fn, sizes.name, ": kv_cache is ", kv_dtype,
-                " (an fp8 cache) but kv_cache_dtype is 'auto'; ",
-                sizes.reads_fp8 ? "pass kv_cache_dtype 'fp8_e4m3' (with kv_scale) or 'fp8_ds_mla'"
-                                : "this kernel reads caches in q's dtype (bfloat16 / float16) only");
-  } else {
-    TORCH_CHECK(sizes.reads_fp8, sizes.name, ": reads caches in q's dtype only, not kv_cache_dtype '",
-                kv_cache_dtype, "'");
-  }
+  TORCH_CHECK(format != CacheFormat::kAuto || (kv_dtype != at::kByte && kv_dtype != at::kFloat8_e4m3fn), sizes.name,
+              ": kv_cache is ", kv_dtype,
+              " (an fp8 cache) but kv_cache_dtype is 'auto'; pass kv_cache_dtype 'fp8_e4m3' (with kv_scale) or "
+              "'fp8_ds_mla'");
   const bool ds_mla = format == CacheFormat::kFp8DsMla;
   const int64_t width = ds_mla ? sizes.c + 4 * (sizes.c / kDsMlaGroup) + 2 * sizes.r : d;
   TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(2) == width && kv_cache.size(1) > 0 &&
@@ -191,9 +186,10 @@ TORCH_LIBRARY(mla, m) {
       "mla_decode_sm80(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor(a!) part_out, Tensor(b!) part_lse, float softmax_scale, int num_splits, "
       "str kv_cache_dtype='auto', Tensor? kv_scale=None) -> ()");
-  // The same for any number of heads, 64 a CTA, with Hopper's wgmma (mla_decode_sm90.cu), on caches
-  // in q's dtype only.
+  // The same for any number of heads, 64 a CTA, with Hopper's wgmma (mla_decode_sm90.cu), on the
+  // same three layouts.
   m.def(
       "mla_decode_sm90(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor(a!) part_out, Tensor(b!) part_lse, float softmax_scale, int num_splits) -> ()");
+      "Tensor(a!) part_out, Tensor(b!) part_lse, float softmax_scale, int num_splits, "
+      "str kv_cache_dtype='auto', Tensor? kv_scale=None) -> ()");
 }

@@ -13,12 +13,10 @@
 
 namespace mla {
 
-// The kernel's name (it starts every message), the sizes it is built for, and whether it reads
-// the fp8 layouts (kv_cache_dtype "fp8_e4m3" / "fp8_ds_mla") besides caches in q's dtype.
+// The kernel's name (it starts every message) and the sizes it is built for.
 struct DecodeKernelSizes {
   const char* name;
   int64_t max_heads, c, r, tile;
-  bool reads_fp8 = false;
 };
 
 // Raises (RuntimeError in Python) naming the argument and what was expected; reads nothing.
@@ -27,9 +25,8 @@ struct DecodeKernelSizes {
 // "fp8_ds_mla" (uint8, c + 4 c/128 + 2 r bytes a row, no kv_scale).
 CacheFormat check_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                              const at::Tensor& seq_lens, const at::Tensor& part_out, const at::Tensor& part_lse,
-                             int64_t num_splits, const DecodeKernelSizes& sizes,
-                             const std::string& kv_cache_dtype = "auto",
-                             const std::optional<at::Tensor>& kv_scale = std::nullopt);
+                             int64_t num_splits, const DecodeKernelSizes& sizes, const std::string& kv_cache_dtype,
+                             const std::optional<at::Tensor>& kv_scale);
 
 #ifdef __CUDACC__
 // The tokens [start, end) that split `split` of `num_splits` owns in a sequence of seq_len: whole

@@ -30,6 +30,15 @@
 // first. P_A lives in buffer 0's rope block
 // (free once S_A is computed), P_B in a block of its own.
 //
+// It also reads the two fp8 layouts of mla/kernels/fp8.py (kv_cache_dtype "fp8_e4m3": 576 e4m3
+// bytes a row, one float32 scale in a 1-element device tensor; "fp8_ds_mla": 656 bytes, 512 e4m3
+// values, 4 float32 scales one per 128 values, 64 bf16 rope values), with the same schedule. Their
+// block groups are copied by cp.async instead of TMA, the stored bytes staged inside the group's
+// own blocks, and the warpgroup that copies a group turns it into the swizzled layout in q's dtype
+// there (e4m3 x scale in float32 rounded once to q's dtype, the bf16 rope values converted: the
+// values of the Triton kernel) before it completes the group's mbarrier (load_fp8_blocks). The
+// warpgroup waits for the copy's latency there; the products and the softmax do not change.
+//
 // At 128 heads the instructions the warps issue bound the time as much as the MMAs do, so: the
 // loops over column blocks unroll (descriptors and copy addresses are a base plus
 // a constant), a positive scale is applied after the row max, inside the exponent's FFMA (a scale
@@ -42,6 +51,7 @@
 
 #include "concat_and_cache_mla.h"
 #include "mla_decode.h"
+#include "mla_decode_fp8.cuh"
 
 #include <cuda.h>  // CUtensorMap (the types only: the encoder is fetched through the runtime)
 #include <cuda_bf16.h>
@@ -49,6 +59,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
+#include <string>
 #include <type_traits>
 
 // wgmma is an sm_90a feature: the kernel body exists only in code built for it
@@ -78,9 +90,22 @@ static_assert(64 * (4 * kC + 32) <= 2 * kMatBytes && 2 * kThreads == kC,
               "the epilogue's rows fit in q's and buffer 0's bytes, a row's 512 values two a thread");
 static_assert(kSmemBytes == 231712,
               "mla/kernels/backends.py's CUDA_SMEM_BYTES[\"cuda-sm90\"] must equal kSmemBytes");
+// fp8_ds_mla's stored row (mla_decode_fp8.cuh): four float32 scales from byte kDsMlaScales, the bf16
+// rope values from byte kDsMlaRope
+constexpr int kDsMlaScales = ds_mla_scales(kC), kDsMlaRope = ds_mla_rope(kC);
+// An fp8 cache's stored bytes are staged in the tile buffers themselves (load_fp8_blocks), so every
+// layout needs kSmemBytes (mla/kernels/backends.py's SM90_FP8_SMEM_BYTES), within the 227 KiB a
+// block may have: a block group's 64 rows of 256 latent bytes fill the even 16-byte chunks of its
+// four blocks, fp8_ds_mla's 16 bytes of scales a row one odd chunk, the rope part (64 e4m3 bytes or
+// 128 bytes of bf16) block 8.
+static_assert(kSmemBytes <= 227 * 1024 && 64 * 256 == kLoBlocks * kBlockBytes / 2 &&
+                  kDsMlaRope - kDsMlaScales == 16 && stored_row_bytes(CacheFormat::kFp8DsMla, kC, kR) - kDsMlaRope == 128 &&
+                  stored_row_bytes(CacheFormat::kFp8E4M3, kC, kR) - kC == 64,
+              "an fp8 tile's stored bytes fit in place");
 // named barriers between the warpgroups (0 is __syncthreads): one arrives, the other waits
 enum : int { kBarScaleA = 1, kBarScaleB = 2, kBarPA = 3, kBarPB = 4 };
-// named barrier of one warpgroup (128 threads; 5 and 6): a partial tile's copies all issued
+// named barrier of one warpgroup (128 threads; 5 and 6): a partial tile's copies all issued, an
+// fp8 block group's copies landed, scales read, values converted
 template <int Id>
 __device__ __forceinline__ void bar_sync_wg() { asm volatile("bar.sync %0, 128;\n" ::"n"(Id) : "memory"); }
 
@@ -255,12 +280,125 @@ __device__ __forceinline__ uint32_t pack(float x, float y, __half) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-template <typename T>
+// ---- An fp8 cache: block group J0 (blocks 0-3, or 4-8) of a tile -> the group's blocks in q's
+// dtype T, swizzled as a TMA copy of a cache in T leaves them, by one warpgroup (wtid < 128 of
+// warpgroup wg), completing the group's mbarrier `bar` once they are whole. `blocks` is the
+// group's first block, `rows` the tile's first stored row (rows skn bytes apart); rows at and past
+// `valid` (past the split's end) are never read and become zeros.
+//
+// There is no room beside q and the two tiles for a buffer of stored bytes, so they are staged in
+// the group's own blocks: each 16-byte piece of 16 e4m3 values (32 bytes once converted, chunks 2p
+// and 2p + 1 of its block row) is copied onto its even chunk 2p. The odd chunks stay free, but
+// for chunk 1 of the group's first block, which holds the row's four fp8_ds_mla scales. The thread
+// that converts a piece reads it, then writes both chunks, so no piece is written over before it
+// is read. fp8_ds_mla's bf16 rope values are copied to their place and, for fp16 q, converted
+// there. Each thread copies with cp.async and waits for its own copies; then
+//   barrier (every copy landed) -> [fp8_ds_mla: scales to registers -> barrier (every scale read
+//   before its chunk is written)] -> convert -> fence.proxy.async -> barrier -> one arrive,
+// so a reader that waits on the mbarrier and fences (scores) sees whole blocks in T, as after a TMA
+// copy, and the warpgroup's own later reads (its P . V) follow the last barrier. It waits on
+// nothing but its own copies: it adds no dependence between the warpgroups.
+template <typename T, CacheFormat F, int J0>
+__device__ __forceinline__ void load_fp8_blocks(unsigned char* blocks, const uint8_t* rows, int64_t skn, int valid,
+                                                float e4m3_scale, int wtid, int wg, uint32_t bar) {
+  constexpr bool ds_mla = F == CacheFormat::kFp8DsMla, with_rope = J0 == kLoBlocks;  // block 8: the second group
+  auto sync_warpgroup = [wg] {
+    if (wg == 0) bar_sync_wg<5>(); else bar_sync_wg<6>();
+  };
+  const uint32_t blocks_s = smem_u32(blocks);
+  // the group's four latent blocks: rows lat_row + 8i (i < 8), piece lat_piece of the 16 a row
+  // (block lat_piece / 4, chunks 2p and 2p + 1 with p = lat_piece % 4, at lat_at and lat_at ^ 16).
+  // A warp takes two rows whole; the 8 lanes of a 16-byte access two rows (lat_row's lowest bit)
+  // of one block, 8 different chunks: no bank conflicts
+  const int lat_row = (wtid & 1) | ((wtid >> 5) << 1), lat_piece = (wtid >> 1) & 15;
+  const uint32_t lat_at = (lat_piece >> 2) * kBlockBytes + lat_row * 128 + (((2 * (lat_piece & 3)) ^ lat_row) << 4);
+  const int lat_byte = J0 * 64 + 16 * lat_piece;  // in the stored row
+  // fp8_ds_mla: a row's scales on chunk 1 of the group's first block; lat_piece's is that of its 128 values
+  const uint32_t scale_at = lat_row * 128 + ((1 ^ lat_row) << 4) + 4 * (J0 / 2 + (lat_piece >> 3));
+  // the rope block (8): fp8_e4m3, piece e_piece of rows e_row + 32i (i < 2); fp8_ds_mla, the 8
+  // bf16 values of chunk b_chunk of rows b_row + 16i (i < 4)
+  const int e_row = (wtid & 1) | ((wtid >> 3) << 1), e_piece = (wtid >> 1) & 3;
+  const uint32_t e_at = 4 * kBlockBytes + e_row * 128 + (((2 * e_piece) ^ (e_row & 7)) << 4);
+  const int b_row = wtid >> 3, b_chunk = wtid & 7;
+  const uint32_t b_at = 4 * kBlockBytes + b_row * 128 + ((b_chunk ^ (b_row & 7)) << 4);
+
+  // -- the stored bytes of the rows before the split's end
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int r = lat_row + 8 * i;
+    if (r < valid) cp_async16(blocks_s + lat_at + 1024 * i, rows + r * skn + lat_byte, true);
+  }
+  if constexpr (ds_mla) {
+    if (wtid < min(valid, kN)) {
+      cp_async16(blocks_s + wtid * 128 + ((1 ^ (wtid & 7)) << 4), rows + wtid * skn + kDsMlaScales, true);
+    }
+  }
+  if constexpr (with_rope && ds_mla) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = b_row + 16 * i;
+      if (r < valid) cp_async16(blocks_s + b_at + 2048 * i, rows + r * skn + kDsMlaRope + 16 * b_chunk, true);
+    }
+  } else if constexpr (with_rope) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = e_row + 32 * i;
+      if (r < valid) cp_async16(blocks_s + e_at + 4096 * i, rows + r * skn + kC + 16 * e_piece, true);
+    }
+  }
+  cp_async_commit();
+  cp_async_wait_all();
+  sync_warpgroup();
+
+  // -- e4m3 x scale in float32, rounded once to T (the piece at `at` -> chunks at, at ^ 16); zeros
+  // for a row past the split's end
+  auto convert = [&](uint32_t at, bool stored, float scale) {
+    uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+    if (stored) {
+      const uint4 v = *reinterpret_cast<const uint4*>(blocks + at);
+      lo = e4m3x8_to<T>(make_uint2(v.x, v.y), scale);
+      hi = e4m3x8_to<T>(make_uint2(v.z, v.w), scale);
+    }
+    *reinterpret_cast<uint4*>(blocks + at) = lo;
+    *reinterpret_cast<uint4*>(blocks + (at ^ 16)) = hi;
+  };
+  float lat_scale[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    lat_scale[i] = e4m3_scale;
+    if (ds_mla && lat_row + 8 * i < valid) {
+      lat_scale[i] = *reinterpret_cast<const float*>(blocks + scale_at + 1024 * i);
+    }
+  }
+  if constexpr (ds_mla) sync_warpgroup();
+#pragma unroll
+  for (int i = 0; i < 8; ++i) convert(lat_at + 1024 * i, lat_row + 8 * i < valid, lat_scale[i]);
+  if constexpr (with_rope && ds_mla) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint4* at = reinterpret_cast<uint4*>(blocks + b_at + 2048 * i);
+      if (b_row + 16 * i >= valid) {
+        *at = make_uint4(0u, 0u, 0u, 0u);
+      } else if constexpr (!kIsBf16<T>) {
+        *at = bf16x8_to<T>(*at);
+      }
+    }
+  } else if constexpr (with_rope) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) convert(e_at + 4096 * i, e_row + 32 * i < valid, e4m3_scale);
+  }
+  fence_async_shared();  // the converted blocks, visible to wgmma ...
+  sync_warpgroup();      // ... everyone's
+  if (wtid == 0) mbar_arrive(bar);
+}
+
+// T: q's dtype; F: the cache's layout; KV: what its rows hold (T, or fp8 bytes).
+template <typename T, CacheFormat F, typename KV = std::conditional_t<F == CacheFormat::kAuto, T, uint8_t>>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     const T* __restrict__ q,              // (b, h, 576)
-    const T* __restrict__ kv,             // (pages, page_size, 576)
+    const KV* __restrict__ kv,            // (pages, page_size, 576) in T, or (pages, page_size, bytes) fp8
     const __grid_constant__ CUtensorMap kv_map_lo,  // kv as (64, page_size, 9, pages): boxes of blocks 0-3
-    const __grid_constant__ CUtensorMap kv_map_hi,  // and of blocks 4-8, 128-byte swizzle
+    const __grid_constant__ CUtensorMap kv_map_hi,  // and of blocks 4-8, 128-byte swizzle (a cache in T only)
     const int* __restrict__ block_table,  // (b, max_pages), last dim contiguous
     const int* __restrict__ seq_lens,     // (b,)
     void* __restrict__ part_out,          // (b, h, splits, 512) fp32; out (b, h, 1, 512) in T if final_out
@@ -268,7 +406,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     bool final_out,                       // one split: write the answer itself, no merge after
     int num_heads, int page_size, int num_splits, float scale_log2,
     int64_t sqb, int64_t sqh, int64_t skp, int64_t skn, int64_t sbb,
-    int64_t sob, int64_t soh, int64_t sos, int64_t slb, int64_t slh, int64_t sls) {
+    int64_t sob, int64_t soh, int64_t sos, int64_t slb, int64_t slh, int64_t sls,
+    const float* __restrict__ kv_scale) {  // (1,): the fp8_e4m3 cache's scale; not read otherwise
 #ifdef MLA_SM90A
   extern __shared__ unsigned char smem_raw[];
   // the swizzle pattern repeats every 1024 bytes: the layouts start on such a boundary
@@ -301,6 +440,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   const SplitTokens span = split_tokens(seq_lens[b], split, num_splits, kN);
   const int start = span.start, end = span.end, n_tiles = span.n_tiles;
   const int n_pairs = (n_tiles + 1) / 2;
+  float e4m3_scale = 1.f;  // fp8_e4m3: the cache's one scale
+  if constexpr (F == CacheFormat::kFp8E4M3) e4m3_scale = *kv_scale;
 
   // ---- blocks [J0, J1) of tile t -> buffer buf, by this warpgroup, completing the group's
   // mbarrier. A whole tile: one thread has the TMA unit copy the group (the swizzle done in
@@ -308,7 +449,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   // none (t >= n_tiles): the 128 threads copy it with cp.async, rows past the split's end zeros
   // (a page's unused rows may hold anything, NaN included, and P . V must not read them). A
   // thread copies 16-byte chunk ld_chunk of rows ld_row + 16k (k < 4) of each block: all four
-  // rows share row % 8, so their swizzled place is one per-thread offset (plus 2048 k).
+  // rows share row % 8, so their swizzled place is one per-thread offset (plus 2048 k). An fp8
+  // cache: load_fp8_blocks, for every tile.
   const int* bt_row = block_table + b * sbb;
   const int ld_row = wtid >> 3, ld_chunk = wtid & 7;
   const uint32_t ld_dst = ld_row * 128 + ((ld_chunk ^ (ld_row & 7)) << 4);
@@ -318,29 +460,36 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     const int valid = end - tok0;
     constexpr int j0 = decltype(J0)::value, j1 = decltype(J1)::value;
     static_assert((j0 == 0 && j1 == kLoBlocks) || (j0 == kLoBlocks && j1 == kBlocks), "a block group");
-    if (valid >= kN) {
-      if (wtid == 0) {
-        const int page = bt_row[tok0 / page_size], row = tok0 % page_size;
-        mbar_expect_tx(bar(buf, j0), (j1 - j0) * kBlockBytes);
-        tma_load(kv_s + buf * kMatBytes + j0 * kBlockBytes, j0 == 0 ? &kv_map_lo : &kv_map_hi, row, j0, page,
-                 bar(buf, j0));
+    if constexpr (F != CacheFormat::kAuto) {
+      const KV* rows = kv;  // the tile's first stored row (not read when valid <= 0)
+      if (valid > 0) rows += int64_t(bt_row[tok0 / page_size]) * skp + int64_t(tok0 % page_size) * skn;
+      load_fp8_blocks<T, F, j0>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes, rows, skn, valid, e4m3_scale, wtid,
+                                wg, bar(buf, j0));
+    } else {
+      if (valid >= kN) {
+        if (wtid == 0) {
+          const int page = bt_row[tok0 / page_size], row = tok0 % page_size;
+          mbar_expect_tx(bar(buf, j0), (j1 - j0) * kBlockBytes);
+          tma_load(kv_s + buf * kMatBytes + j0 * kBlockBytes, j0 == 0 ? &kv_map_lo : &kv_map_hi, row, j0, page,
+                   bar(buf, j0));
+        }
+        return;
       }
-      return;
-    }
-    const T* src = kv + ld_row * skn + ld_chunk * 8;
-    if (valid > 0) src += int64_t(bt_row[tok0 / page_size]) * skp + int64_t(tok0 % page_size) * skn;
-    const uint32_t dst = kv_s + buf * kMatBytes + ld_dst;
+      const T* src = kv + ld_row * skn + ld_chunk * 8;
+      if (valid > 0) src += int64_t(bt_row[tok0 / page_size]) * skp + int64_t(tok0 % page_size) * skn;
+      const uint32_t dst = kv_s + buf * kMatBytes + ld_dst;
 #pragma unroll
-    for (int j = j0; j < j1; ++j) {
+      for (int j = j0; j < j1; ++j) {
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const bool ok = ld_row + 16 * k < valid;
-        cp_async16(dst + j * kBlockBytes + k * 2048, ok ? src + k * row_step + j * 64 : kv, ok);
+        for (int k = 0; k < 4; ++k) {
+          const bool ok = ld_row + 16 * k < valid;
+          cp_async16(dst + j * kBlockBytes + k * 2048, ok ? src + k * row_step + j * 64 : kv, ok);
+        }
       }
+      cp_async_arrive(bar(buf, j0));
+      if (wg == 0) bar_sync_wg<5>(); else bar_sync_wg<6>();  // every thread's count is on the mbarrier ...
+      if (wtid == 0) mbar_arrive(bar(buf, j0));  // ... then the phase's one arrival
     }
-    cp_async_arrive(bar(buf, j0));
-    if (wg == 0) bar_sync_wg<5>(); else bar_sync_wg<6>();  // every thread's count is on the mbarrier ...
-    if (wtid == 0) mbar_arrive(bar(buf, j0));  // ... then the phase's one arrival
   };
   // ---- S (+)= q . K^T over blocks [J0, J1) of buffer buf (4 k-steps of 16 each), each block
   // group once its mbarrier completes phase `parity`; one commit group. Unrolled, so each descriptor
@@ -722,9 +871,11 @@ CUtensorMap kv_tensor_map(const at::Tensor& kv_cache, int blocks) {
 
 void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, at::Tensor& part_out, at::Tensor& part_lse,
-                     double softmax_scale, int64_t num_splits) {
-  check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
-                   {"mla_decode_sm90", kMaxHeads, kC, kR, kN});
+                     double softmax_scale, int64_t num_splits, const std::string& kv_cache_dtype,
+                     const std::optional<at::Tensor>& kv_scale) {
+  const CacheFormat format =
+      check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
+                       {"mla_decode_sm90", kMaxHeads, kC, kR, kN}, kv_cache_dtype, kv_scale);
   const int64_t b = q.size(0), h = q.size(1);
   if (b == 0 || h == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
@@ -739,29 +890,47 @@ void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   TORCH_CHECK(static_cast<size_t>(smem_optin) >= kSmemBytes,
               "mla_decode_sm90: this GPU allows ", num(int64_t{smem_optin}),
               " bytes of shared memory a block, the kernel needs ", num(static_cast<int64_t>(kSmemBytes)));
-  const CUtensorMap kv_map_lo = kv_tensor_map(kv_cache, kLoBlocks);
-  const CUtensorMap kv_map_hi = kv_tensor_map(kv_cache, kBlocks - kLoBlocks);
+  // the TMA unit copies a cache in q's dtype; an fp8 one is copied by cp.async (no maps)
+  const bool tma = format == CacheFormat::kAuto;
+  const CUtensorMap kv_map_lo = tma ? kv_tensor_map(kv_cache, kLoBlocks) : CUtensorMap{};
+  const CUtensorMap kv_map_hi = tma ? kv_tensor_map(kv_cache, kBlocks - kLoBlocks) : CUtensorMap{};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>((h + kM - 1) / kM), static_cast<unsigned>(b),
                   static_cast<unsigned>(num_splits));
   const float scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
-  auto run = [&](auto* kernel, auto type_tag) {
+  const float* scale_ptr = format == CacheFormat::kFp8E4M3 ? kv_scale->data_ptr<float>() : nullptr;
+  auto run = [&](auto* kernel, auto type_tag, auto format_tag) {
     using T = decltype(type_tag);
+    using KV = std::conditional_t<decltype(format_tag)::value == CacheFormat::kAuto, T, uint8_t>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(kSmemBytes)));
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(
-        reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(kv_cache.data_ptr()), kv_map_lo,
+        reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const KV*>(kv_cache.data_ptr()), kv_map_lo,
         kv_map_hi, block_table.data_ptr<int>(), seq_lens.data_ptr<int>(), part_out.data_ptr(),
         part_lse.data_ptr<float>(), part_out.scalar_type() != at::kFloat, static_cast<int>(h),
         static_cast<int>(kv_cache.size(1)), static_cast<int>(num_splits), scale_log2, q.stride(0),
         q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), part_out.stride(0),
-        part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2));
+        part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+        scale_ptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  if (q.scalar_type() == at::kBFloat16) {
-    run(mla_decode_sm90_kernel<__nv_bfloat16>, __nv_bfloat16{});
-  } else {
-    run(mla_decode_sm90_kernel<__half>, __half{});
+  auto run_format = [&](auto format_tag) {
+    constexpr CacheFormat F = decltype(format_tag)::value;
+    if (q.scalar_type() == at::kBFloat16) {
+      run(mla_decode_sm90_kernel<__nv_bfloat16, F>, __nv_bfloat16{}, format_tag);
+    } else {
+      run(mla_decode_sm90_kernel<__half, F>, __half{}, format_tag);
+    }
+  };
+  switch (format) {
+    case CacheFormat::kFp8E4M3:
+      run_format(std::integral_constant<CacheFormat, CacheFormat::kFp8E4M3>{});
+      break;
+    case CacheFormat::kFp8DsMla:
+      run_format(std::integral_constant<CacheFormat, CacheFormat::kFp8DsMla>{});
+      break;
+    default:
+      run_format(std::integral_constant<CacheFormat, CacheFormat::kAuto>{});
   }
 }
 

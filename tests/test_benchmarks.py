@@ -242,6 +242,8 @@ def test_a_shape_gives_a_row_a_layout_on_one_set_of_inputs(monkeypatch, torch_wr
     for row in (e4m3, ds_mla):
         assert not {"error", "check_error"} & set(row), row
         assert row["config"]["kernel"] == "triton" and row["flashmla_skipped"] == bd.FLASHMLA_SKIPPED
+        # the 16-head CUDA stage 1 forced beside it (on the CPU it says why it cannot run)
+        assert row["cuda_fp8_kernel"] == "cuda-sm80" and "q is on cpu" in row["cuda_fp8_error"]
         assert row["time_us"] == 10.0 + calls.index(3) + (row is ds_mla) + 1 and row["steady_us"] == 5.0
         assert row["over_bf16"] == pytest.approx(row["time_us"] / bf16["time_us"])
         assert row["floor_us"] < bf16["floor_us"] and row["bytes_per_token"] < 1152
@@ -325,17 +327,42 @@ def _fake_mixed_rows() -> list[dict]:
     return bd.pair_with_bf16(rows)
 
 
-def test_the_forced_sm80_fp8_path_is_timed_beside_the_default_and_paired():
+def test_the_forced_cuda_fp8_path_is_timed_beside_the_default_and_paired():
     row = _fp8_row(64, 4096, 16, "fp8_ds_mla", 51.84)
-    row["sm80_time_us"] = 43.2
+    row.update(cuda_fp8_kernel="cuda-sm80", cuda_fp8_time_us=43.2)
     rows = bd.pair_with_bf16(_fake_result(flashmla=True)["rows"] + [row])
-    assert rows[-1]["sm80_over_bf16"] == pytest.approx(43.2 / 86.4)
-    # on the CPU the forced CUDA kernel cannot run: the row says why, and keeps its other fields
-    q = torch.zeros(1, 16, bd.D)
-    failed = dict(b=1, h=16, kv_cache_dtype="fp8_ds_mla")
-    bd.sm80_fp8(failed, q, [torch.zeros(1, 64, 656, dtype=torch.uint8)],
-                torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), None, 64, 132)
-    assert "sm80_error" in failed and "sm80_time_us" not in failed
+    assert rows[-1]["cuda_fp8_over_bf16"] == pytest.approx(43.2 / 86.4)
+    assert "cuda_fp8_over_bf16" not in _fake_mixed_rows()[-1]  # not timed forced: no ratio
+    # on the CPU the forced CUDA kernel cannot run: the row names it, says why, and keeps its
+    # other fields
+    for h, kernel in ((16, "cuda-sm80"), (128, "cuda-sm90")):
+        q = torch.zeros(1, h, bd.D)
+        failed = dict(b=1, h=h, kv_cache_dtype="fp8_ds_mla")
+        bd.cuda_fp8(failed, kernel, q, [torch.zeros(1, 64, 656, dtype=torch.uint8)],
+                    torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), None, 64, 132)
+        assert failed["cuda_fp8_kernel"] == kernel and "cuda_fp8_time_us" not in failed
+        assert failed["cuda_fp8_error"] == f"ValueError: mla_decode: _backend={kernel!r} cannot run these arguments: " \
+                                          "q is on cpu, not a GPU"
+
+
+def test_an_fp8_row_forces_the_cuda_kernel_of_its_heads(monkeypatch, torch_writer):
+    # while mla_decode runs fp8 on Triton, a one-token row also times the CUDA stage 1 its heads
+    # would take: sm80 at <= 16 heads, sm90 above; no CUDA kernel takes two query tokens
+    forced = []
+    monkeypatch.setattr(bd, "cuda_fp8", lambda row, kernel, *args: forced.append((row["h"], kernel)))
+    monkeypatch.setattr(bd, "decode_call",
+                        lambda q, *args, **kwargs: lambda cache: (torch.zeros(q.shape[0], q.shape[-2], bd.C), None))
+    monkeypatch.setattr(bd, "reference_out", lambda q, *args, **kwargs: torch.ones(q.shape[0], q.shape[-2], bd.C))
+    monkeypatch.setattr(timing, "bench_us", lambda fn, **kwargs: 1.0)
+    monkeypatch.setattr(timing, "graphed", lambda fn, inputs: fn)
+    monkeypatch.setattr(timing, "steady_us", lambda fn, inputs, **kwargs: 1.0)
+    monkeypatch.setattr(timing, "rotation_copies", lambda nbytes, most=8: 1)
+    for h, s_q in ((16, 1), (17, 1), (128, 1), (128, 2)):
+        q, caches, table, lens = bd.make_inputs(1, 64, h, s_q=s_q, device="cpu")
+        row = bd.fp8_row("fp8_ds_mla", 1, 64, h, s_q, q, caches, table, lens, (4242.0, 690.0), 132,
+                         lambda: torch.zeros(1, h, bd.C))
+        assert row["config"]["kernel"] == "triton" and "error" not in row
+    assert forced == [(16, "cuda-sm80"), (17, "cuda-sm90"), (128, "cuda-sm90")]
 
 
 def test_fp8_rows_are_paired_with_the_bf16_row_of_their_shape():

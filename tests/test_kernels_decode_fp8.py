@@ -317,36 +317,28 @@ def test_bad_fp8_input(name):
         assert same_bytes(args[k], v)
 
 
+@pytest.mark.parametrize("backend", ["cuda-sm80", "cuda-sm90"])
 @pytest.mark.parametrize("kind", ["fp8", *KINDS])
-def test_cuda_sm90_refuses_fp8(kind):
-    # the wgmma stage 1 reads caches in q's dtype only; the layout is judged before the device,
-    # so the CPU sees the error a GPU gives
+def test_cuda_stage1_takes_fp8(kind, backend):
+    # forcing either CUDA stage 1 on an fp8 cache is refused for the CPU only, not for the layout
     args = _v3_args(kind, kv_scale=None if kind == "fp8_ds_mla" else 1.0)
     before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
-    canonical = fp8.canonical_kv_cache_dtype(kind)
-    with pytest.raises(ValueError, match=r"_backend='cuda-sm90' cannot run these arguments: kv_cache is "
-                                         rf"torch\.(uint8|float8_e4m3fn) \(an fp8 cache, kv_cache_dtype='{canonical}'\); "
-                                         r"the wgmma stage 1 reads caches in q's dtype only"):
-        mla_decode(**args, _backend="cuda-sm90")
+    with pytest.raises(ValueError, match=rf"_backend='{backend}' cannot run these arguments: q is on cpu, not a GPU$"):
+        mla_decode(**args, _backend=backend)
     for k, v in before.items():
         assert same_bytes(args[k], v)
 
 
+@pytest.mark.parametrize("heads, kernel, switch", [(16, "cuda-sm80", "SM80_READS_FP8_BY_DEFAULT"),
+                                                   (128, "cuda-sm90", "SM90_READS_FP8_BY_DEFAULT")])
 @pytest.mark.parametrize("kind", KINDS)
-def test_cuda_sm80_takes_fp8(kind):
-    # forcing the sm_80 stage 1 on an fp8 cache is refused for the CPU only, not for the layout
-    args = _v3_args(kind, kv_scale=1.0 if kind == "fp8_e4m3" else None)
-    with pytest.raises(ValueError, match=r"_backend='cuda-sm80' cannot run these arguments: q is on cpu, not a GPU$"):
-        mla_decode(**args, _backend="cuda-sm80")
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_fp8_cache_runs_on_triton_by_default(kind, monkeypatch):
+def test_fp8_cache_runs_on_triton_by_default(kind, heads, kernel, switch, monkeypatch):
     """The backend policy alone, so without a GPU: a stand-in q that says it is on one and CUDA
-    kernels that say they can run. A 16-head call on a cache in q's dtype picks "cuda-sm80"; on an
-    fp8 cache it picks "triton" while ``backends.SM80_READS_FP8_BY_DEFAULT`` is False (the sm_80
-    fp8 path has not yet run on a GPU) and "cuda-sm80" once it is True; forced, "cuda-sm80" takes
-    it either way."""
+    kernels that say they can run. A call on a cache in q's dtype picks "cuda-sm80" at 16 heads,
+    "cuda-sm90" at 128; on an fp8 cache it picks "triton" while that kernel's switch
+    (``backends.SM80_READS_FP8_BY_DEFAULT`` / ``SM90_READS_FP8_BY_DEFAULT``) is False (its fp8
+    path has not yet run on a GPU) and the kernel once it is True, the other kernel's switch
+    changing nothing; forced, the kernel takes it either way."""
     from types import SimpleNamespace
 
     from mla.kernels import backends
@@ -359,19 +351,23 @@ def test_fp8_cache_runs_on_triton_by_default(kind, monkeypatch):
 
     monkeypatch.setattr(backends, "why_backend_cannot_run", can_run)
     args = _v3_args(kind, kv_scale=1.0 if kind == "fp8_e4m3" else None)
-    q = SimpleNamespace(device=torch.device("cuda"), shape=(1, 16, 576), dtype=torch.bfloat16)
+    q = SimpleNamespace(device=torch.device("cuda"), shape=(1, heads, 576), dtype=torch.bfloat16)
 
     def pick(**options):
         return backends.choose_decode_backend(q, args["kv_cache"], args["block_table"], args["seq_lens"],
                                               kv_lora_rank=512, **options)
 
-    assert pick(kv_cache_dtype="auto") == "cuda-sm80"  # the stand-in reaches the CUDA choice
-    assert not backends.SM80_READS_FP8_BY_DEFAULT  # True once the GPU tests below pass
+    assert pick(kv_cache_dtype="auto") == kernel  # the stand-in reaches the CUDA choice
+    # True once the GPU tests below pass
+    assert not backends.SM80_READS_FP8_BY_DEFAULT and not backends.SM90_READS_FP8_BY_DEFAULT
     assert pick(kv_cache_dtype=kind) == "triton"
-    assert pick(kv_cache_dtype=kind, backend="cuda-sm80") == "cuda-sm80"
+    assert pick(kv_cache_dtype=kind, backend=kernel) == kernel
     assert asked[-1] == kind  # the kernel is judged on the cache's layout
-    monkeypatch.setattr(backends, "SM80_READS_FP8_BY_DEFAULT", True)
-    assert pick(kv_cache_dtype=kind) == "cuda-sm80"
+    other = "SM90_READS_FP8_BY_DEFAULT" if switch == "SM80_READS_FP8_BY_DEFAULT" else "SM80_READS_FP8_BY_DEFAULT"
+    monkeypatch.setattr(backends, other, True)
+    assert pick(kv_cache_dtype=kind) == "triton"
+    monkeypatch.setattr(backends, switch, True)
+    assert pick(kv_cache_dtype=kind) == kernel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,14 +392,24 @@ def test_gpu_bf16_deepseek_v3(kind, heads, s_q):
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: the sm_80 CUDA stage 1 on fp8 caches (_backend="cuda-sm80"; the default once these pass)
+# GPU: the CUDA stage-1 kernels on fp8 caches (_backend="cuda-sm80" for <= 16 heads, "cuda-sm90"
+# on compute capability 9.0 for any; each the default for its heads once these pass)
 # ---------------------------------------------------------------------------------------------
 
 # lengths around the 32-token tile and the pages of 32 and 64, an empty row, two long ones
 SM80_LENGTHS = [0, 1, 31, 32, 33, 64, 65, 127, 1000, 3000]
+# lengths around the wgmma kernel's 64-token tile, taken in pairs (a pair with and without its
+# second tile, a partial second one), an empty row, two long ones
+SM90_LENGTHS = [0, 1, 63, 64, 65, 128, 129, 191, 1000, 3000]
 
 
-def _sm80_case(kind, dtype, heads, block_size, seed, seq_lens=SM80_LENGTHS):
+def _skip_unless_sm90():
+    from tests.test_kernels_decode import _skip_unless_sm90 as skip
+
+    skip()
+
+
+def _cuda_case(kind, dtype, heads, block_size, seed, seq_lens=SM80_LENGTHS):
     """DeepSeek-V3 sizes (c = 512, r = 64) on the GPU, q in ``dtype``; every unwritten byte of the
     cache 0xFF (an e4m3 NaN, and a NaN scale or bf16 rope value in fp8_ds_mla's other bytes)."""
     args, _, _, _ = make_fp8_case(kind, seq_lens, heads=heads, c=512, r=64, block_size=block_size, seed=seed,
@@ -412,16 +418,16 @@ def _sm80_case(kind, dtype, heads, block_size, seed, seq_lens=SM80_LENGTHS):
     return args
 
 
-def _sm80_reference(args):
-    """The float32 reference on the values the kernel's products read: the fp8 cache dequantised
-    by mla.kernels.fp8 (value * scale in float32) and rounded once to q's dtype."""
+def _reference_in_q_dtype(args):
+    """The float32 reference on the values the CUDA kernels' products read: the fp8 cache
+    dequantised by mla.kernels.fp8 (value * scale in float32) and rounded once to q's dtype."""
     cache = dequantised(args).to(args["q"].dtype)
     return mla_decode_reference(**as_auto(args, cache), compute_dtype=torch.float32)
 
 
 def _assert_same_kernel_values(out, lse, out_t, lse_t):
-    """cuda-sm80 against triton on the same fp8 cache: the same dequantised values in q's dtype and
-    the same rounding of p, only the order of the float32 sums differs (as for a bf16 cache)."""
+    """A CUDA stage 1 against triton on the same fp8 cache: the same dequantised values in q's dtype
+    and the same rounding of p, only the order of the float32 sums differs (as for a bf16 cache)."""
     assert torch.equal(lse.isinf(), lse_t.isinf()) and not lse.isnan().any()
     seen = ~lse_t.isinf()
     if seen.any():
@@ -429,18 +435,14 @@ def _assert_same_kernel_values(out, lse, out_t, lse_t):
         assert (lse[seen] - lse_t[seen]).abs().max().item() < 1e-3
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("block_size", [32, 64])
-@pytest.mark.parametrize("heads", [1, 3, 16])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("kind", KINDS)
-def test_gpu_sm80_fp8_matches_reference_and_triton(kind, dtype, heads, block_size):
-    args = _sm80_case(kind, dtype, heads, block_size, seed=heads + block_size)
+def _check_against_reference_and_triton(args, backend, splits_list):
+    """``backend`` on ``args`` at each split count against the reference in q's dtype and against
+    the Triton kernel; nothing it was given changed."""
     before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
-    ref_out, ref_lse = _sm80_reference(args)
-    for splits in (None, 1, 5, 40):  # 40 splits: most splits of the short rows are empty
-        out, lse = mla_decode(**args, num_kv_splits=splits, _backend="cuda-sm80")
-        assert out.dtype == dtype and lse.dtype == torch.float32
+    ref_out, ref_lse = _reference_in_q_dtype(args)
+    for splits in splits_list:
+        out, lse = mla_decode(**args, num_kv_splits=splits, _backend=backend)
+        assert out.dtype == args["q"].dtype and lse.dtype == torch.float32
         # as the bf16 CUDA tests: p and out rounded to q's dtype (1e-2 of the output's scale)
         assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
         out_t, lse_t = mla_decode(**args, num_kv_splits=splits, _backend="triton")
@@ -450,45 +452,96 @@ def test_gpu_sm80_fp8_matches_reference_and_triton(kind, dtype, heads, block_siz
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [32, 64])
+@pytest.mark.parametrize("heads", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_gpu_sm80_fp8_both_launch_shapes(kind):
-    # 4 stages, one CTA an SM, when b * splits fits on the SMs; 2 stages, two CTAs an SM, above:
-    # split counts on both sides of the line, partial buffers NaN-filled so an unwritten slot shows
-    from mla.kernels import decode
-    from mla.kernels.extension import load_extension
+def test_gpu_sm80_fp8_matches_reference_and_triton(kind, dtype, heads, block_size):
+    args = _cuda_case(kind, dtype, heads, block_size, seed=heads + block_size)
+    # 40 splits: most splits of the short rows are empty
+    _check_against_reference_and_triton(args, "cuda-sm80", (None, 1, 5, 40))
 
-    assert load_extension()["decode"]
-    heads, b = 16, len(SM80_LENGTHS)
-    args = _sm80_case(kind, torch.bfloat16, heads, 64, seed=11)
-    ref_out, ref_lse = _sm80_reference(args)
-    wave = torch.cuda.get_device_properties(0).multi_processor_count // b
-    for splits in (wave, wave + 1):
-        part_out = torch.full((b, heads, splits, 512), float("nan"), device="cuda")
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("heads", [16, 64, 100, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_sm90_fp8_matches_reference_and_triton(kind, dtype, heads, block_size):
+    # 16 heads padded to the CTA's 64, 100 in two head blocks (the second of 36); pages of 128 put
+    # tiles at both offsets of a page; 3 splits: several pairs a split, 40: most splits empty or
+    # one tile (the pair's second buffer zeros)
+    _skip_unless_sm90()
+    args = _cuda_case(kind, dtype, heads, block_size, seed=heads + block_size, seq_lens=SM90_LENGTHS)
+    _check_against_reference_and_triton(args, "cuda-sm90", (None, 1, 3, 40))
+
+
+def _check_op_writes_every_partial(args, backend, splits_list):
+    """The op of ``backend`` itself (bf16 q) at each split count, its partial buffers NaN-filled so
+    a slot it leaves unwritten shows, merged (or with one split the answer it writes) against the
+    reference, and equal to the public call's."""
+    from mla.kernels import decode
+
+    b, heads, _ = args["q"].shape
+    op = {"cuda-sm80": torch.ops.mla.mla_decode_sm80, "cuda-sm90": torch.ops.mla.mla_decode_sm90}[backend]
+    ref_out, ref_lse = _reference_in_q_dtype(args)
+    for splits in splits_list:
+        dtype = torch.bfloat16 if splits == 1 else torch.float32  # one split: out itself, in q's dtype
+        part_out = torch.full((b, heads, splits, 512), float("nan"), device="cuda", dtype=dtype)
         part_lse = torch.full((b, heads, splits), float("nan"), device="cuda")
-        torch.ops.mla.mla_decode_sm80(args["q"], args["kv_cache"], args["block_table"], args["seq_lens"], part_out,
-                                      part_lse, float(args["softmax_scale"]), splits, kind, args["kv_scale"])
-        out = torch.empty((b, heads, 512), dtype=torch.bfloat16, device="cuda")
-        lse = torch.empty((b, heads), device="cuda")
-        decode._merge(part_out, part_lse, out, lse)
+        op(args["q"], args["kv_cache"], args["block_table"], args["seq_lens"], part_out, part_lse,
+           float(args["softmax_scale"]), splits, args["kv_cache_dtype"], args["kv_scale"])
+        if splits == 1:
+            out, lse = part_out[:, :, 0], part_lse[:, :, 0]
+        else:
+            out = torch.empty((b, heads, 512), dtype=torch.bfloat16, device="cuda")
+            lse = torch.empty((b, heads), device="cuda")
+            decode._merge(part_out, part_lse, out, lse)
         assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
-        out2, lse2 = mla_decode(**args, num_kv_splits=splits, _backend="cuda-sm80")  # the public call's path
+        out2, lse2 = mla_decode(**args, num_kv_splits=splits, _backend=backend)  # the public call's path
         assert torch.equal(out2, out) and torch.equal(lse2, lse)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
-def test_gpu_sm80_fp8_cuda_graph_capture(kind):
+def test_gpu_sm80_fp8_both_launch_shapes(kind):
+    # 4 stages, one CTA an SM, when b * splits fits on the SMs; 2 stages, two CTAs an SM, above:
+    # split counts on both sides of the line
+    from mla.kernels.extension import load_extension
+
+    assert load_extension()["decode"]
+    args = _cuda_case(kind, torch.bfloat16, 16, 64, seed=11)
+    wave = torch.cuda.get_device_properties(0).multi_processor_count // len(SM80_LENGTHS)
+    _check_op_writes_every_partial(args, "cuda-sm80", (wave, wave + 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_sm90_fp8_op_writes_every_partial(kind):
+    # 1 split (the answer in q's dtype), 7 (several pairs a split) and 40 (empty splits write
+    # zeros and -inf)
+    _skip_unless_sm90()
+    args = _cuda_case(kind, torch.bfloat16, 128, 64, seed=12, seq_lens=SM90_LENGTHS)
+    _check_op_writes_every_partial(args, "cuda-sm90", (1, 7, 40))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend, heads", [("cuda-sm80", 16), ("cuda-sm90", 128)])
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_cuda_fp8_cuda_graph_capture(kind, backend, heads):
     # with num_kv_splits given the call captures; the replay equals the eager call, and an
     # fp8_e4m3 scale changed in place is read by the next replay (it lives on the device)
-    args = _sm80_case(kind, torch.bfloat16, 16, 64, seed=3, seq_lens=[100, 3000, 0, 64])
-    expected = mla_decode(**args, num_kv_splits=4, _backend="cuda-sm80")
+    if backend == "cuda-sm90":
+        _skip_unless_sm90()
+    args = _cuda_case(kind, torch.bfloat16, heads, 64, seed=3, seq_lens=[100, 3000, 0, 64])
+    expected = mla_decode(**args, num_kv_splits=4, _backend=backend)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        mla_decode(**args, num_kv_splits=4, _backend="cuda-sm80")
+        mla_decode(**args, num_kv_splits=4, _backend=backend)
         with torch.cuda.graph(graph):
-            out, lse = mla_decode(**args, num_kv_splits=4, _backend="cuda-sm80")
+            out, lse = mla_decode(**args, num_kv_splits=4, _backend=backend)
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
     torch.cuda.synchronize()
@@ -497,13 +550,14 @@ def test_gpu_sm80_fp8_cuda_graph_capture(kind):
         args["kv_scale"].mul_(2)
         graph.replay()
         torch.cuda.synchronize()
-        ref_out, ref_lse = _sm80_reference(args)
+        ref_out, ref_lse = _reference_in_q_dtype(args)
         assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
         assert not torch.equal(lse, expected[1])
 
 
-# The op's own checks, in a child process (as tests/test_kernels_decode.py's): a check that
-# crashed the process instead of raising fails the test, not the GPU run.
+# The ops' own checks, in a child process (as tests/test_kernels_decode.py's): a check that
+# crashed the process instead of raising fails the test, not the GPU run. Each bad call goes to
+# both ops (the wgmma one where it is built).
 _FP8_OPS_REJECT_CHILD = """
 import torch
 from mla.kernels.extension import load_extension
@@ -517,60 +571,56 @@ q, table, lens = ds["q"].bfloat16(), ds["block_table"], ds["seq_lens"]
 part_out = torch.full((2, 16, 3, 512), 7.0, device="cuda")
 part_lse = torch.full((2, 16, 3), 7.0, device="cuda")
 scale = e4["kv_scale"]
-cases = {  # name: (op, kv_cache, kv_cache_dtype, kv_scale, q)
-    "e4m3-no-scale": ("sm80", e4["kv_cache"], "fp8_e4m3", None, q),
-    "e4m3-scale-float64": ("sm80", e4["kv_cache"], "fp8_e4m3", scale.double(), q),
-    "e4m3-scale-cpu": ("sm80", e4["kv_cache"], "fp8_e4m3", scale.cpu(), q),
-    "e4m3-scale-two": ("sm80", e4["kv_cache"], "fp8_e4m3", scale.repeat(2), q),
-    "e4m3-as-uint8": ("sm80", e4["kv_cache"].view(torch.uint8), "fp8_e4m3", scale, q),
-    "e4m3-q-float32": ("sm80", e4["kv_cache"], "fp8_e4m3", scale, q.float()),
-    "e4m3-as-auto": ("sm80", e4["kv_cache"], "auto", None, q),
-    "ds-width-655": ("sm80", ds["kv_cache"][..., :655], "fp8_ds_mla", None, q),
-    "ds-as-float8": ("sm80", ds["kv_cache"].view(torch.float8_e4m3fn), "fp8_ds_mla", None, q),
-    "ds-with-scale": ("sm80", ds["kv_cache"], "fp8_ds_mla", scale, q),
-    "ds-as-auto": ("sm80", ds["kv_cache"], "auto", None, q),
-    "unknown-layout": ("sm80", ds["kv_cache"], "fp8_e5m2", None, q),
+cases = {  # name: (kv_cache, kv_cache_dtype, kv_scale, q)
+    "e4m3-no-scale": (e4["kv_cache"], "fp8_e4m3", None, q),
+    "e4m3-scale-float64": (e4["kv_cache"], "fp8_e4m3", scale.double(), q),
+    "e4m3-scale-cpu": (e4["kv_cache"], "fp8_e4m3", scale.cpu(), q),
+    "e4m3-scale-two": (e4["kv_cache"], "fp8_e4m3", scale.repeat(2), q),
+    "e4m3-as-uint8": (e4["kv_cache"].view(torch.uint8), "fp8_e4m3", scale, q),
+    "e4m3-q-float32": (e4["kv_cache"], "fp8_e4m3", scale, q.float()),
+    "e4m3-as-auto": (e4["kv_cache"], "auto", None, q),
+    "ds-width-655": (ds["kv_cache"][..., :655], "fp8_ds_mla", None, q),
+    "ds-as-float8": (ds["kv_cache"].view(torch.float8_e4m3fn), "fp8_ds_mla", None, q),
+    "ds-with-scale": (ds["kv_cache"], "fp8_ds_mla", scale, q),
+    "ds-as-auto": (ds["kv_cache"], "auto", None, q),
+    "unknown-layout": (ds["kv_cache"], "fp8_e5m2", None, q),
 }
+ops = {"sm80": torch.ops.mla.mla_decode_sm80}
 if state["decode_sm90"]:
-    cases["sm90-ds"] = ("sm90", ds["kv_cache"], None, None, q)
-    cases["sm90-e4m3"] = ("sm90", e4["kv_cache"], None, None, q)
-for name, (op_name, cache, kind, kv_scale, query) in cases.items():
-    try:
-        if op_name == "sm80":
-            torch.ops.mla.mla_decode_sm80(query, cache, table, lens, part_out, part_lse, 0.1, 3, kind, kv_scale)
-        else:
-            torch.ops.mla.mla_decode_sm90(query, cache, table, lens, part_out, part_lse, 0.1, 3)
-        print(op_name, name, "RAN", flush=True)
-    except RuntimeError as e:
-        print(op_name, name, "RAISED", str(e).splitlines()[0], flush=True)
+    ops["sm90"] = torch.ops.mla.mla_decode_sm90
+for op_name, op in ops.items():
+    for name, (cache, kind, kv_scale, query) in cases.items():
+        try:
+            op(query, cache, table, lens, part_out, part_lse, 0.1, 3, kind, kv_scale)
+            print(op_name, name, "RAN", flush=True)
+        except RuntimeError as e:
+            print(op_name, name, "RAISED", str(e).splitlines()[0], flush=True)
 print("untouched", bool((part_out == 7.0).all() and (part_lse == 7.0).all()), flush=True)
 """
 
 
 @pytest.mark.gpu
-def test_gpu_sm80_fp8_op_rejects_what_it_cannot_run():
+def test_gpu_cuda_fp8_ops_reject_what_they_cannot_run():
     from tests.test_kernels_decode import run_op_checks
 
     lines = run_op_checks(_FP8_OPS_REJECT_CHILD)
     expected = {
-        "sm80 e4m3-no-scale": "mla_decode_sm80: kv_scale (the cache's one scale) is required for kv_cache_dtype "
-                              "'fp8_e4m3'",
-        "sm80 e4m3-scale-float64": "mla_decode_sm80: kv_scale must be a 1-element float32 tensor on q's device",
-        "sm80 e4m3-scale-cpu": "mla_decode_sm80: kv_scale must be a 1-element float32 tensor on q's device",
-        "sm80 e4m3-scale-two": "mla_decode_sm80: kv_scale must be a 1-element float32 tensor on q's device",
-        "sm80 e4m3-as-uint8": "mla_decode_sm80: kv_cache must be Float8_e4m3fn for kv_cache_dtype 'fp8_e4m3', got Byte",
-        "sm80 e4m3-q-float32": "mla_decode_sm80: q must be bfloat16 or float16",
-        "sm80 e4m3-as-auto": "mla_decode_sm80: kv_cache is Float8_e4m3fn (an fp8 cache) but kv_cache_dtype is 'auto'",
-        "sm80 ds-width-655": "mla_decode_sm80: kv_cache must be (pages, page_size, 656 bytes)",
-        "sm80 ds-as-float8": "mla_decode_sm80: kv_cache must be Byte for kv_cache_dtype 'fp8_ds_mla'",
-        "sm80 ds-with-scale": "mla_decode_sm80: kv_scale must be None for kv_cache_dtype 'fp8_ds_mla'",
-        "sm80 ds-as-auto": "mla_decode_sm80: kv_cache is Byte (an fp8 cache) but kv_cache_dtype is 'auto'; pass",
-        "sm80 unknown-layout": "mla_decode_sm80: kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_ds_mla'",
+        "e4m3-no-scale": "kv_scale (the cache's one scale) is required for kv_cache_dtype 'fp8_e4m3'",
+        "e4m3-scale-float64": "kv_scale must be a 1-element float32 tensor on q's device",
+        "e4m3-scale-cpu": "kv_scale must be a 1-element float32 tensor on q's device",
+        "e4m3-scale-two": "kv_scale must be a 1-element float32 tensor on q's device",
+        "e4m3-as-uint8": "kv_cache must be Float8_e4m3fn for kv_cache_dtype 'fp8_e4m3', got Byte",
+        "e4m3-q-float32": "q must be bfloat16 or float16",
+        "e4m3-as-auto": "kv_cache is Float8_e4m3fn (an fp8 cache) but kv_cache_dtype is 'auto'; pass",
+        "ds-width-655": "kv_cache must be (pages, page_size, 656 bytes)",
+        "ds-as-float8": "kv_cache must be Byte for kv_cache_dtype 'fp8_ds_mla'",
+        "ds-with-scale": "kv_scale must be None for kv_cache_dtype 'fp8_ds_mla'",
+        "ds-as-auto": "kv_cache is Byte (an fp8 cache) but kv_cache_dtype is 'auto'; pass",
+        "unknown-layout": "kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_ds_mla'",
     }
-    if torch.cuda.get_device_capability() == (9, 0):  # the wgmma kernel is built: it refuses fp8
-        refusal = "(an fp8 cache) but kv_cache_dtype is 'auto'; this kernel reads caches in q's dtype"
-        expected.update({"sm90 sm90-ds": f"mla_decode_sm90: kv_cache is Byte {refusal}",
-                         "sm90 sm90-e4m3": f"mla_decode_sm90: kv_cache is Float8_e4m3fn {refusal}"})
-    for name, message in expected.items():
-        assert lines.get(name, "").startswith("RAISED " + message), (name, lines.get(name))
+    ops = ["sm80"] + (["sm90"] if torch.cuda.get_device_capability() == (9, 0) else [])  # where the op is built
+    for op in ops:
+        for name, message in expected.items():
+            key = f"{op} {name}"
+            assert lines.get(key, "").startswith(f"RAISED mla_decode_{op}: {message}"), (key, lines.get(key))
     assert lines.get("untouched") == "True"

@@ -1,8 +1,9 @@
 """A few small launches of the decode kernels, for `compute-sanitizer --tool memcheck`: the Triton
 stage 1, the CUDA ones (csrc/mla_decode_sm80.cu where it applies, <= 16 heads; csrc/mla_decode_sm90.cu
 on compute capability 9.0), and the merge; then the Triton kernel on several query tokens a
-sequence and on both fp8 layouts, and csrc/mla_decode_sm80.cu on both fp8 layouts (one query
-token, <= 16 heads; in one wave and over one).
+sequence and on both fp8 layouts, and the CUDA ones on both fp8 layouts (one query token):
+csrc/mla_decode_sm80.cu for <= 16 heads, in one wave and over one; csrc/mla_decode_sm90.cu on
+compute capability 9.0 for any heads (a second head block, one split, many empty ones).
 
 Pages the sequences don't own are NaN (bytes 0xFF in an fp8 cache) and unused block-table entries
 are garbage, so a read outside a sequence's pages would also show as NaN in the output.
@@ -60,8 +61,8 @@ def main() -> None:
 
 def fp8_and_query_tokens() -> None:
     """The Triton kernel on s_q = 1..8 query tokens and on fp8_e4m3 / fp8_ds_mla caches, and the
-    sm_80 CUDA stage 1 on the fp8 caches it takes (s_q = 1, <= 16 heads), each against the
-    reference on the same cache (which dequantises it first)."""
+    CUDA stage-1 kernels on the fp8 caches they take (s_q = 1; sm_80 for <= 16 heads, sm_90 for
+    any), each against the reference on the same cache (which dequantises it first)."""
     c, r, page = 512, 64, 64
     for heads, seq_lens, splits, s_q, kind in ((16, [1, 0, 130, 64], None, 4, "auto"),
                                               (128, [300, 7], 4, 2, "auto"),
@@ -72,7 +73,9 @@ def fp8_and_query_tokens() -> None:
                                               (20, [64, 65], 2, 2, "fp8_e4m3"),
                                               (3, [65, 129, 1, 0], 1, 1, "fp8_e4m3"),  # sm80: one split
                                               (16, [130, 5, 0, 64], None, 1, "fp8_ds_mla"),
-                                              (16, [300, 2000, 64], 50, 1, "fp8_ds_mla")):  # sm80: over one wave
+                                              (16, [300, 2000, 64], 50, 1, "fp8_ds_mla"),  # sm80: over one wave
+                                              (100, [70, 1000, 0], 1, 1, "fp8_e4m3"),  # sm90: two head blocks
+                                              (128, [129, 64, 1], 40, 1, "fp8_ds_mla")):  # sm90: empty splits
         b = len(seq_lens)
         max_blocks = max(1, -(-max(seq_lens) // page)) + 1
         num_blocks = b * max_blocks + 3
@@ -97,7 +100,9 @@ def fp8_and_query_tokens() -> None:
         lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
         layout = dict(kv_lora_rank=c, softmax_scale=0.1, kv_cache_dtype=kind, kv_scale=scale)
         ref, _ = mla_decode_reference(q, cache, table, lens, **layout)
-        backends = ["triton"] + (["cuda-sm80"] if kind != "auto" and s_q == 1 and heads <= 16 else [])
+        cuda = kind != "auto" and s_q == 1
+        backends = (["triton"] + (["cuda-sm80"] if cuda and heads <= 16 else [])
+                    + (["cuda-sm90"] if cuda and torch.cuda.get_device_capability() == (9, 0) else []))
         for backend in backends:
             out, _ = mla_decode(q, cache, table, lens, num_kv_splits=splits, _backend=backend,
                                 **layout)

@@ -137,7 +137,7 @@ def instrumented_source() -> str:
     src = src[:end] + "  __syncthreads();\n  stamp(4);\n" + src[end:]
     edit("""  const CacheFormat format =
       check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
-                       {"mla_decode_sm80", kHeads, kC, kR, DecodeShape::kTile, true}, kv_cache_dtype, kv_scale);""",
+                       {"mla_decode_sm80", kHeads, kC, kR, DecodeShape::kTile}, kv_cache_dtype, kv_scale);""",
          "  const CacheFormat format = CacheFormat::kAuto;  // bf16 caches only here")
     edit("const std::optional<at::Tensor>& kv_scale) {", "const std::optional<at::Tensor>& kv_scale, at::Tensor& timing) {")
     edit("part_lse.stride(0), part_lse.stride(1), part_lse.stride(2));",

@@ -62,8 +62,7 @@ def instrumented_source() -> str:
         return f"{{ const long long c_ = clock64(); {call}; acc[{part}] += clock64() - c_; }}"
 
     edit('#include "mla_decode.h"\n', '#include <torch/extension.h>\n#include "mla_decode.h"\n')
-    edit("int64_t sob, int64_t soh, int64_t sos, int64_t slb, int64_t slh, int64_t sls) {",
-         "int64_t sob, int64_t soh, int64_t sos, int64_t slb, int64_t slh, int64_t sls, long long* timing) {")
+    edit("const float* __restrict__ kv_scale) {", "const float* __restrict__ kv_scale, long long* timing) {")
     edit("  const int split = blockIdx.z;\n", """  const int split = blockIdx.z;
   const int64_t cta = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
 """ + stamp_code(SLOTS) + """  long long acc[4] = {0, 0, 0, 0};
@@ -93,12 +92,12 @@ def instrumented_source() -> str:
 """ + tail
     src = head + body + tail
     edit("#else\n  __trap();", "  __syncthreads();\n  stamp(4);\n#else\n  __trap();")
-    edit("""  check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
-                   {"mla_decode_sm90", kMaxHeads, kC, kR, kN});""", "")
-    edit("double softmax_scale, int64_t num_splits) {",
-         "double softmax_scale, int64_t num_splits, at::Tensor& timing) {")
-    edit("part_lse.stride(0), part_lse.stride(1), part_lse.stride(2))",
-         "part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), (long long*)timing.data_ptr<int64_t>())")
+    edit("""  const CacheFormat format =
+      check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
+                       {"mla_decode_sm90", kMaxHeads, kC, kR, kN}, kv_cache_dtype, kv_scale);""",
+         "  const CacheFormat format = CacheFormat::kAuto;  // bf16 caches only here")
+    edit("const std::optional<at::Tensor>& kv_scale) {", "const std::optional<at::Tensor>& kv_scale, at::Tensor& timing) {")
+    edit("scale_ptr);", "scale_ptr, (long long*)timing.data_ptr<int64_t>());")
     src = src[: src.index("TORCH_LIBRARY_IMPL")]
     src = src.replace("namespace {\n", "", 1).replace("}  // namespace\n\n", "", 1)
     return src + 'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &mla::mla_decode_sm90); }\n'
@@ -130,7 +129,7 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean"):
     runs = []
 
     def launch():
-        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, timing)
+        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, "auto", None, timing)
 
     for x, start, end, ghz, us in stamped_runs(launch, timing, clear, repeats):
         run = dict(span_us=end.max().item(), start_max_us=start.max().item(), end_median_us=end.median().item(),

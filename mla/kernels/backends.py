@@ -12,15 +12,17 @@ same partials, which the Triton merge combines (with one split, each writes the 
   reads caches in q's dtype and both fp8 layouts (``kv_cache_dtype="fp8_e4m3"``,
   ``"fp8_ds_mla"``), dequantising each tile into q's dtype in shared memory.
 - ``"cuda-sm90"``: ``csrc/mla_decode_sm90.cu``, Hopper's warpgroup MMA (compute capability 9.0).
-  Any heads, 64 a program (the compute-bound case), c = 512, r = 64, bf16 / fp16, pages of a
-  multiple of 64 rows; one 64-token tile load serves both products. It reads caches in q's
-  dtype only: forcing it for an fp8 cache is a ValueError.
+  Any heads, 64 a program (the compute-bound case), c = 512, r = 64, bf16 / fp16 q, pages of a
+  multiple of 64 rows; one 64-token tile load serves both products. It reads caches in q's dtype
+  and both fp8 layouts, dequantising each block group of a tile into q's dtype in place in shared
+  memory.
 
 What is validated on a GPU: ``"cuda-sm80"`` and ``"cuda-sm90"`` on caches in q's dtype, and
-``"triton"`` on every layout. ``"cuda-sm80"``'s fp8 path is written and compile-checked (nvcc
-13 for sm_80, 86, 89, 90a, 100 and 120, no spills) but has not yet run on a GPU, so an fp8 cache
-runs on ``"triton"`` unless ``_backend="cuda-sm80"`` asks for it; ``SM80_READS_FP8_BY_DEFAULT =
-True`` makes it the default for <= 16 heads once the GPU tests of
+``"triton"`` on every layout. The fp8 paths of the CUDA kernels are written and compile-checked
+(``"cuda-sm80"``: nvcc 13 for sm_80, 86, 89, 90a, 100 and 120; ``"cuda-sm90"``: sm_90a; no spills)
+but have not yet run on a GPU, so an fp8 cache runs on ``"triton"`` unless ``_backend`` asks for
+one of them. ``SM80_READS_FP8_BY_DEFAULT = True`` makes ``"cuda-sm80"`` the default for <= 16
+heads, ``SM90_READS_FP8_BY_DEFAULT = True`` ``"cuda-sm90"`` for more, once the GPU tests of
 ``tests/test_kernels_decode_fp8.py`` pass.
 
 The CUDA kernels take one new token a sequence (q of (b, h, c + r), or s_q = 1): a query of
@@ -28,8 +30,8 @@ s_q > 1 new tokens (speculative decoding, multi-token prediction) always runs on
 forcing a CUDA one for it is a ValueError.
 
 By default a GPU runs ``"cuda-sm80"`` for <= 16 heads and ``"cuda-sm90"`` for more where each
-applies (one new token, a cache in q's dtype, the extension is built, the GPU and the arguments
-fit), else ``"triton"``. The times of each on an H200 are in ``benchmarks/results/h200-decode.json``.
+applies (one new token, a cache in q's dtype or, once the switches above are on, an fp8 one, the
+extension is built, the GPU and the arguments fit), else ``"triton"``. The times of each on an H200 are in ``benchmarks/results/h200-decode.json``.
 """
 
 from __future__ import annotations
@@ -50,12 +52,16 @@ CUDA_TILES = {"cuda-sm80": (16, 32), "cuda-sm90": (64, 64)}
 SM80_MAX_HEADS = 16  # the sm_80 kernel holds all heads of a sequence in one mma M of 16
 CUDA_LATENT = (512, 64)  # (c, r) both CUDA kernels are built for
 # shared memory a CTA on a cache in q's dtype (kSmemBytes in each .cu file, fixed by a
-# static_assert there), and the sm_80 kernel's on each fp8 layout (Smem<DecodeShape, F>::kBytes)
+# static_assert there), and on each fp8 layout: the sm_80 kernel's Smem<DecodeShape, F>::kBytes;
+# the wgmma kernel's kSmemBytes for every layout (it stages the stored bytes in its tile buffers)
 CUDA_SMEM_BYTES = {"cuda-sm80": 105_088, "cuda-sm90": 231_712}
 SM80_FP8_SMEM_BYTES = {"fp8_e4m3": 104_576, "fp8_ds_mla": 109_696}
-# Whether an fp8 cache runs on "cuda-sm80" by default (<= 16 heads) rather than on "triton": True
-# once the GPU tests of its fp8 path pass (module docstring)
+SM90_FP8_SMEM_BYTES = {"fp8_e4m3": 231_712, "fp8_ds_mla": 231_712}
+# Whether an fp8 cache runs on "cuda-sm80" by default (<= 16 heads), and on "cuda-sm90" (more
+# heads), rather than on "triton": True once the GPU tests of that kernel's fp8 path pass
+# (module docstring)
 SM80_READS_FP8_BY_DEFAULT = False
+SM90_READS_FP8_BY_DEFAULT = False
 _EXTENSION_KEY = {"cuda-sm80": "decode", "cuda-sm90": "decode_sm90"}
 _CPU_SM_COUNT = 132  # an H100/H200's SM count, so CPU runs choose the splits a GPU would
 
@@ -74,16 +80,11 @@ def why_backend_cannot_run(backend, q, kv_cache, block_table, seq_lens, kv_lora_
     """None if the CUDA stage 1 ``backend`` can run these (checked) arguments, else why not.
 
     q is (b, h, c + r) or (b, s_q, h, c + r); the CUDA kernels run s_q = 1 only. ``kv_cache_dtype``
-    is the cache's layout (``mla_decode``'s): ``"cuda-sm80"`` reads all three, ``"cuda-sm90"``
-    caches in q's dtype only."""
+    is the cache's layout (``mla_decode``'s): both CUDA kernels read all three."""
     kind = canonical_kv_cache_dtype(kv_cache_dtype)
     if kind == "auto" and kv_cache.dtype != q.dtype:
         return (f"kv_cache is {kv_cache.dtype}, not q's dtype {q.dtype}, and kv_cache_dtype is 'auto' "
                 "(an fp8 cache needs its kv_cache_dtype)")
-    if kind != "auto" and backend == "cuda-sm90":
-        return (f"kv_cache is {kv_cache.dtype} (an fp8 cache, kv_cache_dtype={kind!r}); the wgmma stage 1 "
-                "reads caches in q's dtype only, 'cuda-sm80' (<= 16 heads) and 'triton' read fp8_e4m3 "
-                "and fp8_ds_mla")
     if q.dim() == 4:
         if q.shape[1] != 1:
             return (f"q has s_q = {q.shape[1]} new tokens a sequence; the CUDA stage-1 kernels take "
@@ -100,7 +101,8 @@ def why_backend_cannot_run(backend, q, kv_cache, block_table, seq_lens, kv_lora_
         return "the GPU's compute capability is below 8.0 (mma.sync, cp.async)"
     props = torch.cuda.get_device_properties(q.device)
     smem = getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
-    need = SM80_FP8_SMEM_BYTES[kind] if kind != "auto" else CUDA_SMEM_BYTES[backend]
+    fp8_smem = SM90_FP8_SMEM_BYTES if sm90 else SM80_FP8_SMEM_BYTES
+    need = fp8_smem[kind] if kind != "auto" else CUDA_SMEM_BYTES[backend]
     if smem < need:
         return f"the GPU allows {smem} bytes of shared memory a block, the kernel needs {need}"
     if q.dtype not in (torch.bfloat16, torch.float16):
@@ -151,7 +153,8 @@ def choose_decode_backend(
     q is (b, h, c + r) or (b, s_q, h, c + r): s_q > 1 new tokens run on ``"triton"`` (the CUDA
     kernels take one token a sequence; forcing one of them is a ValueError).
     ``kv_cache_dtype``: the cache's layout; an fp8 one runs on ``"triton"`` unless forced, or
-    on ``"cuda-sm80"`` where it applies once ``SM80_READS_FP8_BY_DEFAULT`` is True.
+    on the CUDA kernel that applies once its ``SM80_READS_FP8_BY_DEFAULT`` /
+    ``SM90_READS_FP8_BY_DEFAULT`` is True.
     """
     global _warned_cuda_fallback
     if backend is not None and backend not in DECODE_BACKENDS:
@@ -160,10 +163,11 @@ def choose_decode_backend(
         return "triton"
     if backend is not None and tuned:
         raise ValueError(f"mla_decode: _config tunes the Triton kernel; it cannot go with _backend={backend!r}")
-    fp8_cache = canonical_kv_cache_dtype(kv_cache_dtype) != "auto"
-    if backend is None and fp8_cache and not SM80_READS_FP8_BY_DEFAULT:
-        return "triton"
     kernel = backend or ("cuda-sm80" if q.shape[-2] <= SM80_MAX_HEADS else "cuda-sm90")
+    fp8_cache = canonical_kv_cache_dtype(kv_cache_dtype) != "auto"
+    reads_fp8 = SM80_READS_FP8_BY_DEFAULT if kernel == "cuda-sm80" else SM90_READS_FP8_BY_DEFAULT
+    if backend is None and fp8_cache and not reads_fp8:
+        return "triton"
     why_not = why_backend_cannot_run(kernel, q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_cache_dtype)
     if why_not is None:
         return kernel

@@ -105,10 +105,10 @@ def mla_decode(
             cache of width c + 4·c/128 + 2·r (656 for c = 512, r = 64) holding each token's latent
             in e4m3 with a float32 scale per 128 values and its rope part in bf16. The Triton
             kernel dequantises fp8 rows in registers to float32, then casts them to q's dtype
-            for the dots (exact for float32 q). The ``"cuda-sm80"`` stage 1 computes the same
-            values into a tile in q's dtype in shared memory; it runs fp8 caches when
-            ``_backend`` asks for it (``mla.kernels.backends`` says when it is the default).
-            ``"cuda-sm90"`` reads caches in q's dtype only.
+            for the dots (exact for float32 q). The CUDA stage-1 kernels (``"cuda-sm80"``,
+            ``"cuda-sm90"``) compute the same values into a tile in q's dtype in shared memory;
+            they run fp8 caches when ``_backend`` asks for them (``mla.kernels.backends`` says
+            when they are the default).
         kv_scale: ``"fp8_e4m3"`` only (None otherwise): the cache's one scale, a positive finite
             float or a 1-element float32 tensor. A tensor's value is checked where seq_lens are
             (``check_block_table``) and trusted elsewhere; under CUDA graph capture pass a tensor
@@ -203,10 +203,9 @@ def mla_decode(
     out_rows, lse_rows = out.view(b, rows, c), lse.view(b, rows)  # row = token * h + head
 
     if backend != "triton":  # csrc/mla_decode_sm80.cu, csrc/mla_decode_sm90.cu; s_q = 1 here
-        if backend == "cuda-sm80":  # any layout: the cache as it is stored, and its scale for fp8_e4m3
-            stage1 = functools.partial(torch.ops.mla.mla_decode_sm80, kv_cache_dtype=kind, kv_scale=scale_t)
-        else:  # a cache in q's dtype
-            stage1 = torch.ops.mla.mla_decode_sm90
+        # any layout: the cache as it is stored, and its scale for fp8_e4m3
+        op = torch.ops.mla.mla_decode_sm80 if backend == "cuda-sm80" else torch.ops.mla.mla_decode_sm90
+        stage1 = functools.partial(op, kv_cache_dtype=kind, kv_scale=scale_t)
         if num_kv_splits == 1:  # stage 1 writes the answer (out in q's dtype, lse); no merge
             stage1(q[:, 0], kv_cache, block_table, seq_lens, out_rows.unsqueeze(2), lse_rows.unsqueeze(2),
                    float(softmax_scale), 1)
