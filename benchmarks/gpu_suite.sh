@@ -35,6 +35,7 @@ for part in "$@"; do
     cuda-timeline) run cuda-timeline 240 python3 benchmarks/lab/timeline_decode_cuda.py --out "$OUT" ;;
     concat-probe) run concat-probe 200 python3 benchmarks/lab/probe_concat.py --out "$OUT" ;;
     sanitize-decode) run sanitize-decode 200 compute-sanitizer --tool memcheck python3 benchmarks/lab/sanitize_decode.py ;;
+    sanitize-sync) run sanitize-sync 400 bash -c 'compute-sanitizer --tool synccheck python3 benchmarks/lab/sanitize_decode.py && compute-sanitizer --tool racecheck python3 benchmarks/lab/sanitize_decode.py --only cuda-sm90' ;;  # barriers and shared-memory races of the fp8 paths
     sweep) run sweep 330 python3 benchmarks/lab/tune_decode.py --out "$OUT" --sweep ;;
     layer) run layer 240 python3 -m mla bench layer --out "$OUT" ;;
     prefill) run prefill 540 python3 -m mla bench prefill --out "$OUT" ;;

@@ -28,12 +28,15 @@ POISON = {"fp8_e4m3": 0xFF, "fp8_ds_mla": 0x7F}  # both e4m3 NaN
 
 
 def make_fp8_case(kind, seq_lens, *, heads, c=256, r=16, block_size=16, s_q=None, seed=0, device=DEVICE,
-                  q_scale=1.0, poison=None):
+                  q_scale=1.0, poison=None, group_growth=None, row_pad=0):
     """An fp8 cache of len(seq_lens) sequences and the float32 cache of the same latents.
 
     Returns (args for mla_decode, the float32 "auto" cache, the latents (T, c + r) in the order
     written, the latents' positions); q is (b, heads, c + r) or (b, s_q, heads, c + r), scaled by
-    ``q_scale``. Every unwritten byte of the cache is ``poison`` (``POISON[kind]`` by default)."""
+    ``q_scale``. Every unwritten byte of the cache is ``poison`` (``POISON[kind]`` by default).
+    ``group_growth``: latent group g (128 values) times group_growth**g, so that a reader taking
+    a neighbour group's scale is far off. ``row_pad``: the fp8 cache is a view of rows
+    ``row_pad`` bytes wider (row and page strides other than the width)."""
     gen = torch.Generator().manual_seed(seed)
     b, d = len(seq_lens), c + r
     pages = [math.ceil(n / block_size) for n in seq_lens]
@@ -49,6 +52,8 @@ def make_fp8_case(kind, seq_lens, *, heads, c=256, r=16, block_size=16, s_q=None
     # channels of different sizes, as a normed latent has: the groups' scales differ
     latents[:, :c] *= torch.logspace(-1, 1, c // 32).repeat_interleave(32)[torch.randperm(c // 32, generator=gen)
                                                                              .repeat_interleave(32)]
+    if group_growth is not None:
+        latents[:, :c] *= (group_growth ** torch.arange(c // 128).float()).repeat_interleave(128)
     slot_mapping = torch.tensor(slots, dtype=torch.int64)
     kv_c, k_pe = latents[:, :c], latents[:, c:]
 
@@ -60,6 +65,11 @@ def make_fp8_case(kind, seq_lens, *, heads, c=256, r=16, block_size=16, s_q=None
         cache = cache.view(torch.float8_e4m3fn)
         scale = fp8.calibrate_e4m3_scale(kv_c, k_pe)  # the largest |value| maps to 448: nothing clips
     concat_and_cache(kv_c, k_pe, cache, slot_mapping, kv_cache_dtype=kind, scale=scale, backend="reference")
+    if row_pad:
+        wide = torch.full((num_blocks, block_size, width + row_pad), POISON[kind] if poison is None else poison,
+                          dtype=torch.uint8).view(cache.dtype)
+        wide[..., :width] = cache
+        cache = wide[..., :width]
     exact = torch.full((num_blocks, block_size, d), float("nan"))
     concat_and_cache(kv_c, k_pe, exact, slot_mapping, backend="reference")
 
@@ -358,8 +368,8 @@ def test_fp8_cache_runs_on_triton_by_default(kind, heads, kernel, switch, monkey
                                               kv_lora_rank=512, **options)
 
     assert pick(kv_cache_dtype="auto") == kernel  # the stand-in reaches the CUDA choice
-    # True once the GPU tests below pass
-    assert not backends.SM80_READS_FP8_BY_DEFAULT and not backends.SM90_READS_FP8_BY_DEFAULT
+    # True once the GPU tests below pass for this kernel
+    assert not getattr(backends, switch)
     assert pick(kv_cache_dtype=kind) == "triton"
     assert pick(kv_cache_dtype=kind, backend=kernel) == kernel
     assert asked[-1] == kind  # the kernel is judged on the cache's layout
@@ -409,11 +419,12 @@ def _skip_unless_sm90():
     skip()
 
 
-def _cuda_case(kind, dtype, heads, block_size, seed, seq_lens=SM80_LENGTHS):
+def _cuda_case(kind, dtype, heads, block_size, seed, seq_lens=SM80_LENGTHS, row_pad=0):
     """DeepSeek-V3 sizes (c = 512, r = 64) on the GPU, q in ``dtype``; every unwritten byte of the
-    cache 0xFF (an e4m3 NaN, and a NaN scale or bf16 rope value in fp8_ds_mla's other bytes)."""
+    cache 0xFF (an e4m3 NaN, and a NaN scale or bf16 rope value in fp8_ds_mla's other bytes); the
+    latent's 128-value groups 1, 2, 4 and 8 times as large, so a wrong group's scale shows."""
     args, _, _, _ = make_fp8_case(kind, seq_lens, heads=heads, c=512, r=64, block_size=block_size, seed=seed,
-                                  device="cuda", poison=0xFF)
+                                  device="cuda", poison=0xFF, group_growth=2.0, row_pad=row_pad)
     args["q"] = args["q"].to(dtype)
     return args
 
@@ -500,6 +511,19 @@ def _check_op_writes_every_partial(args, backend, splits_list):
         assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
         out2, lse2 = mla_decode(**args, num_kv_splits=splits, _backend=backend)  # the public call's path
         assert torch.equal(out2, out) and torch.equal(lse2, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend, heads", [("cuda-sm80", 16), ("cuda-sm90", 128)])
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_cuda_fp8_reads_a_cache_of_wider_rows(kind, backend, heads):
+    """A cache whose rows sit 16 bytes apart more than their width: the kernels step by the
+    cache's strides, not by 576 or 656."""
+    if backend == "cuda-sm90":
+        _skip_unless_sm90()
+    args = _cuda_case(kind, torch.bfloat16, heads, 64, seed=5, seq_lens=SM90_LENGTHS, row_pad=16)
+    assert not args["kv_cache"].is_contiguous()
+    _check_against_reference_and_triton(args, backend, (None, 3))
 
 
 @pytest.mark.gpu

@@ -59,10 +59,11 @@ def main() -> None:
     fp8_and_query_tokens()
 
 
-def fp8_and_query_tokens() -> None:
+def fp8_and_query_tokens(only: str | None = None) -> None:
     """The Triton kernel on s_q = 1..8 query tokens and on fp8_e4m3 / fp8_ds_mla caches, and the
     CUDA stage-1 kernels on the fp8 caches they take (s_q = 1; sm_80 for <= 16 heads, sm_90 for
-    any), each against the reference on the same cache (which dequantises it first)."""
+    any), each against the reference on the same cache (which dequantises it first). ``only``
+    runs one backend on the fp8 cases alone (a racecheck run of the wgmma kernel's fp8 path)."""
     c, r, page = 512, 64, 64
     for heads, seq_lens, splits, s_q, kind in ((16, [1, 0, 130, 64], None, 4, "auto"),
                                               (128, [300, 7], 4, 2, "auto"),
@@ -76,6 +77,8 @@ def fp8_and_query_tokens() -> None:
                                               (16, [300, 2000, 64], 50, 1, "fp8_ds_mla"),  # sm80: over one wave
                                               (100, [70, 1000, 0], 1, 1, "fp8_e4m3"),  # sm90: two head blocks
                                               (128, [129, 64, 1], 40, 1, "fp8_ds_mla")):  # sm90: empty splits
+        if only is not None and (kind == "auto" or s_q != 1):
+            continue
         b = len(seq_lens)
         max_blocks = max(1, -(-max(seq_lens) // page)) + 1
         num_blocks = b * max_blocks + 3
@@ -103,7 +106,7 @@ def fp8_and_query_tokens() -> None:
         cuda = kind != "auto" and s_q == 1
         backends = (["triton"] + (["cuda-sm80"] if cuda and heads <= 16 else [])
                     + (["cuda-sm90"] if cuda and torch.cuda.get_device_capability() == (9, 0) else []))
-        for backend in backends:
+        for backend in backends if only is None else [k for k in backends if k == only]:
             out, _ = mla_decode(q, cache, table, lens, num_kv_splits=splits, _backend=backend,
                                 **layout)
             torch.cuda.synchronize()
@@ -116,4 +119,10 @@ def fp8_and_query_tokens() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:2] == ["--only"]:   # e.g. --only cuda-sm90: that kernel's fp8 cases alone
+        torch.manual_seed(0)
+        fp8_and_query_tokens(only=sys.argv[2])
+    else:
+        main()
