@@ -85,11 +85,15 @@ ConcatAndCacheArgs check_concat_and_cache_mla(const at::Tensor& kv_c, const at::
 CacheFormat check_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                              const at::Tensor& seq_lens, const at::Tensor& part_out, const at::Tensor& part_lse,
                              int64_t num_splits, const DecodeKernelSizes& sizes, const std::string& kv_cache_dtype,
-                             const std::optional<at::Tensor>& kv_scale) {
+                             const std::optional<at::Tensor>& kv_scale, int64_t q_tokens) {
   const int64_t d = sizes.c + sizes.r;
   TORCH_CHECK(q.is_cuda(), sizes.name, ": q must be a CUDA tensor, got one on ", q.device());
   TORCH_CHECK(q.dim() == 3 && q.size(1) <= sizes.max_heads && q.size(2) == d,
               sizes.name, ": q must be (b, h <= ", num(sizes.max_heads), ", ", num(d), "), got ", dims(q));
+  // s_q new tokens a sequence: q's rows are s_q·h (token, head) pairs, token-major
+  TORCH_CHECK(q_tokens >= 1 && q_tokens <= 8 && q.size(1) % q_tokens == 0, sizes.name,
+              ": q_tokens (s_q, new tokens a sequence) must be in [1, 8] and divide q's rows (s_q·h = ",
+              num(q.size(1)), "), got ", num(q_tokens));
   // the cache's layout, then its row width and dtype in that layout
   CacheFormat format = CacheFormat::kAuto;
   if (kv_cache_dtype == "fp8" || kv_cache_dtype == "fp8_e4m3") {
@@ -187,9 +191,11 @@ TORCH_LIBRARY(mla, m) {
       "Tensor(a!) part_out, Tensor(b!) part_lse, float softmax_scale, int num_splits, "
       "str kv_cache_dtype='auto', Tensor? kv_scale=None) -> ()");
   // The same for any number of heads, 64 a CTA, with Hopper's wgmma (mla_decode_sm90.cu), on the
-  // same three layouts.
+  // same three layouts, and for q_tokens = s_q of 1 to 8 new tokens a sequence: q (b, s_q·h, c + r)
+  // token-major, part_out (b, s_q·h, num_splits, c), part_lse (b, s_q·h, num_splits), new token j
+  // seeing the first seq_len - (s_q - 1 - j) cached rows.
   m.def(
       "mla_decode_sm90(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor(a!) part_out, Tensor(b!) part_lse, float softmax_scale, int num_splits, "
-      "str kv_cache_dtype='auto', Tensor? kv_scale=None) -> ()");
+      "str kv_cache_dtype='auto', Tensor? kv_scale=None, int q_tokens=1) -> ()");
 }

@@ -22,11 +22,12 @@ struct DecodeKernelSizes {
 // Raises (RuntimeError in Python) naming the argument and what was expected; reads nothing.
 // Returns the cache's layout: kv_cache_dtype "auto" (a cache in q's dtype), "fp8" / "fp8_e4m3"
 // (float8_e4m3fn, c + r a row, kv_scale a 1-element float32 tensor on q's device) or
-// "fp8_ds_mla" (uint8, c + 4 c/128 + 2 r bytes a row, no kv_scale).
+// "fp8_ds_mla" (uint8, c + 4 c/128 + 2 r bytes a row, no kv_scale). q_tokens: s_q, the new
+// tokens a sequence, 1 to 8 and dividing q's rows (b, s_q·h, c + r; the wgmma kernel's only).
 CacheFormat check_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                              const at::Tensor& seq_lens, const at::Tensor& part_out, const at::Tensor& part_lse,
                              int64_t num_splits, const DecodeKernelSizes& sizes, const std::string& kv_cache_dtype,
-                             const std::optional<at::Tensor>& kv_scale);
+                             const std::optional<at::Tensor>& kv_scale, int64_t q_tokens = 1);
 
 #ifdef __CUDACC__
 // The tokens [start, end) that split `split` of `num_splits` owns in a sequence of seq_len: whole

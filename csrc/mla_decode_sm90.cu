@@ -39,6 +39,16 @@
 // values of the Triton kernel) before it completes the group's mbarrier (load_fp8_blocks). The
 // warpgroup waits for the copy's latency there; the products and the softmax do not change.
 //
+// Several new tokens a sequence (s_q = 2..8, speculative decoding): q is (b, s_q·h, 576), its rows
+// (token, head) pairs token-major, packed into the 64-row tiles as heads are (the Triton kernel's
+// packing; out and lse are (b, s_q·h, ...) the same way). Row R is new token j = R / h, which sees
+// the first seq_len - (s_q - 1 - j) cached rows: its scores at and past that are -inf, in the
+// softmax stage only (any cache layout). The splits are still cut on seq_len, the longest row's.
+// A row may see no token of a tile, a split, or at all (seq_len < s_q - j) while others of its
+// tile do: its max stays -inf, its exponents are taken against 0 and its rescale factor is 1 (not
+// the NaN of exp2(-inf + inf)), so it ends with l = 0: out 0 and lse -inf. That masking and those
+// guards are the MultiToken instantiation's; s_q = 1 runs the kernel without them.
+//
 // At 128 heads the instructions the warps issue bound the time as much as the MMAs do, so: the
 // loops over column blocks unroll (descriptors and copy addresses are a base plus
 // a constant), a positive scale is applied after the row max, inside the exponent's FFMA (a scale
@@ -392,19 +402,23 @@ __device__ __forceinline__ void load_fp8_blocks(unsigned char* blocks, const uin
   if (wtid == 0) mbar_arrive(bar);
 }
 
-// T: q's dtype; F: the cache's layout; KV: what its rows hold (T, or fp8 bytes).
-template <typename T, CacheFormat F, typename KV = std::conditional_t<F == CacheFormat::kAuto, T, uint8_t>>
+// T: q's dtype; F: the cache's layout; MultiToken: s_q > 1 new tokens a sequence (per-row causal
+// limits); KV: what its rows hold (T, or fp8 bytes).
+template <typename T, CacheFormat F, bool MultiToken,
+          typename KV = std::conditional_t<F == CacheFormat::kAuto, T, uint8_t>>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
-    const T* __restrict__ q,              // (b, h, 576)
+    const T* __restrict__ q,              // (b, rows, 576), rows = s_q·h (token-major)
     const KV* __restrict__ kv,            // (pages, page_size, 576) in T, or (pages, page_size, bytes) fp8
     const __grid_constant__ CUtensorMap kv_map_lo,  // kv as (64, page_size, 9, pages): boxes of blocks 0-3
     const __grid_constant__ CUtensorMap kv_map_hi,  // and of blocks 4-8, 128-byte swizzle (a cache in T only)
     const int* __restrict__ block_table,  // (b, max_pages), last dim contiguous
     const int* __restrict__ seq_lens,     // (b,)
-    void* __restrict__ part_out,          // (b, h, splits, 512) fp32; out (b, h, 1, 512) in T if final_out
-    float* __restrict__ part_lse,         // (b, h, splits); lse (b, h, 1) if final_out
+    void* __restrict__ part_out,          // (b, rows, splits, 512) fp32; out (b, rows, 1, 512) in T if final_out
+    float* __restrict__ part_lse,         // (b, rows, splits); lse (b, rows, 1) if final_out
     bool final_out,                       // one split: write the answer itself, no merge after
-    int num_heads, int page_size, int num_splits, float scale_log2,
+    int num_rows,                         // query rows a sequence: s_q·h
+    int heads, int q_tokens,              // h and s_q (read by the MultiToken instantiation only)
+    int page_size, int num_splits, float scale_log2,
     int64_t sqb, int64_t sqh, int64_t skp, int64_t skn, int64_t sbb,
     int64_t sob, int64_t soh, int64_t sos, int64_t slb, int64_t slh, int64_t sls,
     const float* __restrict__ kv_scale) {  // (1,): the fp8_e4m3 cache's scale; not read otherwise
@@ -431,14 +445,24 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   // serialises the wgmma in the branches below)
   const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
   const int g = lane >> 2, c = lane & 3;   // accumulator rows 16 warp + g (+ 8), columns 2c (+ 1)
-  const int row0 = 16 * warp + g;          // this thread's first head row within the CTA
-  const int h0 = blockIdx.x * kM;
+  const int row0 = 16 * warp + g;          // this thread's first query row within the CTA
+  const int h0 = blockIdx.x * kM;          // the CTA's first query row
   const int64_t b = blockIdx.y;
   const int split = blockIdx.z;
 
   // ---- this split's tokens: whole tiles of 64, taken in pairs
-  const SplitTokens span = split_tokens(seq_lens[b], split, num_splits, kN);
+  const int seq_len = seq_lens[b];
+  const SplitTokens span = split_tokens(seq_len, split, num_splits, kN);
   const int start = span.start, end = span.end, n_tiles = span.n_tiles;
+  // where rows row0 and row0 + 8 stop seeing tokens in this split: the split's end, or with
+  // several new tokens, row R's causal limit seq_len - (s_q - 1 - R / h) if that comes first (at
+  // or before the tile's start: the row sees none of it). Rows past s_q·h (zeros in q, never
+  // written) get a limit past seq_len, so the split's end.
+  int end0 = end, end1 = end;
+  if constexpr (MultiToken) {
+    end0 = min(end, seq_len - (q_tokens - 1 - (h0 + row0) / heads));
+    end1 = min(end, seq_len - (q_tokens - 1 - (h0 + row0 + 8) / heads));
+  }
   const int n_pairs = (n_tiles + 1) / 2;
   float e4m3_scale = 1.f;  // fp8_e4m3: the cache's one scale
   if constexpr (F == CacheFormat::kFp8E4M3) e4m3_scale = *kv_scale;
@@ -511,24 +535,26 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     }
     wgmma_commit();
   };
-  // ---- the row maxima of scale * S (log2 units) for rows row0, row0 + 8, tokens >= valid
-  // masked to -inf (in a partial tile only). With a positive scale (the rule) S stays unscaled:
-  // the max is taken first and exponentiate folds the scale into one FFMA a score.
+  // ---- the row maxima of scale * S (log2 units) for rows row0, row0 + 8 of the tile starting at
+  // token tok0, tokens at or past each row's end (end0, end1) masked to -inf (in a tile that
+  // holds one only: with one new token, a partial tile). With a positive scale (the rule) S stays
+  // unscaled: the max is taken first and exponentiate folds the scale into one FFMA a score.
   const bool prescale = !(scale_log2 > 0.f);  // a softmax scale <= 0: scale S first
   const float exp_mult = prescale ? 1.f : scale_log2;
-  auto row_max = [&](float (&s)[32], int valid, float& mx0, float& mx1) {
+  auto row_max = [&](float (&s)[32], int tok0, float& mx0, float& mx1) {
     if (prescale) {
 #pragma unroll
       for (int i = 0; i < 32; ++i) s[i] *= scale_log2;
     }
-    if (valid < kN) {
+    const int valid0 = end0 - tok0, valid1 = end1 - tok0;  // the same with one new token
+    if (min(valid0, valid1) < kN) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const bool ok = 8 * j + 2 * c + e < valid;
-          s[4 * j + e] = ok ? s[4 * j + e] : -INFINITY;
-          s[4 * j + 2 + e] = ok ? s[4 * j + 2 + e] : -INFINITY;
+          const bool ok0 = 8 * j + 2 * c + e < valid0, ok1 = 8 * j + 2 * c + e < valid1;
+          s[4 * j + e] = ok0 ? s[4 * j + e] : -INFINITY;
+          s[4 * j + 2 + e] = ok1 ? s[4 * j + 2 + e] : -INFINITY;
         }
       }
     }
@@ -562,6 +588,19 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
         sum0 += s[4 * j + e];
         sum1 += s[4 * j + 2 + e];
       }
+    }
+  };
+  // ---- several new tokens: a row whose new max is still -inf has seen no token (of this split,
+  // so far): factor 1 (its O and l are 0) and exponents against 0 (its P is exp2(-inf) = 0),
+  // instead of exp2(-inf - -inf) = NaN in both
+  auto no_token_yet = [](float m0, float m1, float& f0, float& f1, float& ref0, float& ref1) {
+    if (m0 == -INFINITY) {
+      f0 = 1.f;
+      ref0 = 0.f;
+    }
+    if (m1 == -INFINITY) {
+      f1 = 1.f;
+      ref1 = 0.f;
     }
   };
   // ---- P * (f0 for row0, f1 for row0 + 8) as wgmma A fragments: the accumulator of two 8-token
@@ -630,7 +669,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     for (int k = 0; k < kLoads; ++k) {
       const int i = tid + k * kThreads;
       const int r = i / kVecs, v = i - r * kVecs;
-      const bool ok = r < num_heads - h0;
+      const bool ok = r < num_rows - h0;
       cp_async16(q_s + swizzled(r, v), ok ? q + b * sqb + (h0 + r) * sqh + v * 8 : q, ok);
     }
     cp_async_commit();
@@ -665,13 +704,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     if (wg == 0) {
       // -- m_A = max(m, rowmax S_A); P_A = exp2(S_A - m_A); O_L, l rescaled to m_A
       float mx0, mx1, sum0, sum1;
-      row_max(s, end - (start + tile_a * kN), mx0, mx1);
+      row_max(s, start + tile_a * kN, mx0, mx1);
       const float old0 = m_s[row0], old1 = m_s[row0 + 8];
-      const float new0 = fmaxf(old0, mx0), new1 = fmaxf(old1, mx1);  // finite: A has a real token
-      const float sa0 = exp2f(old0 - new0), sa1 = exp2f(old1 - new1);  // 0 on the first tile
+      // finite with one new token (A has a real token); -inf for a row that has seen none yet
+      const float new0 = fmaxf(old0, mx0), new1 = fmaxf(old1, mx1);
+      float sa0 = exp2f(old0 - new0), sa1 = exp2f(old1 - new1);  // 0 on the first tile
+      float ref0 = new0, ref1 = new1;  // what the exponents are taken against
+      if constexpr (MultiToken) no_token_yet(new0, new1, sa0, sa1, ref0, ref1);
       publish_max(new0, new1, scale_a_s, sa0, sa1);
       bar_arrive(kBarScaleA);
-      exponentiate(s, new0, new1, sum0, sum1);
+      exponentiate(s, ref0, ref1, sum0, sum1);
       l0 = l0 * sa0 + sum0;
       l1 = l1 * sa1 + sum1;
       rescale(o, sa0, sa1);
@@ -717,15 +759,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     } else {
       // -- m_B = max(m_A, rowmax S_B); P_B = exp2(S_B - m_B); O_R, l rescaled from m to m_B
       float mx0, mx1, sum0, sum1;
-      row_max(s, end - (start + (tile_a + 1) * kN), mx0, mx1);  // no tile B: all -inf
+      row_max(s, start + (tile_a + 1) * kN, mx0, mx1);  // no tile B: all -inf
       bar_sync(kBarScaleA);
       const float ma0 = m_s[row0], ma1 = m_s[row0 + 8];
       const float new0 = fmaxf(ma0, mx0), new1 = fmaxf(ma1, mx1);
-      const float sb0 = exp2f(ma0 - new0), sb1 = exp2f(ma1 - new1);
+      float sb0 = exp2f(ma0 - new0), sb1 = exp2f(ma1 - new1);
+      float ref0 = new0, ref1 = new1;
+      if constexpr (MultiToken) no_token_yet(new0, new1, sb0, sb1, ref0, ref1);
       const float f0 = scale_a_s[row0] * sb0, f1 = scale_a_s[row0 + 8] * sb1;
       publish_max(new0, new1, scale_b_s, sb0, sb1);
       bar_arrive(kBarScaleB);
-      exponentiate(s, new0, new1, sum0, sum1);
+      exponentiate(s, ref0, ref1, sum0, sum1);
       l0 = l0 * f0 + sum0;
       l1 = l1 * f1 + sum1;
       rescale(o, f0, f1);
@@ -784,7 +828,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     const int r = row0 + 8 * half, h = h0 + r;
     const float l = l_s[r] + l_s[kM + r];
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    if (wg == 0 && c == 0 && h < num_heads) {
+    if (wg == 0 && c == 0 && h < num_rows) {
       part_lse[b * slb + h * slh + split * sls] =
           l > 0.f ? (m_s[r] + log2f(l)) * 0.6931471805599453f : -INFINITY;
     }
@@ -801,7 +845,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     }
   }
   __syncthreads();
-  const int n_rows = min(kM, num_heads - h0);
+  const int n_rows = min(kM, num_rows - h0);
   const int64_t out_at = b * sob + int64_t(split) * sos + int64_t(h0) * soh;
   if (final_out) {
 #pragma unroll 8
@@ -872,11 +916,11 @@ CUtensorMap kv_tensor_map(const at::Tensor& kv_cache, int blocks) {
 void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, at::Tensor& part_out, at::Tensor& part_lse,
                      double softmax_scale, int64_t num_splits, const std::string& kv_cache_dtype,
-                     const std::optional<at::Tensor>& kv_scale) {
+                     const std::optional<at::Tensor>& kv_scale, int64_t q_tokens) {
   const CacheFormat format =
       check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
-                       {"mla_decode_sm90", kMaxHeads, kC, kR, kN}, kv_cache_dtype, kv_scale);
-  const int64_t b = q.size(0), h = q.size(1);
+                       {"mla_decode_sm90", kMaxHeads, kC, kR, kN}, kv_cache_dtype, kv_scale, q_tokens);
+  const int64_t b = q.size(0), h = q.size(1);  // h: query rows a sequence, s_q·heads
   if (b == 0 || h == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   int major = 0, minor = 0;
@@ -899,7 +943,7 @@ void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::
                   static_cast<unsigned>(num_splits));
   const float scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
   const float* scale_ptr = format == CacheFormat::kFp8E4M3 ? kv_scale->data_ptr<float>() : nullptr;
-  auto run = [&](auto* kernel, auto type_tag, auto format_tag) {
+  auto run = [&](auto* kernel, auto type_tag, auto format_tag) {  // format_tag: std::integral_constant
     using T = decltype(type_tag);
     using KV = std::conditional_t<decltype(format_tag)::value == CacheFormat::kAuto, T, uint8_t>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -908,18 +952,25 @@ void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::
         reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const KV*>(kv_cache.data_ptr()), kv_map_lo,
         kv_map_hi, block_table.data_ptr<int>(), seq_lens.data_ptr<int>(), part_out.data_ptr(),
         part_lse.data_ptr<float>(), part_out.scalar_type() != at::kFloat, static_cast<int>(h),
-        static_cast<int>(kv_cache.size(1)), static_cast<int>(num_splits), scale_log2, q.stride(0),
+        static_cast<int>(h / q_tokens), static_cast<int>(q_tokens), static_cast<int>(kv_cache.size(1)), static_cast<int>(num_splits), scale_log2, q.stride(0),
         q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), part_out.stride(0),
         part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         scale_ptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
+  // several new tokens a sequence: the instantiation with per-row causal limits
   auto run_format = [&](auto format_tag) {
     constexpr CacheFormat F = decltype(format_tag)::value;
     if (q.scalar_type() == at::kBFloat16) {
-      run(mla_decode_sm90_kernel<__nv_bfloat16, F>, __nv_bfloat16{}, format_tag);
+      if (q_tokens > 1) {
+        run(mla_decode_sm90_kernel<__nv_bfloat16, F, true>, __nv_bfloat16{}, format_tag);
+      } else {
+        run(mla_decode_sm90_kernel<__nv_bfloat16, F, false>, __nv_bfloat16{}, format_tag);
+      }
+    } else if (q_tokens > 1) {
+      run(mla_decode_sm90_kernel<__half, F, true>, __half{}, format_tag);
     } else {
-      run(mla_decode_sm90_kernel<__half, F>, __half{}, format_tag);
+      run(mla_decode_sm90_kernel<__half, F, false>, __half{}, format_tag);
     }
   };
   switch (format) {

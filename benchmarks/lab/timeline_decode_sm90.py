@@ -94,9 +94,10 @@ def instrumented_source() -> str:
     edit("#else\n  __trap();", "  __syncthreads();\n  stamp(4);\n#else\n  __trap();")
     edit("""  const CacheFormat format =
       check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
-                       {"mla_decode_sm90", kMaxHeads, kC, kR, kN}, kv_cache_dtype, kv_scale);""",
+                       {"mla_decode_sm90", kMaxHeads, kC, kR, kN}, kv_cache_dtype, kv_scale, q_tokens);""",
          "  const CacheFormat format = CacheFormat::kAuto;  // bf16 caches only here")
-    edit("const std::optional<at::Tensor>& kv_scale) {", "const std::optional<at::Tensor>& kv_scale, at::Tensor& timing) {")
+    edit("const std::optional<at::Tensor>& kv_scale, int64_t q_tokens) {",
+         "const std::optional<at::Tensor>& kv_scale, int64_t q_tokens, at::Tensor& timing) {")
     edit("scale_ptr);", "scale_ptr, (long long*)timing.data_ptr<int64_t>());")
     src = src[: src.index("TORCH_LIBRARY_IMPL")]
     src = src.replace("namespace {\n", "", 1).replace("}  // namespace\n\n", "", 1)
@@ -129,7 +130,7 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean"):
     runs = []
 
     def launch():
-        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, "auto", None, timing)
+        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, "auto", None, 1, timing)
 
     for x, start, end, ghz, us in stamped_runs(launch, timing, clear, repeats):
         run = dict(span_us=end.max().item(), start_max_us=start.max().item(), end_median_us=end.median().item(),

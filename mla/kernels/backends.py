@@ -25,13 +25,18 @@ one of them. ``SM80_READS_FP8_BY_DEFAULT = True`` makes ``"cuda-sm80"`` the defa
 heads, ``SM90_READS_FP8_BY_DEFAULT = True`` ``"cuda-sm90"`` for more, once the GPU tests of
 ``tests/test_kernels_decode_fp8.py`` pass.
 
-The CUDA kernels take one new token a sequence (q of (b, h, c + r), or s_q = 1): a query of
-s_q > 1 new tokens (speculative decoding, multi-token prediction) always runs on ``"triton"``, and
-forcing a CUDA one for it is a ValueError.
+A query of s_q > 1 new tokens a sequence (speculative decoding, multi-token prediction):
+``"cuda-sm90"`` packs its s_q x h (token, head) rows into its 64-row tiles, each row with its own
+causal limit, as ``"triton"`` does; ``"cuda-sm80"`` takes one new token only (forcing it with
+s_q > 1 is a ValueError). That path of ``"cuda-sm90"`` is written and compile-checked (nvcc 13,
+sm_90a, no spills) but has not yet run on a GPU, so s_q > 1 runs on ``"triton"`` unless
+``_backend="cuda-sm90"`` asks for it; ``SM90_TAKES_QUERY_TOKENS_BY_DEFAULT = True`` makes it the
+default for every s_q > 1 it can run.
 
 By default a GPU runs ``"cuda-sm80"`` for <= 16 heads and ``"cuda-sm90"`` for more where each
-applies (one new token, a cache in q's dtype or, once the switches above are on, an fp8 one, the
-extension is built, the GPU and the arguments fit), else ``"triton"``. The times of each on an H200 are in ``benchmarks/results/h200-decode.json``.
+applies (one new token, or s_q > 1 with the switch above on, a cache in q's dtype or, once the
+switches above are on, an fp8 one, the extension is built, the GPU and the arguments fit), else
+``"triton"``. The times of each on an H200 are in ``benchmarks/results/h200-decode.json``.
 """
 
 from __future__ import annotations
@@ -62,6 +67,11 @@ SM90_FP8_SMEM_BYTES = {"fp8_e4m3": 231_712, "fp8_ds_mla": 231_712}
 # (module docstring)
 SM80_READS_FP8_BY_DEFAULT = False
 SM90_READS_FP8_BY_DEFAULT = False
+# Whether q of s_q > 1 new tokens runs on "cuda-sm90" by default rather than on "triton": True
+# once a GPU run passes test_sm90_query_tokens* in tests/test_kernels_decode.py (against the
+# reference and the Triton kernel, ragged and short rows, fp8_ds_mla, a CUDA graph) and
+# benchmarks/lab/sanitize_decode.py under compute-sanitizer memcheck
+SM90_TAKES_QUERY_TOKENS_BY_DEFAULT = False
 _EXTENSION_KEY = {"cuda-sm80": "decode", "cuda-sm90": "decode_sm90"}
 _CPU_SM_COUNT = 132  # an H100/H200's SM count, so CPU runs choose the splits a GPU would
 
@@ -79,19 +89,23 @@ def why_backend_cannot_run(backend, q, kv_cache, block_table, seq_lens, kv_lora_
                            kv_cache_dtype: str = "auto") -> str | None:
     """None if the CUDA stage 1 ``backend`` can run these (checked) arguments, else why not.
 
-    q is (b, h, c + r) or (b, s_q, h, c + r); the CUDA kernels run s_q = 1 only. ``kv_cache_dtype``
-    is the cache's layout (``mla_decode``'s): both CUDA kernels read all three."""
+    q is (b, h, c + r) or (b, s_q, h, c + r); ``"cuda-sm90"`` runs s_q of 1 to 8 (its rows the
+    s_q x h (token, head) pairs), ``"cuda-sm80"`` s_q = 1 only. ``kv_cache_dtype`` is the cache's
+    layout (``mla_decode``'s): both CUDA kernels read all three."""
     kind = canonical_kv_cache_dtype(kv_cache_dtype)
     if kind == "auto" and kv_cache.dtype != q.dtype:
         return (f"kv_cache is {kv_cache.dtype}, not q's dtype {q.dtype}, and kv_cache_dtype is 'auto' "
                 "(an fp8 cache needs its kv_cache_dtype)")
-    if q.dim() == 4:
-        if q.shape[1] != 1:
-            return (f"q has s_q = {q.shape[1]} new tokens a sequence; the CUDA stage-1 kernels take "
-                    "one (s_q = 1), the Triton kernel (_backend='triton') takes 1 to 8")
-        q = q[:, 0]  # (b, h, c + r)
-    b, h, d = q.shape
     sm90 = backend == "cuda-sm90"
+    if q.dim() == 4:
+        if q.shape[1] != 1 and not sm90:
+            return (f"q has s_q = {q.shape[1]} new tokens a sequence; the sm_80 stage-1 kernel takes "
+                    "one (s_q = 1), 'cuda-sm90' and the Triton kernel (_backend='triton') take 1 to 8")
+        if q.shape[1] == 1 or q.stride(1) == q.shape[2] * q.stride(2):
+            q = q[:, 0]  # (b, h, c + r): the rows' strides of mla_decode's (b, s_q·h, c + r) view
+        else:
+            q = q.reshape(q.shape[0], -1, q.shape[-1])  # mla_decode copies such a q too
+    b, h, d = q.shape
     if q.device.type != "cuda":
         return f"q is on {q.device.type}, not a GPU"
     capability = torch.cuda.get_device_capability(q.device)
@@ -150,8 +164,9 @@ def choose_decode_backend(
     run the arguments); None picks ``"cuda-sm80"`` for <= 16 heads and ``"cuda-sm90"`` for more
     where each applies, else ``"triton"`` (with one warning when only the missing extension
     stands in the way). ``tuned``: a Triton launch configuration was given, so Triton runs.
-    q is (b, h, c + r) or (b, s_q, h, c + r): s_q > 1 new tokens run on ``"triton"`` (the CUDA
-    kernels take one token a sequence; forcing one of them is a ValueError).
+    q is (b, h, c + r) or (b, s_q, h, c + r): s_q > 1 new tokens run on ``"triton"``, or on
+    ``"cuda-sm90"`` when forced or once ``SM90_TAKES_QUERY_TOKENS_BY_DEFAULT`` is True
+    (``"cuda-sm80"`` takes one token a sequence; forcing it with s_q > 1 is a ValueError).
     ``kv_cache_dtype``: the cache's layout; an fp8 one runs on ``"triton"`` unless forced, or
     on the CUDA kernel that applies once its ``SM80_READS_FP8_BY_DEFAULT`` /
     ``SM90_READS_FP8_BY_DEFAULT`` is True.
@@ -163,7 +178,10 @@ def choose_decode_backend(
         return "triton"
     if backend is not None and tuned:
         raise ValueError(f"mla_decode: _config tunes the Triton kernel; it cannot go with _backend={backend!r}")
-    kernel = backend or ("cuda-sm80" if q.shape[-2] <= SM80_MAX_HEADS else "cuda-sm90")
+    query_tokens = q.dim() == 4 and q.shape[1] > 1
+    if backend is None and query_tokens and not SM90_TAKES_QUERY_TOKENS_BY_DEFAULT:
+        return "triton"
+    kernel = backend or ("cuda-sm80" if q.shape[-2] <= SM80_MAX_HEADS and not query_tokens else "cuda-sm90")
     fp8_cache = canonical_kv_cache_dtype(kv_cache_dtype) != "auto"
     reads_fp8 = SM80_READS_FP8_BY_DEFAULT if kernel == "cuda-sm80" else SM90_READS_FP8_BY_DEFAULT
     if backend is None and fp8_cache and not reads_fp8:

@@ -123,9 +123,10 @@ def mla_decode(
             a query that sees no row.
 
     The Triton kernel runs every s_q, packing the s_q x h (token, head) pairs of a sequence into
-    its tile of query rows. The CUDA stage-1 kernels (``"cuda-sm80"``, ``"cuda-sm90"``) take one
-    new token only: s_q > 1 runs on Triton, and ``_backend`` forcing a CUDA one with s_q > 1 is
-    a ValueError. On the CPU the Triton kernel runs in its interpreter; bf16 there runs in
+    its tile of query rows. ``"cuda-sm90"`` packs them the same way into its 64-row tiles; it
+    runs s_q > 1 when ``_backend`` asks for it (``mla.kernels.backends`` says when it is the
+    default), and s_q > 1 runs on Triton otherwise. ``"cuda-sm80"`` takes one new token only:
+    ``_backend`` forcing it with s_q > 1 is a ValueError. On the CPU the Triton kernel runs in its interpreter; bf16 there runs in
     float32 on copies of q and the pages the rows use (the interpreter's bf16 dot is wrong), out
     cast back to bf16.
     """
@@ -202,17 +203,21 @@ def mla_decode(
         return out, lse
     out_rows, lse_rows = out.view(b, rows, c), lse.view(b, rows)  # row = token * h + head
 
-    if backend != "triton":  # csrc/mla_decode_sm80.cu, csrc/mla_decode_sm90.cu; s_q = 1 here
+    if backend != "triton":  # csrc/mla_decode_sm80.cu (s_q = 1), csrc/mla_decode_sm90.cu (s_q 1..8)
         # any layout: the cache as it is stored, and its scale for fp8_e4m3
-        op = torch.ops.mla.mla_decode_sm80 if backend == "cuda-sm80" else torch.ops.mla.mla_decode_sm90
-        stage1 = functools.partial(op, kv_cache_dtype=kind, kv_scale=scale_t)
+        if backend == "cuda-sm80":
+            stage1 = functools.partial(torch.ops.mla.mla_decode_sm80, kv_cache_dtype=kind, kv_scale=scale_t)
+        else:  # the s_q x h rows packed into its 64-row tiles, each with its own causal limit
+            stage1 = functools.partial(torch.ops.mla.mla_decode_sm90, kv_cache_dtype=kind, kv_scale=scale_t,
+                                       q_tokens=s_q)
+        q_rows = q.reshape(b, rows, d)  # row = token * h + head; a view when q is contiguous in (s_q, h)
         if num_kv_splits == 1:  # stage 1 writes the answer (out in q's dtype, lse); no merge
-            stage1(q[:, 0], kv_cache, block_table, seq_lens, out_rows.unsqueeze(2), lse_rows.unsqueeze(2),
+            stage1(q_rows, kv_cache, block_table, seq_lens, out_rows.unsqueeze(2), lse_rows.unsqueeze(2),
                    float(softmax_scale), 1)
             return out, lse
-        part_out = torch.empty((b, h, num_kv_splits, c), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((b, h, num_kv_splits), dtype=torch.float32, device=q.device)
-        stage1(q[:, 0], kv_cache, block_table, seq_lens, part_out, part_lse, float(softmax_scale), num_kv_splits)
+        part_out = torch.empty((b, rows, num_kv_splits, c), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((b, rows, num_kv_splits), dtype=torch.float32, device=q.device)
+        stage1(q_rows, kv_cache, block_table, seq_lens, part_out, part_lse, float(softmax_scale), num_kv_splits)
         _merge(part_out, part_lse, out_rows, lse_rows)
         return out, lse
 
