@@ -952,10 +952,10 @@ void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::
         reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const KV*>(kv_cache.data_ptr()), kv_map_lo,
         kv_map_hi, block_table.data_ptr<int>(), seq_lens.data_ptr<int>(), part_out.data_ptr(),
         part_lse.data_ptr<float>(), part_out.scalar_type() != at::kFloat, static_cast<int>(h),
-        static_cast<int>(h / q_tokens), static_cast<int>(q_tokens), static_cast<int>(kv_cache.size(1)), static_cast<int>(num_splits), scale_log2, q.stride(0),
-        q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), part_out.stride(0),
-        part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-        scale_ptr);
+        static_cast<int>(h / q_tokens), static_cast<int>(q_tokens), static_cast<int>(kv_cache.size(1)),
+        static_cast<int>(num_splits), scale_log2, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0),
+        part_lse.stride(1), part_lse.stride(2), scale_ptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   // several new tokens a sequence: the instantiation with per-row causal limits

@@ -383,12 +383,99 @@ def test_multi_token_bad_block_table_entry():
         torch.testing.assert_close(args[k], v, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("backend", ["cuda-sm80", "cuda-sm90"])
-def test_multi_token_cuda_backend_refused(backend):
-    # the CUDA stage-1 kernels take one new token a sequence: forcing one with s_q > 1 says so
+def test_multi_token_sm80_backend_refused():
+    # the sm_80 stage 1 takes one new token a sequence: forcing it with s_q > 1 says so
     args = make_case([5, 40], heads=3, c=32, r=8, block_size=16, seed=57, s_q=2)
-    with pytest.raises(ValueError, match=rf"_backend='{backend}' cannot run .*s_q = 2 new tokens"):
-        mla_decode(**args, _backend=backend)
+    with pytest.raises(ValueError, match=r"_backend='cuda-sm80' cannot run .*s_q = 2 new tokens"):
+        mla_decode(**args, _backend="cuda-sm80")
+
+
+def test_multi_token_sm90_backend_wants_only_a_gpu():
+    # the wgmma stage 1 takes s_q > 1: on the CPU, forcing it fails for the lack of a GPU alone
+    args = make_case([5, 40], heads=3, c=32, r=8, block_size=16, seed=57, s_q=2)
+    with pytest.raises(ValueError, match=r"_backend='cuda-sm90' cannot run .*not a GPU") as error:
+        mla_decode(**args, _backend="cuda-sm90")
+    assert "s_q" not in str(error.value)
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_multi_token_default_stays_triton(heads, monkeypatch):
+    """The backend policy alone, so without a GPU: a stand-in q that says it is on one and CUDA
+    kernels that say they can run. s_q > 1 picks "triton" while
+    ``backends.SM90_TAKES_QUERY_TOKENS_BY_DEFAULT`` is False (the path has not yet run on a GPU)
+    and "cuda-sm90" once it is True, at any heads; forced, "cuda-sm90" takes it either way; s_q = 1
+    picks as the 3-d q does."""
+    from types import SimpleNamespace
+
+    from mla.kernels import backends
+
+    monkeypatch.setattr(backends, "why_backend_cannot_run", lambda *args, **kwargs: None)
+    case = make_case([5, 40], heads=1, c=32, r=8, block_size=16, seed=58)
+
+    def pick(shape, **options):
+        q = SimpleNamespace(device=torch.device("cuda"), shape=shape, dtype=torch.bfloat16)
+        return backends.choose_decode_backend(q, case["kv_cache"], case["block_table"], case["seq_lens"],
+                                              kv_lora_rank=512, **options)
+
+    one_token = "cuda-sm80" if heads <= backends.SM80_MAX_HEADS else "cuda-sm90"
+    assert pick((2, heads, 576)) == pick((2, 1, heads, 576)) == one_token  # the stand-in reaches the CUDA choice
+    assert not backends.SM90_TAKES_QUERY_TOKENS_BY_DEFAULT  # True once the GPU tests of the path pass
+    for s_q in (2, 8):
+        assert pick((2, s_q, heads, 576)) == "triton"
+        assert pick((2, s_q, heads, 576), backend="cuda-sm90") == "cuda-sm90"
+    monkeypatch.setattr(backends, "SM90_TAKES_QUERY_TOKENS_BY_DEFAULT", True)
+    assert pick((2, 4, heads, 576)) == "cuda-sm90"
+    assert pick((2, 1, heads, 576)) == one_token
+
+
+def _sm90_stage1_in_torch(q, kv_cache, block_table, seq_lens, part_out, part_lse, softmax_scale, num_splits, *,
+                          kv_cache_dtype, kv_scale, q_tokens=1):
+    """What csrc/mla_decode_sm90.cu writes, in plain torch (float64): q (b, s_q·h, c + r) token-major,
+    the splits cut on seq_len in tiles of 64 tokens, row R seeing the first seq_len - (s_q - 1 - R / h)
+    rows; a row that sees none of a split gets 0 and -inf."""
+    assert kv_cache_dtype == "auto" and kv_scale is None
+    b, rows, _ = q.shape
+    c, heads, block_size = part_out.shape[-1], rows // q_tokens, kv_cache.shape[1]
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        pos = torch.arange(seq_len)
+        latent = kv_cache[block_table[i, pos // block_size].long(), pos % block_size].double()  # (t, c + r)
+        tiles = -(-(-(-seq_len // 64)) // num_splits)  # tiles a split
+        for split in range(num_splits):
+            start = split * tiles * 64
+            end = max(min(start + tiles * 64, seq_len), start)
+            for row in range(rows):
+                stop = min(end, seq_len - (q_tokens - 1 - row // heads))
+                if stop <= start:
+                    part_out[i, row, split], part_lse[i, row, split] = 0.0, float("-inf")
+                    continue
+                scores = latent[start:stop] @ q[i, row].double() * softmax_scale  # (tokens,)
+                part_out[i, row, split] = (torch.softmax(scores, 0) @ latent[start:stop, :c]).to(part_out.dtype)
+                part_lse[i, row, split] = torch.logsumexp(scores, 0).float()
+
+
+@pytest.mark.parametrize("strided_q", [False, True], ids=["q-contiguous", "q-head-major"])
+def test_multi_token_sm90_dispatch(strided_q, monkeypatch):
+    # mla_decode's launch of the wgmma stage 1 for s_q > 1, with the kernel written in torch
+    # (_sm90_stage1_in_torch): q as (b, s_q·h, c + r) rows, part_out / part_lse (b, s_q·h, ...),
+    # s_q passed on, and the merge over the rows; the GPU tests run the kernel itself
+    calls = []
+
+    def stage1(q, *args, **kwargs):
+        calls.append((tuple(q.shape), kwargs["q_tokens"]))
+        _sm90_stage1_in_torch(q, *args, **kwargs)
+
+    monkeypatch.setattr(decode, "choose_decode_backend", lambda *args, **kwargs: "cuda-sm90")
+    monkeypatch.setattr(torch.ops.mla, "mla_decode_sm90", stage1, raising=False)
+    s_q, heads = 4, 3
+    case = make_case([0, 2, 3, 64, 130], heads=heads, c=32, r=8, block_size=64, seed=59, s_q=s_q)
+    if strided_q:  # (b, h, s_q, d) memory: not a view of (b, s_q·h, d)
+        case["q"] = case["q"].transpose(1, 2).contiguous().transpose(1, 2)
+    ref_out, ref_lse = mla_decode_reference(**case)
+    for splits in (1, 3):
+        out, lse = mla_decode(**case, num_kv_splits=splits)
+        assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+        assert_tokens_match(out, lse, ref_out, ref_lse, case["seq_lens"], s_q, TOL[torch.float32])
+        assert calls[-1] == ((5, s_q * heads, 40), s_q)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -799,7 +886,8 @@ def test_gpu_one_token_4d_is_3d(heads):
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [16, 128])
 def test_gpu_multi_token_runs_on_triton(heads):
-    # the CUDA stage 1s take one new token: s_q > 1 picks Triton, s_q = 1 is judged as the 3-d q
+    # s_q > 1 picks Triton by default (SM90_TAKES_QUERY_TOKENS_BY_DEFAULT is False); the sm_80
+    # stage 1 takes one new token, the wgmma one s_q > 1 when forced; s_q = 1 is judged as the 3-d q
     from mla.kernels.backends import why_backend_cannot_run
 
     case = _gpu_case([70, 300], heads, s_q=2)
@@ -809,11 +897,14 @@ def test_gpu_multi_token_runs_on_triton(heads):
     assert choose_decode_backend(one, *args, kv_lora_rank=512) == choose_decode_backend(one[:, 0], *args,
                                                                                         kv_lora_rank=512)
     for backend in ("cuda-sm80", "cuda-sm90"):
-        assert "s_q = 2 new tokens" in why_backend_cannot_run(backend, case["q"], *args, 512)
         assert why_backend_cannot_run(backend, one, *args, 512) == why_backend_cannot_run(backend, one[:, 0], *args,
                                                                                           512)
-        with pytest.raises(ValueError, match=rf"_backend='{backend}' cannot run .*s_q = 2 new tokens"):
-            mla_decode(**case, _backend=backend)
+    assert "s_q = 2 new tokens" in why_backend_cannot_run("cuda-sm80", case["q"], *args, 512)
+    with pytest.raises(ValueError, match=r"_backend='cuda-sm80' cannot run .*s_q = 2 new tokens"):
+        mla_decode(**case, _backend="cuda-sm80")
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    sm90_why = why_backend_cannot_run("cuda-sm90", case["q"], *args, 512)
+    assert (sm90_why is None) if hopper else "not 9.0" in sm90_why
     out, lse = mla_decode(**case)
     out_t, lse_t = mla_decode(**case, _backend="triton")
     torch.testing.assert_close(out, out_t, rtol=0, atol=0)
@@ -821,20 +912,23 @@ def test_gpu_multi_token_runs_on_triton(heads):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "cuda-sm90"], ids=["default", "sm90"])
 @pytest.mark.parametrize("s_q", [2, 4, 8])
 @pytest.mark.parametrize("heads", [16, 128])
-def test_gpu_multi_token_cuda_graph_capture(heads, s_q):
+def test_gpu_multi_token_cuda_graph_capture(heads, s_q, backend):
     # with num_kv_splits given, a call of several new tokens captures too; replayed after q and
     # seq_lens change in place, the graph computes the new step
+    if backend == "cuda-sm90":
+        _skip_unless_sm90()
     case = _gpu_case([100, 3000, 0, 64, 5], heads=heads, seed=4, s_q=s_q)
-    expected = mla_decode(**case, num_kv_splits=4)  # also compiles outside the capture
+    expected = mla_decode(**case, num_kv_splits=4, _backend=backend)  # also compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        mla_decode(**case, num_kv_splits=4)
+        mla_decode(**case, num_kv_splits=4, _backend=backend)
         with torch.cuda.graph(graph):
-            out, lse = mla_decode(**case, num_kv_splits=4)
+            out, lse = mla_decode(**case, num_kv_splits=4, _backend=backend)
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
     torch.cuda.synchronize()
@@ -898,6 +992,85 @@ def test_gpu_backends_take_any_softmax_scale(backend, scale):
     for splits in (None, 3):
         out, lse = mla_decode(**case, num_kv_splits=splits, _backend=backend)
         assert_matches(out.float(), lse, ref_out.float(), ref_lse, case["seq_lens"], 1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the wgmma stage 1 on several new tokens a sequence (_backend="cuda-sm90"; the default for
+# s_q > 1 once these pass: backends.SM90_TAKES_QUERY_TOKENS_BY_DEFAULT)
+# ---------------------------------------------------------------------------------------------
+
+
+def _sm90_token_lengths(s_q):
+    """Rows shorter than s_q (tokens that see nothing: 0, 1, s_q - 1), s_q itself, around the
+    64-token tile and its pairs (a causal limit inside a tile, on its edge, in a second tile),
+    a page edge of 128, two long ones."""
+    return sorted({0, 1, s_q - 1, s_q, 63, 64, 65, 66, 127, 128, 129, 191, 1000, 3000})
+
+
+def _assert_agrees_with_triton(out, lse, out_t, lse_t):
+    """The same rows see nothing (-inf, 0), the rest within bf16 rounding of the Triton kernel."""
+    assert torch.equal(lse.isinf(), lse_t.isinf()) and not lse.isnan().any() and not out.isnan().any()
+    assert (out[lse.isinf()] == 0).all()
+    seen = ~lse_t.isinf()
+    if seen.any():
+        assert (out[seen].float() - out_t[seen].float()).abs().max() <= 1e-2 * out_t[seen].float().abs().max()
+        assert (lse[seen] - lse_t[seen]).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads", [16, 20, 64, 128])
+@pytest.mark.parametrize("s_q", [2, 3, 4, 8])
+def test_gpu_sm90_query_tokens_match_reference_and_triton(s_q, heads, dtype):
+    # s_q x heads rows: 32 (a partial tile) to 1024 (16 tiles); 20 heads put a token's rows across
+    # two tiles; pages of 64 and 128
+    _skip_unless_sm90()
+    for block_size in (64, 128):
+        case = _gpu_case(_sm90_token_lengths(s_q), heads, seed=heads + s_q, dtype=dtype, block_size=block_size,
+                         s_q=s_q)
+        before = {k: v.clone() for k, v in case.items() if isinstance(v, torch.Tensor)}
+        ref_out, ref_lse = mla_decode_reference(**case, compute_dtype=torch.float32)
+        for splits in (None, 1, 5, 40):  # 40 splits: most splits of the short rows are empty
+            out, lse = mla_decode(**case, num_kv_splits=splits, _backend="cuda-sm90")
+            assert out.dtype == dtype and lse.dtype == torch.float32
+            assert out.shape == (len(case["seq_lens"]), s_q, heads, 512) and lse.shape == out.shape[:3]
+            assert_tokens_match(out.float(), lse, ref_out.float(), ref_lse, case["seq_lens"], s_q, 1e-2)
+            _assert_agrees_with_triton(out, lse, *mla_decode(**case, num_kv_splits=splits, _backend="triton"))
+        for k, v in before.items():
+            torch.testing.assert_close(case[k], v, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_sm90_query_tokens_any_q_layout_and_scale(heads):
+    # q laid out (b, h, s_q, d) (mla_decode packs a copy), and softmax scales <= 0 (the kernel
+    # scales before the row max): the rows that see nothing still give 0 and -inf
+    _skip_unless_sm90()
+    s_q = 4
+    case = _gpu_case(_sm90_token_lengths(s_q), heads, seed=11, s_q=s_q)
+    case["q"] = case["q"].transpose(1, 2).contiguous().transpose(1, 2)
+    for scale in (192**-0.5, 0.0, -0.3 * 192**-0.5):
+        scaled = dict(case, softmax_scale=scale)
+        ref_out, ref_lse = mla_decode_reference(**scaled, compute_dtype=torch.float32)
+        for splits in (None, 3):
+            out, lse = mla_decode(**scaled, num_kv_splits=splits, _backend="cuda-sm90")
+            assert_tokens_match(out.float(), lse, ref_out.float(), ref_lse, case["seq_lens"], s_q, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("s_q", [2, 4])
+def test_gpu_sm90_query_tokens_fp8_ds_mla(s_q, heads):
+    # the per-row masks sit in the softmax stage, the fp8 tiles are dequantised before it: the
+    # fp8_ds_mla instantiation against the reference on the dequantised cache and against Triton
+    from tests.test_kernels_decode_fp8 import SM90_LENGTHS, _check_against_reference_and_triton, make_fp8_case
+
+    _skip_unless_sm90()
+    lengths = sorted(set(SM90_LENGTHS) | {s_q - 1, s_q})
+    args, _, _, _ = make_fp8_case("fp8_ds_mla", lengths, heads=heads, c=512, r=64, block_size=64, s_q=s_q,
+                                  seed=12 + s_q, device="cuda", poison=0xFF, group_growth=2.0)
+    args["q"] = args["q"].bfloat16()
+    _check_against_reference_and_triton(args, "cuda-sm90", (None, 1, 5))
 
 
 @pytest.mark.gpu
@@ -1003,6 +1176,13 @@ for op_name, op in ops.items():
             print(op_name, name, "RAN", flush=True)
         except RuntimeError as e:
             print(op_name, name, "RAISED", str(e).splitlines()[0], flush=True)
+if "sm90" in ops:  # q_tokens must divide q's 16 rows and lie in [1, 8]
+    for q_tokens in (3, 16):
+        try:
+            ops["sm90"](q, cache, table, lens, part_out, part_lse, 0.1, 3, q_tokens=q_tokens)
+            print("sm90", f"q_tokens-{q_tokens}", "RAN", flush=True)
+        except RuntimeError as e:
+            print("sm90", f"q_tokens-{q_tokens}", "RAISED", str(e).splitlines()[0], flush=True)
 print("untouched", bool((part_out == 7.0).all() and (part_lse == 7.0).all()), flush=True)
 """
 
@@ -1039,7 +1219,9 @@ def test_gpu_cuda_ops_reject_what_they_cannot_run():
         expected.update({"sm90 dtype": "mla_decode_sm90: q and kv_cache must both be bfloat16",
                          "sm90 page": "multiple of 64", "sm90 sm90-page": "multiple of 64",
                          "sm90 no-page": "multiple of 64", "sm90 table": "block_table must be",
-                         "sm90 splits": "part_out must be", "sm90 answer-splits": "q's dtype when num_splits is 1"})
+                         "sm90 splits": "part_out must be", "sm90 answer-splits": "q's dtype when num_splits is 1",
+                         "sm90 q_tokens-3": "q_tokens (s_q, new tokens a sequence) must be in [1, 8]",
+                         "sm90 q_tokens-16": "q_tokens (s_q, new tokens a sequence) must be in [1, 8]"})
     for name, message in expected.items():
         assert lines.get(name, "").startswith("RAISED") and message in lines[name], (name, lines.get(name))
     assert lines.get("untouched") == "True"

@@ -3,7 +3,8 @@ stage 1, the CUDA ones (csrc/mla_decode_sm80.cu where it applies, <= 16 heads; c
 on compute capability 9.0), and the merge; then the Triton kernel on several query tokens a
 sequence and on both fp8 layouts, and the CUDA ones on both fp8 layouts (one query token):
 csrc/mla_decode_sm80.cu for <= 16 heads, in one wave and over one; csrc/mla_decode_sm90.cu on
-compute capability 9.0 for any heads (a second head block, one split, many empty ones).
+compute capability 9.0 for any heads (a second head block, one split, many empty ones), and on
+several query tokens a sequence on every layout (s_q x h rows in its 64-row tiles).
 
 Pages the sequences don't own are NaN (bytes 0xFF in an fp8 cache) and unused block-table entries
 are garbage, so a read outside a sequence's pages would also show as NaN in the output.
@@ -62,8 +63,9 @@ def main() -> None:
 def fp8_and_query_tokens(only: str | None = None) -> None:
     """The Triton kernel on s_q = 1..8 query tokens and on fp8_e4m3 / fp8_ds_mla caches, and the
     CUDA stage-1 kernels on the fp8 caches they take (s_q = 1; sm_80 for <= 16 heads, sm_90 for
-    any), each against the reference on the same cache (which dequantises it first). ``only``
-    runs one backend on the fp8 cases alone (a racecheck run of the wgmma kernel's fp8 path)."""
+    any) and the sm_90 one on s_q > 1 on every layout, each against the reference on the same
+    cache (which dequantises it first). ``only`` runs one backend on the fp8 cases of one query
+    token alone (a racecheck run of the wgmma kernel's fp8 path)."""
     c, r, page = 512, 64, 64
     for heads, seq_lens, splits, s_q, kind in ((16, [1, 0, 130, 64], None, 4, "auto"),
                                               (128, [300, 7], 4, 2, "auto"),
@@ -76,7 +78,13 @@ def fp8_and_query_tokens(only: str | None = None) -> None:
                                               (16, [130, 5, 0, 64], None, 1, "fp8_ds_mla"),
                                               (16, [300, 2000, 64], 50, 1, "fp8_ds_mla"),  # sm80: over one wave
                                               (100, [70, 1000, 0], 1, 1, "fp8_e4m3"),  # sm90: two head blocks
-                                              (128, [129, 64, 1], 40, 1, "fp8_ds_mla")):  # sm90: empty splits
+                                              (128, [129, 64, 1], 40, 1, "fp8_ds_mla"),  # sm90: empty splits
+                                              # sm90, s_q > 1: rows shorter than s_q, causal limits
+                                              # inside and on the edge of a tile, 160 rows in 3 tiles
+                                              (128, [300, 7, 0, 3], 4, 4, "auto"),
+                                              (20, [64, 65, 1, 129], 1, 8, "auto"),
+                                              (64, [130, 2, 1000], 40, 2, "fp8_ds_mla"),
+                                              (16, [129, 3, 0], 3, 4, "fp8_e4m3")):
         if only is not None and (kind == "auto" or s_q != 1):
             continue
         b = len(seq_lens)
@@ -103,9 +111,9 @@ def fp8_and_query_tokens(only: str | None = None) -> None:
         lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
         layout = dict(kv_lora_rank=c, softmax_scale=0.1, kv_cache_dtype=kind, kv_scale=scale)
         ref, _ = mla_decode_reference(q, cache, table, lens, **layout)
-        cuda = kind != "auto" and s_q == 1
-        backends = (["triton"] + (["cuda-sm80"] if cuda and heads <= 16 else [])
-                    + (["cuda-sm90"] if cuda and torch.cuda.get_device_capability() == (9, 0) else []))
+        cuda = kind != "auto" and s_q == 1  # the sm_80 kernel: fp8 caches of one query token
+        sm90 = (cuda or s_q > 1) and torch.cuda.get_device_capability() == (9, 0)  # and s_q > 1, any layout
+        backends = ["triton"] + (["cuda-sm80"] if cuda and heads <= 16 else []) + (["cuda-sm90"] if sm90 else [])
         for backend in backends if only is None else [k for k in backends if k == only]:
             out, _ = mla_decode(q, cache, table, lens, num_kv_splits=splits, _backend=backend,
                                 **layout)

@@ -178,7 +178,7 @@ def choose_decode_backend(
         return "triton"
     if backend is not None and tuned:
         raise ValueError(f"mla_decode: _config tunes the Triton kernel; it cannot go with _backend={backend!r}")
-    query_tokens = q.dim() == 4 and q.shape[1] > 1
+    query_tokens = len(q.shape) == 4 and q.shape[1] > 1
     if backend is None and query_tokens and not SM90_TAKES_QUERY_TOKENS_BY_DEFAULT:
         return "triton"
     kernel = backend or ("cuda-sm80" if q.shape[-2] <= SM80_MAX_HEADS and not query_tokens else "cuda-sm90")
