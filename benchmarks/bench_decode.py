@@ -317,11 +317,15 @@ def flashmla_fn(q, block_table, seq_lens):
 
 
 def add_ratios(row: dict) -> dict:
-    """Fill ``share_of_floor`` and ``flashmla_over_mla`` from the row's times (None where a time
-    is missing)."""
+    """Fill ``share_of_floor`` and ``flashmla_over_mla`` from the row's times, and for s_q > 1
+    ``flashmla_over_sm90_sq`` where the wgmma kernel was timed forced (None where a time is
+    missing)."""
     ours, theirs, floor = row.get("time_us"), row.get("flashmla_us"), row["floor_us"]
     row["share_of_floor"] = floor / ours if ours else None
     row["flashmla_over_mla"] = theirs / ours if ours and theirs else None
+    forced = row.get("sm90_sq_time_us")
+    if forced:  # s_q > 1: FlashMLA against the wgmma kernel's packed rows, forced
+        row["flashmla_over_sm90_sq"] = theirs / forced if theirs else None
     return row
 
 
@@ -573,6 +577,8 @@ def bf16_row(b, t, h, s_q, q, caches, block_table, seq_lens, ceilings, num_sms, 
             row["triton_time_us"] = bench_us(graphed(decode_call(q, block_table, seq_lens, "triton", tsplits), caches))
             row["triton_num_kv_splits"] = tsplits
         ours_out = ours(caches[0])[0].float()
+        if kernel == "triton" and s_q > 1:
+            sm90_query_tokens(row, q, caches, block_table, seq_lens, t, num_sms)
     except Exception as e:  # noqa: BLE001
         row["error"] = f"{type(e).__name__}: {e}"[:300]
     try:
@@ -634,31 +640,46 @@ def fp8_row(kind, b, t, h, s_q, q, caches, block_table, seq_lens, ceilings, num_
     return add_ratios(row)
 
 
-def cuda_fp8(row, kernel, q, fp8_caches, block_table, seq_lens, scale, t, num_sms) -> None:
-    """The fp8 path of the CUDA stage 1 ``kernel`` ("cuda-sm80" at <= 16 heads, "cuda-sm90" above),
-    forced while mla_decode does not pick it by default (``backends.SM80_READS_FP8_BY_DEFAULT``,
-    ``SM90_READS_FP8_BY_DEFAULT``): ``cuda_fp8_kernel`` names it, ``cuda_fp8_time_us`` is timed as
-    ``time_us``, ``cuda_fp8_max_rel_err_vs_reference`` checked against the reference on the same
-    cache, or ``cuda_fp8_error`` says why it did not run."""
+def forced_kernel(row, prefix, kernel, q, caches, block_table, seq_lens, t, num_sms, **layout) -> None:
+    """Time a stage-1 ``kernel`` that mla_decode does not pick by default for these arguments,
+    forced, as ``time_us`` is timed: ``{prefix}_time_us``, its split count, its largest error
+    against the reference on the same cache relative to the output's largest value
+    (``{prefix}_max_rel_err_vs_reference``), or ``{prefix}_error`` saying why it did not run.
+    ``layout``: kv_cache_dtype and kv_scale of an fp8 cache."""
     from benchmarks.timing import bench_us, graphed
     from mla.kernels.backends import CUDA_TILES
     from mla.kernels.decode import choose_num_kv_splits
 
-    kind = row["kv_cache_dtype"]
-    row["cuda_fp8_kernel"] = kernel
     try:
         block_h, block_n = CUDA_TILES[kernel]
-        splits = choose_num_kv_splits(row["b"], row["h"], t, num_sms, block_h=block_h, block_n=block_n,
+        rows = q.shape[1] * q.shape[2] if q.dim() == 4 else q.shape[1]     # s_q x h query rows
+        splits = choose_num_kv_splits(row["b"], rows, t, num_sms, block_h=block_h, block_n=block_n,
                                       one_wave=kernel == "cuda-sm90")
-        call = decode_call(q, block_table, seq_lens, kernel, splits, kv_cache_dtype=kind, kv_scale=scale)
-        out = call(fp8_caches[0])[0].float()
-        want = reference_out(q, fp8_caches[0], block_table, seq_lens, kv_cache_dtype=kind, kv_scale=scale)
-        row["cuda_fp8_max_rel_err_vs_reference"] = (out - want).abs().max().item() / want.abs().max().item()
+        call = decode_call(q, block_table, seq_lens, kernel, splits, **layout)
+        out = call(caches[0])[0].float()
+        want = reference_out(q, caches[0], block_table, seq_lens, **layout)
+        row[f"{prefix}_max_rel_err_vs_reference"] = (out - want).abs().max().item() / want.abs().max().item()
         del out, want
-        row["cuda_fp8_time_us"] = bench_us(graphed(call, fp8_caches))
-        row["cuda_fp8_num_kv_splits"] = splits
+        row[f"{prefix}_time_us"] = bench_us(graphed(call, caches))
+        row[f"{prefix}_num_kv_splits"] = splits
     except Exception as e:  # noqa: BLE001
-        row["cuda_fp8_error"] = f"{type(e).__name__}: {e}"[:300]
+        row[f"{prefix}_error"] = f"{type(e).__name__}: {e}"[:300]
+
+
+def sm90_query_tokens(row, q, caches, block_table, seq_lens, t, num_sms) -> None:
+    """The wgmma stage 1 on s_q > 1 query tokens (its s_q x h rows packed into 64-row tiles),
+    forced while mla_decode does not pick it by default
+    (``backends.SM90_TAKES_QUERY_TOKENS_BY_DEFAULT``): the ``sm90_sq_*`` fields."""
+    forced_kernel(row, "sm90_sq", "cuda-sm90", q, caches, block_table, seq_lens, t, num_sms)
+
+
+def cuda_fp8(row, kernel, q, fp8_caches, block_table, seq_lens, scale, t, num_sms) -> None:
+    """The fp8 path of the CUDA stage 1 ``kernel`` ("cuda-sm80" at <= 16 heads, "cuda-sm90" above),
+    forced while mla_decode does not pick it by default (``backends.SM80_READS_FP8_BY_DEFAULT``,
+    ``SM90_READS_FP8_BY_DEFAULT``): ``cuda_fp8_kernel`` names it, and the ``cuda_fp8_*`` fields."""
+    row["cuda_fp8_kernel"] = kernel
+    forced_kernel(row, "cuda_fp8", kernel, q, fp8_caches, block_table, seq_lens, t, num_sms,
+                  kv_cache_dtype=row["kv_cache_dtype"], kv_scale=scale)
 
 
 def run(args) -> dict:

@@ -365,6 +365,14 @@ def test_an_fp8_row_forces_the_cuda_kernel_of_its_heads(monkeypatch, torch_write
     assert forced == [(16, "cuda-sm80"), (17, "cuda-sm90"), (128, "cuda-sm90")]
 
 
+def test_the_forced_sm90_query_token_path_says_why_it_did_not_run_on_the_cpu():
+    row = dict(b=1, h=16)
+    q = torch.zeros(1, 2, 16, bd.D)
+    bd.sm90_query_tokens(row, q, [torch.zeros(1, 64, bd.D, dtype=torch.bfloat16)],
+                         torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 64, 132)
+    assert "sm90_sq_error" in row and "sm90_sq_time_us" not in row
+
+
 def test_fp8_rows_are_paired_with_the_bf16_row_of_their_shape():
     rows = _fake_mixed_rows()
     by = {(r["b"], r.get("kv_cache_dtype", "auto")): r for r in rows if r["h"] == 16}
