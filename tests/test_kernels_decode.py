@@ -768,23 +768,31 @@ def test_gpu_cache_past_int32_offsets(heads, backend):
     torch.cuda.empty_cache()
 
 
+def captured(call):
+    """(graph, outputs, expected) for a call that takes no host reads: `call()` run eagerly
+    (which also compiles its kernels), then captured in a CUDA graph on a side stream and
+    replayed once; `outputs` are the graph's static outputs, `expected` the eager call's."""
+    expected = call()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+        with torch.cuda.graph(graph):
+            outputs = call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, outputs, expected
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", [None, "triton"], ids=["default", "triton"])
 @pytest.mark.parametrize("heads", [16, 128])
 def test_gpu_cuda_graph_capture(heads, backend):
     # with num_kv_splits given the wrapper never syncs, so it can be captured in a CUDA graph
     case = _gpu_case([100, 3000, 0, 64], heads=heads, seed=3)
-    expected = mla_decode(**case, num_kv_splits=4, _backend=backend)  # also compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        mla_decode(**case, num_kv_splits=4, _backend=backend)
-        with torch.cuda.graph(graph):
-            out, lse = mla_decode(**case, num_kv_splits=4, _backend=backend)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
+    _, (out, lse), expected = captured(lambda: mla_decode(**case, num_kv_splits=4, _backend=backend))
     torch.testing.assert_close(out, expected[0], rtol=0, atol=0)
     torch.testing.assert_close(lse, expected[1], rtol=0, atol=0)
 
@@ -921,17 +929,7 @@ def test_gpu_multi_token_cuda_graph_capture(heads, s_q, backend):
     if backend == "cuda-sm90":
         _skip_unless_sm90()
     case = _gpu_case([100, 3000, 0, 64, 5], heads=heads, seed=4, s_q=s_q)
-    expected = mla_decode(**case, num_kv_splits=4, _backend=backend)  # also compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        mla_decode(**case, num_kv_splits=4, _backend=backend)
-        with torch.cuda.graph(graph):
-            out, lse = mla_decode(**case, num_kv_splits=4, _backend=backend)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, (out, lse), expected = captured(lambda: mla_decode(**case, num_kv_splits=4, _backend=backend))
     torch.testing.assert_close(out, expected[0], rtol=0, atol=0)
     torch.testing.assert_close(lse, expected[1], rtol=0, atol=0)
     # the next step: new queries, shorter lengths (pages already filled), one row below s_q

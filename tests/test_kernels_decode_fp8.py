@@ -557,18 +557,10 @@ def test_gpu_cuda_fp8_cuda_graph_capture(kind, backend, heads):
     # fp8_e4m3 scale changed in place is read by the next replay (it lives on the device)
     if backend == "cuda-sm90":
         _skip_unless_sm90()
+    from tests.test_kernels_decode import captured
+
     args = _cuda_case(kind, torch.bfloat16, heads, 64, seed=3, seq_lens=[100, 3000, 0, 64])
-    expected = mla_decode(**args, num_kv_splits=4, _backend=backend)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        mla_decode(**args, num_kv_splits=4, _backend=backend)
-        with torch.cuda.graph(graph):
-            out, lse = mla_decode(**args, num_kv_splits=4, _backend=backend)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, (out, lse), expected = captured(lambda: mla_decode(**args, num_kv_splits=4, _backend=backend))
     assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
     if kind == "fp8_e4m3":
         args["kv_scale"].mul_(2)

@@ -76,15 +76,12 @@ def _check_cache_layout(kind, kv_cache_dtype, kv_c, kv_cache, c, r) -> None:
                 f"kv_cache_dtype='fp8_ds_mla' (one float32 scale per {fp8.DS_MLA_GROUP} "
                 f"values), got c = {c}"
             )
-        width = fp8.bytes_per_token(kind, c, r)
+    dtype, width = fp8.cache_row(kind, c, r, kv_c.dtype)
+    if kind == "fp8_ds_mla":
         formula = f"c + 4*c/128 + 2*r = {c} + {4 * c // 128} + {2 * r} = {width} bytes"
-        dtype, what = torch.uint8, "be torch.uint8"
     else:
-        width, formula = c + r, f"c + r = {c} + {r} = {c + r}"
-        if kind == "auto":
-            dtype, what = kv_c.dtype, f"have the inputs' dtype {kv_c.dtype}"
-        else:
-            dtype, what = torch.float8_e4m3fn, "be torch.float8_e4m3fn"
+        formula = f"c + r = {c} + {r} = {c + r}"
+    what = f"have the inputs' dtype {dtype}" if kind == "auto" else f"be {dtype}"
     if kv_cache.shape[2] != width:
         raise ValueError(
             f"kv_cache last dim must be {formula} for kv_cache_dtype={kv_cache_dtype!r}, got "

@@ -558,16 +558,14 @@ def _check_kv_format(q, kv_cache, kv_lora_rank, kv_cache_dtype, kv_scale) -> str
             fp8.require_fp8(kind)
         except RuntimeError as error:
             raise RuntimeError(f"mla_decode: {error}") from None
-        if kind == "fp8_e4m3":
-            dtype, width, formula = torch.float8_e4m3fn, d, f"c + r = {d}"
-        else:
-            if c % fp8.DS_MLA_GROUP:
-                raise ValueError(
-                    f"mla_decode: kv_lora_rank c must be a multiple of {fp8.DS_MLA_GROUP} for "
-                    f"kv_cache_dtype='fp8_ds_mla' (one float32 scale per {fp8.DS_MLA_GROUP} values), got {c}"
-                )
-            dtype, width = torch.uint8, fp8.bytes_per_token(kind, c, r)
-            formula = f"c + 4*c/128 + 2*r = {c} + {4 * c // fp8.DS_MLA_GROUP} + {2 * r} = {width} bytes"
+        if kind == "fp8_ds_mla" and c % fp8.DS_MLA_GROUP:
+            raise ValueError(
+                f"mla_decode: kv_lora_rank c must be a multiple of {fp8.DS_MLA_GROUP} for "
+                f"kv_cache_dtype='fp8_ds_mla' (one float32 scale per {fp8.DS_MLA_GROUP} values), got {c}"
+            )
+        dtype, width = fp8.cache_row(kind, c, r, q.dtype)
+        formula = (f"c + r = {d}" if kind == "fp8_e4m3" else
+                   f"c + 4*c/128 + 2*r = {c} + {4 * c // fp8.DS_MLA_GROUP} + {2 * r} = {width} bytes")
         if kv_cache.dtype != dtype:
             raise TypeError(
                 f"mla_decode: kv_cache must be {dtype} for kv_cache_dtype={kv_cache_dtype!r}, got {kv_cache.dtype}"

@@ -43,7 +43,7 @@ __all__ = [
     "KV_CACHE_DTYPES", "DS_MLA_GROUP", "E4M3_MAX", "MIN_SCALE", "canonical_kv_cache_dtype",
     "fp8_available", "bytes_per_token", "ds_mla_layout", "quantize_e4m3", "dequantize_e4m3",
     "calibrate_e4m3_scale", "quantize_ds_mla", "dequantize_ds_mla", "dequantize_rows",
-    "require_fp8",
+    "require_fp8", "cache_row",
 ]
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
@@ -102,6 +102,18 @@ def bytes_per_token(kv_cache_dtype: str, kv_lora_rank: int, rope_dim: int,
     if kind == "fp8_e4m3":
         return c + r
     return c + 4 * _ds_mla_groups(c) + 2 * r
+
+
+def cache_row(kv_cache_dtype: str, kv_lora_rank: int, rope_dim: int,
+              dtype: torch.dtype) -> tuple[torch.dtype, int]:
+    """(the cache tensor's dtype, its last dim) for a layout: (``dtype``, c + r) for ``"auto"``
+    (``dtype`` is the values'), (float8_e4m3fn, c + r) for ``"fp8_e4m3"``, (uint8,
+    c + 4·c/128 + 2·r) for ``"fp8_ds_mla"`` (c a multiple of 128, else a ValueError)."""
+    kind = canonical_kv_cache_dtype(kv_cache_dtype)
+    if kind == "fp8_ds_mla":
+        return torch.uint8, bytes_per_token(kind, kv_lora_rank, rope_dim)
+    storage = dtype if kind == "auto" else getattr(torch, "float8_e4m3fn", None)
+    return storage, kv_lora_rank + rope_dim
 
 
 def ds_mla_layout(kv_lora_rank: int, rope_dim: int) -> dict[str, tuple[int, int]]:

@@ -531,9 +531,7 @@ def _check_context_inputs(fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, 
     kind = fp8.canonical_kv_cache_dtype(kv_cache_dtype)
     if kind != "auto":
         fp8.require_fp8(kv_cache_dtype)
-    width = fp8.bytes_per_token(kind, c, r) if kind == "fp8_ds_mla" else c + r
-    dtype = {"auto": q_nope.dtype, "fp8_e4m3": getattr(torch, "float8_e4m3fn", None),
-             "fp8_ds_mla": torch.uint8}[kind]
+    dtype, width = fp8.cache_row(kind, c, r, q_nope.dtype)
     if kv_cache.dtype != dtype:
         raise TypeError(f"{fn}: kv_cache must be {dtype} for kv_cache_dtype={kv_cache_dtype!r}, got {kv_cache.dtype}")
     if kv_cache.shape[2] != width:

@@ -207,11 +207,7 @@ class PagedLatentCache:
         if num_blocks is None:
             num_blocks = batch_size * max_blocks
         num_blocks = positive_int("num_blocks", num_blocks)
-        if kind == "fp8_ds_mla":          # one byte a latent value, its scales, bf16 rope
-            storage, width = torch.uint8, fp8.bytes_per_token(kind, kv_lora_rank, rope_dim)
-        else:                             # c + r values of the weights' dtype or of e4m3
-            storage = dtype if kind == "auto" else torch.float8_e4m3fn
-            width = kv_lora_rank + rope_dim
+        storage, width = fp8.cache_row(kind, kv_lora_rank, rope_dim, dtype)
         self.kv_cache = torch.zeros(num_blocks, block_size, width, dtype=storage, device=device)
         self.block_table_cpu = torch.full((batch_size, max_blocks), UNUSED, dtype=torch.int32)
         self.block_table = self.block_table_cpu.to(device, copy=True)
