@@ -20,7 +20,8 @@ import mla.kernels  # noqa: F401  (sets TRITON_INTERPRET before triton is import
 from mla.kernels import fp8
 from mla.kernels.concat_cache import concat_and_cache
 from mla.kernels.decode import mla_decode, mla_decode_reference
-from mla.kernels.triton_decode import _e4m3_to_float32
+from mla.kernels.decode import _e4m3_conversion
+from mla.kernels.triton_decode import E4M3_INTEGER_OPS, _e4m3_to
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KINDS = ("fp8_e4m3", "fp8_ds_mla")
@@ -119,15 +120,19 @@ def assert_close_rows(out, lse, ref_out, ref_lse, tol):
 
 
 @triton.jit
-def _decode_bytes_kernel(x_ptr, y_ptr, N: tl.constexpr):
+def _decode_bytes_kernel(x_ptr, y_ptr, N: tl.constexpr, E4M3: tl.constexpr):
     offs = tl.arange(0, N)
-    tl.store(y_ptr + offs, _e4m3_to_float32(tl.load(x_ptr + offs)))
+    tl.store(y_ptr + offs, _e4m3_to(tl.load(x_ptr + offs), tl.float32, E4M3))
 
 
-def test_e4m3_decoding_matches_torch_on_all_256_bytes():
+# the way mla_decode converts on this device, and integer ops (a GPU before sm_89), which every
+# device runs
+@pytest.mark.parametrize("conversion", ["this device's", "integer ops"])
+def test_e4m3_decoding_matches_torch_on_all_256_bytes(conversion):
+    e4m3 = _e4m3_conversion(torch.device(DEVICE)) if conversion == "this device's" else E4M3_INTEGER_OPS
     byte = torch.arange(256, dtype=torch.uint8, device=DEVICE)
     got = torch.empty(256, dtype=torch.float32, device=DEVICE)
-    _decode_bytes_kernel[(1,)](byte, got, 256)
+    _decode_bytes_kernel[(1,)](byte, got, 256, e4m3)
     want = byte.view(torch.float8_e4m3fn).float()
     nan = want.isnan()
     assert nan.sum() == 2 and (got.isnan() == nan).all()  # 0x7F, 0xFF
@@ -139,8 +144,9 @@ def test_e4m3_decoding_matches_torch_on_all_256_bytes():
 # Against the reference on the dequantised cache: the same float32 values, so fp32 rounding only
 # ---------------------------------------------------------------------------------------------
 
-# the kernel and the reference see bit-identical float32 cache values (value * scale in
-# float32 both); what remains is the kernel's fp32 dots and exp2 against float64, as in
+# the kernel and the reference see the same float32 cache values (ds_mla: value * scale in
+# float32 both; e4m3: the kernel applies the one scale to the scores and the output instead, a
+# float32 rounding); what remains is the kernel's fp32 dots and exp2 against float64, as in
 # tests/test_kernels_decode.py (1e-5 there over c + r <= 80 terms; c + r = 272 here)
 TIGHT = 2e-5
 

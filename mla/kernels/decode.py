@@ -24,7 +24,8 @@ import triton
 from . import fp8
 from .backends import CUDA_TILES, choose_decode_backend, sm_count
 from .constants import LOG2E, MAX_GRID_YZ
-from .triton_decode import _mla_decode_merge_kernel, _mla_decode_split_kernel
+from .triton_decode import (E4M3_HARDWARE, E4M3_INTEGER_OPS, E4M3_INTERPRETER, _mla_decode_merge_kernel,
+                            _mla_decode_split_kernel)
 
 __all__ = [
     "MAX_QUERY_TOKENS",
@@ -179,7 +180,7 @@ def mla_decode(
         return out.to(torch.bfloat16), lse
 
     config = _fit_shared_memory(
-        default_config(rows), max(16, triton.next_power_of_2(c)), max(16, triton.next_power_of_2(r)),
+        default_config(rows, kind), max(16, triton.next_power_of_2(c)), max(16, triton.next_power_of_2(r)),
         q.element_size(),
     )
     if _config:
@@ -257,12 +258,23 @@ def mla_decode(
         HEAD_MAJOR=head_major,
         SPLIT_TAIL=bool(config["SPLIT_TAIL"]),
         KV_FORMAT=_KV_FORMATS[kind],
+        E4M3=_e4m3_conversion(q.device),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
     if num_kv_splits > 1:
         _merge(part_out, part_lse, out_rows, lse_rows)
     return out, lse
+
+
+def _e4m3_conversion(device: torch.device) -> int:
+    """How the Triton kernel converts e4m3 bytes on ``device`` (``mla.kernels.triton_decode``):
+    the interpreter's conversion on the CPU; in hardware where the target has it (sm_89 and
+    later); in integer ops elsewhere."""
+    if device.type == "cpu":
+        return E4M3_INTERPRETER
+    target = triton.runtime.driver.active.get_current_target()
+    return E4M3_HARDWARE if target.backend == "cuda" and target.arch >= 89 else E4M3_INTEGER_OPS
 
 
 def _merge(part_out, part_lse, out, lse) -> None:
@@ -368,22 +380,28 @@ def mla_decode_reference(
 # ---------------------------------------------------------------------------------------------
 
 
-def default_config(num_heads: int) -> dict:
+def default_config(num_heads: int, kv_cache_dtype: str = "auto") -> dict:
     """The Triton stage-1 launch parameters used unless ``_config=`` overrides them.
 
     ``num_heads``: query rows a sequence, h, or s_q x h with s_q new tokens (the kernel packs
-    the (token, head) pairs into one tile of rows).
+    the (token, head) pairs into one tile of rows). ``kv_cache_dtype``: the cache's layout.
     ``BLOCK_H``: query rows a program, the power of two >= ``num_heads`` between 16 (``tl.dot``'s
     smallest M) and 64 (a (BLOCK_H, c) fp32 accumulator fits in registers at c = 512).
     ``BLOCK_N``: tokens a step. ``num_warps``, ``num_stages``: as in ``triton.Config``.
     ``PAGE_TILE``: one block-table load a tile when the page size is a multiple of ``BLOCK_N``.
     ``HEAD_MAJOR``: a sequence's head blocks run side by side and share its tiles through L2.
     ``SPLIT_TAIL``: whole tiles run without token masks, the split's partial last tile apart.
-    The tiles are the fastest on an H200 (``docs/derivations/split-kv.md``); for caches of more
-    than 2 bytes a value ``mla_decode`` lowers stages and tile to fit shared memory.
+    The tiles for caches in q's dtype are the fastest on an H200 (``docs/derivations/split-kv.md``);
+    for caches of more than 2 bytes a value ``mla_decode`` lowers stages and tile to fit shared
+    memory. An fp8 tile passes through registers to be converted, beside the accumulator, so its
+    tiles are those ptxas compiles without spilling at c = 512 (``benchmarks/lab/compile_triton.py``):
+    at most 32 rows, 8 warps.
     """
     block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
-    if block_h >= 64:
+    if fp8.canonical_kv_cache_dtype(kv_cache_dtype) != "auto":
+        block_h = min(block_h, 32)
+        tile = {"BLOCK_H": block_h, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3 if block_h == 16 else 1}
+    elif block_h >= 64:
         tile = {"BLOCK_H": block_h, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
     elif block_h == 16:
         tile = {"BLOCK_H": block_h, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}

@@ -34,7 +34,8 @@ Goals, in the order they shape the code:
    elements work. The entries inside ``seq_len`` are trusted: ``mla_decode`` checks them.
 4. fp32 softmax statistics and accumulators whatever the input dtype (bf16, fp16, fp32).
 5. fp8 caches ("fp8_e4m3", "fp8_ds_mla"; ``mla.kernels.fp8``) arrive as bytes and are
-   dequantised in registers as each tile is loaded, then cast to q's dtype for the dots.
+   converted to q's dtype in registers as each tile is loaded. "fp8_e4m3"'s one scale
+   multiplies the scores and the output once instead of every value.
 
 Blocked pseudo-code of stage 1, one program per (sequence i, block of query rows, split); the
 query row at index j * h + k is new token j's head k, and sees ``row_len = seq_len - (s_q - 1 -
@@ -73,18 +74,34 @@ import triton.language as tl
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading fp8 cache rows: bytes to float32 in registers
+# Reading fp8 cache rows: bytes to values in registers
 # ---------------------------------------------------------------------------------------------
-# An fp8 cache reaches the kernel as bytes (uint8). The decoding is spelled in integer ops, one
-# way for the interpreter and every GPU: the interpreter's float8e4nv conversion reads 0x7F as
-# 480 where float8_e4m3fn has NaN.
+# An fp8 cache reaches the kernel as bytes (uint8), converted one of three ways (``E4M3``):
+# 0, in hardware (sm_89 and later, two values an instruction); 1, Triton's interpreter, whose
+# conversion reads 0x7F and 0xFF as +-480 where float8_e4m3fn has NaN, so those two bytes are set
+# to NaN after it; 2, in integer ops, for GPUs without the conversion (sm_80, sm_86). The ds_mla
+# layout's float32 scales and bf16 rope values are read through pointers of their own type:
+# every offset in the row is a multiple of their size.
+E4M3_HARDWARE, E4M3_INTERPRETER, E4M3_INTEGER_OPS = 0, 1, 2
 
 
 @triton.jit
-def _e4m3_to_float32(byte):
-    """float8_e4m3fn bytes (uint8, any shape) -> their float32 values, exactly: 1 sign bit,
-    4 exponent bits (bias 7), 3 mantissa bits; exponent 0 holds the subnormals m * 2^-9, and
-    0x7F / 0xFF are NaN (no infinities)."""
+def _e4m3_to(byte, dtype: tl.constexpr, E4M3: tl.constexpr):
+    """float8_e4m3fn bytes (uint8, any shape) -> their values in ``dtype``, exactly (every e4m3
+    value, the subnormals m * 2^-9 included, is a bf16, fp16 and fp32 value)."""
+    if E4M3 == 2:
+        value = _e4m3_to_float32_by_integer_ops(byte).to(dtype)
+    else:
+        value = byte.to(tl.float8e4nv, bitcast=True).to(dtype)
+        if E4M3 == 1:
+            value = tl.where((byte & 0x7F) == 0x7F, float("nan"), value)
+    return value
+
+
+@triton.jit
+def _e4m3_to_float32_by_integer_ops(byte):
+    """float8_e4m3fn bytes -> float32: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits;
+    exponent 0 holds the subnormals m * 2^-9, and 0x7F / 0xFF are NaN (no infinities)."""
     bits = byte.to(tl.int32)
     mag = bits & 0x7F
     # a normal value 2^(e-7) (1 + m/8) is the float32 with exponent field e + 120 and the 3
@@ -97,46 +114,48 @@ def _e4m3_to_float32(byte):
 
 
 @triton.jit
-def _le_bytes_to_float32(ptrs, mask, NUM_BYTES: tl.constexpr):
-    """The little-endian float32 (NUM_BYTES = 4) or bfloat16 (NUM_BYTES = 2) at each byte
-    address ``ptrs``, as float32; masked-off entries read 0. A bfloat16 is the top half of the
-    float32 with the same value."""
-    bits = tl.load(ptrs, mask=mask, other=0).to(tl.int32) << (8 * (4 - NUM_BYTES))
-    for k in tl.static_range(1, NUM_BYTES):
-        bits = bits | (tl.load(ptrs + k, mask=mask, other=0).to(tl.int32) << (8 * (4 - NUM_BYTES + k)))
-    return bits.to(tl.float32, bitcast=True)
+def _load_bytes(ptrs, mask, MASKED: tl.constexpr):
+    """``tl.load(ptrs)``, masked-off entries 0 when ``MASKED``."""
+    if MASKED:
+        return tl.load(ptrs, mask=mask, other=0)
+    else:
+        return tl.load(ptrs)
 
 
 @triton.jit
 def _load_fp8_tile(
-    kv_rows, mask_n, offs_c, offs_r, kv_lora_rank, rope_dim, rope_offset, kv_scale,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, KV_FORMAT: tl.constexpr,
+    kv_rows, mask_n, offs_c, offs_r, kv_lora_rank, rope_dim, rope_offset, dtype: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, KV_FORMAT: tl.constexpr, E4M3: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """The (BLOCK_N, BLOCK_C) latent and (BLOCK_N, BLOCK_R) rope values of fp8 cache rows
-    (byte pointers ``kv_rows`` (BLOCK_N, 1)), dequantised to float32; masked-off tokens and
-    columns read 0.
+    (byte pointers ``kv_rows`` (BLOCK_N, 1)), in ``dtype`` (q's). ``MASKED``: tokens off
+    ``mask_n`` and columns past c and r read 0; else every token and column is read.
 
-    KV_FORMAT 1, "fp8_e4m3": bytes [0, c + r) are e4m3, each times the one ``kv_scale``.
+    KV_FORMAT 1, "fp8_e4m3": bytes [0, c + r) are e4m3 values; the cache's one scale is left
+    out here (the caller folds it into the softmax scale and the output), so they convert
+    exactly.
     KV_FORMAT 2, "fp8_ds_mla": bytes [0, c) are e4m3, each times the float32 scale of its group
-    of 128 at bytes [c + 4g, c + 4g + 4); the rope values are bfloat16 from byte ``rope_offset``
-    (c + 4·c/128).
+    of 128 at bytes [c + 4g, c + 4g + 4) (the product in float32, rounded once to ``dtype``);
+    the rope values are bfloat16 from byte ``rope_offset`` (c + 4·c/128).
     """
     mask_nope = mask_n[:, None] & (offs_c < kv_lora_rank)[None, :]
     mask_pe = mask_n[:, None] & (offs_r < rope_dim)[None, :]
-    kv_nope = _e4m3_to_float32(tl.load(kv_rows + offs_c[None, :], mask=mask_nope, other=0))
+    nope_bytes = _load_bytes(kv_rows + offs_c[None, :], mask_nope, MASKED)
     if KV_FORMAT == 1:
-        kv_pe = _e4m3_to_float32(tl.load(kv_rows + rope_offset + offs_r[None, :], mask=mask_pe, other=0))
-        kv_nope = kv_nope * kv_scale
-        kv_pe = kv_pe * kv_scale
+        kv_nope = _e4m3_to(nope_bytes, dtype, E4M3)
+        kv_pe = _e4m3_to(_load_bytes(kv_rows + rope_offset + offs_r[None, :], mask_pe, MASKED), dtype, E4M3)
     else:
         # one scale per (token, group of 128): (BLOCK_N, BLOCK_C / 128), broadcast over the group
         GROUPS: tl.constexpr = BLOCK_C // 128
         offs_g = tl.arange(0, GROUPS)
-        scale = _le_bytes_to_float32(
-            kv_rows + kv_lora_rank + 4 * offs_g[None, :], mask_n[:, None] & (offs_g * 128 < kv_lora_rank)[None, :], 4
-        )
+        scale_ptrs = (kv_rows + kv_lora_rank).to(tl.pointer_type(tl.float32)) + offs_g[None, :]
+        scale = _load_bytes(scale_ptrs, mask_n[:, None] & (offs_g * 128 < kv_lora_rank)[None, :], MASKED)
+        kv_nope = _e4m3_to(nope_bytes, tl.float32, E4M3)
         kv_nope = tl.reshape(tl.reshape(kv_nope, (BLOCK_N, GROUPS, 128)) * scale[:, :, None], (BLOCK_N, BLOCK_C))
-        kv_pe = _le_bytes_to_float32(kv_rows + rope_offset + 2 * offs_r[None, :], mask_pe, 2)
+        kv_nope = kv_nope.to(dtype)
+        rope_ptrs = (kv_rows + rope_offset).to(tl.pointer_type(tl.bfloat16)) + offs_r[None, :]
+        kv_pe = _load_bytes(rope_ptrs, mask_pe, MASKED).to(dtype)
     return kv_nope, kv_pe
 
 
@@ -149,11 +168,12 @@ def _load_fp8_tile(
 def _mla_decode_tile(
     q_nope, q_pe, m_i, l_i, acc,
     kv_ptr, block_table_row, start_n, split_end, row_end,
-    kv_lora_rank, rope_dim, rope_offset, kv_scale, page_size, scale_log2,
+    kv_lora_rank, rope_dim, rope_offset, page_size, scale_log2,
     stride_kvp, stride_kvn, stride_btp,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FORMAT: tl.constexpr,  # 0: rows in q's dtype; 1: "fp8_e4m3"; 2: "fp8_ds_mla" (bytes)
+    E4M3: tl.constexpr,  # how e4m3 bytes convert: E4M3_HARDWARE, _INTERPRETER, _INTEGER_OPS
     PAGE_TILE: tl.constexpr,  # page_size % BLOCK_N == 0: the tile lies inside one page
     MASK_N: tl.constexpr,  # a tile of the split's tail: tokens past split_end, and past each
     # query row's own end row_end (BLOCK_H,), are masked
@@ -186,14 +206,12 @@ def _mla_decode_tile(
         kv_rows = kv_ptr + row[:, None]
 
     # ---- one load of the latent tile: the nope part is both key and value. An fp8 tile is
-    # dequantised in registers and cast to q's dtype for the dots
+    # converted to q's dtype in registers for the dots
     if KV_FORMAT != 0:
         kv_nope, kv_pe = _load_fp8_tile(
-            kv_rows, mask_n, offs_c, offs_r, kv_lora_rank, rope_dim, rope_offset, kv_scale,
-            BLOCK_N, BLOCK_C, KV_FORMAT,
+            kv_rows, mask_n, offs_c, offs_r, kv_lora_rank, rope_dim, rope_offset, q_nope.dtype,
+            BLOCK_N, BLOCK_C, KV_FORMAT, E4M3, MASK_N or not EXACT,
         )
-        kv_nope = kv_nope.to(q_nope.dtype)
-        kv_pe = kv_pe.to(q_pe.dtype)
     elif MASK_N:
         kv_nope = tl.load(
             kv_rows + offs_c[None, :], mask=mask_n[:, None] & (offs_c < kv_lora_rank)[None, :], other=0.0
@@ -271,6 +289,7 @@ def _mla_decode_split_kernel(
     HEAD_MAJOR: tl.constexpr,  # grid (row blocks, b, splits) rather than (b, row blocks, splits)
     SPLIT_TAIL: tl.constexpr,  # whole tiles unmasked, then the tail; else every tile masked
     KV_FORMAT: tl.constexpr,  # 0: rows in q's dtype; 1: "fp8_e4m3"; 2: "fp8_ds_mla"
+    E4M3: tl.constexpr,  # how e4m3 bytes convert: E4M3_HARDWARE, _INTERPRETER, _INTEGER_OPS
 ):
     # row blocks vary fastest (HEAD_MAJOR), so the programs that share a sequence's cache run
     # side by side and the second row block finds the tiles in L2
@@ -317,8 +336,11 @@ def _mla_decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)  # running sum of p * value
     block_table_row = block_table_ptr + pid_b.to(tl.int64) * stride_btb
+    # an "fp8_e4m3" cache holds values / kv_scale: the scores and the output take the scale
+    # whole, once, rather than every value of every tile
     if KV_FORMAT == 1:
         kv_scale = tl.load(kv_scale_ptr)
+        scale_log2 = scale_log2 * kv_scale
     else:
         kv_scale = 1.0
     if SPLIT_TAIL:
@@ -328,20 +350,20 @@ def _mla_decode_split_kernel(
     for start_n in range(split_start, tail_start, BLOCK_N):
         m_i, l_i, acc = _mla_decode_tile(
             q_nope, q_pe, m_i, l_i, acc, kv_ptr, block_table_row, start_n, split_end, row_end,
-            kv_lora_rank, rope_dim, rope_offset, kv_scale, page_size, scale_log2, stride_kvp, stride_kvn,
-            stride_btp, BLOCK_N, BLOCK_C, BLOCK_R, DOT_PRECISION, KV_FORMAT, PAGE_TILE, False, EXACT,
+            kv_lora_rank, rope_dim, rope_offset, page_size, scale_log2, stride_kvp, stride_kvn,
+            stride_btp, BLOCK_N, BLOCK_C, BLOCK_R, DOT_PRECISION, KV_FORMAT, E4M3, PAGE_TILE, False, EXACT,
         )
     for start_n in range(tail_start, split_end, BLOCK_N):
         m_i, l_i, acc = _mla_decode_tile(
             q_nope, q_pe, m_i, l_i, acc, kv_ptr, block_table_row, start_n, split_end, row_end,
-            kv_lora_rank, rope_dim, rope_offset, kv_scale, page_size, scale_log2, stride_kvp, stride_kvn,
-            stride_btp, BLOCK_N, BLOCK_C, BLOCK_R, DOT_PRECISION, KV_FORMAT, PAGE_TILE, True, EXACT,
+            kv_lora_rank, rope_dim, rope_offset, page_size, scale_log2, stride_kvp, stride_kvn,
+            stride_btp, BLOCK_N, BLOCK_C, BLOCK_R, DOT_PRECISION, KV_FORMAT, E4M3, PAGE_TILE, True, EXACT,
         )
 
     # ---- normalise and write; an empty split (l = 0) writes zeros and lse = -inf
     nonempty = l_i > 0.0
     l_safe = tl.where(nonempty, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    out = acc * (kv_scale / l_safe)[:, None]
     lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # x ln(2)
 
     out_ptrs = (
