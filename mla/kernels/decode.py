@@ -394,7 +394,7 @@ def default_config(num_heads: int, kv_cache_dtype: str = "auto") -> dict:
     The tiles for caches in q's dtype are the fastest on an H200 (``docs/derivations/split-kv.md``);
     for caches of more than 2 bytes a value ``mla_decode`` lowers stages and tile to fit shared
     memory. An fp8 tile passes through registers to be converted, beside the accumulator, so its
-    tiles are those ptxas compiles without spilling at c = 512 (``benchmarks/lab/compile_triton.py``):
+    tiles are those ptxas compiles without spilling at c = 512 (``benchmarks/compile_triton.py``):
     at most 32 rows, 8 warps.
     """
     block_h = min(64, max(16, triton.next_power_of_2(num_heads)))

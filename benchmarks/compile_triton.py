@@ -9,7 +9,7 @@ the same constexprs, the same tile configuration, the same 16-byte alignment spe
 speed, and anything decided from a real device's properties (the SM count picks the split count
 when none is given; every case here gives one).
 
-    PYTHONPATH=. python benchmarks/lab/compile_triton.py --out DIR [--arch 90] [--quick]
+    PYTHONPATH=. python benchmarks/compile_triton.py --out DIR [--arch 90] [--quick]
 
 Run it with each Triton the kernels must support (the GPU machine's and CI's): it prints a
 table and writes DIR/triton-compile-<triton version>-sm<arch>.json. A compile error is a row
