@@ -299,9 +299,11 @@ def test_calibrated_e4m3_scale_maps_amax_to_448():
             fp8.calibrate_e4m3_scale(kv_c, k_pe, headroom=headroom)
 
 
-@pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, math.nan])
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, math.nan, MIN_SCALE / 2, 1e-50])
 def test_e4m3_refuses_a_bad_scale(scale):
-    with pytest.raises(ValueError, match="scale must be one positive finite number"):
+    # a float32 subnormal (2^-127) or a float that rounds to 0 in float32 (1e-50) too
+    with pytest.raises(ValueError, match=r"quantize_e4m3: scale must be positive and finite, at "
+                                         r"least 2\^-126"):
         fp8.quantize_e4m3(torch.ones(1, 8), torch.ones(1, 4), scale)
 
 

@@ -242,7 +242,10 @@ def _bad_cases():
         ("fp8 no scale", lambda a: (fp8_cache(a), a.update(kv_cache_dtype="fp8_e4m3")), ValueError,
          r"scale is required for kv_cache_dtype='fp8_e4m3'"),
         ("fp8 scale 0", lambda a: (fp8_cache(a), a.update(f8, scale=0.0)), ValueError,
-         r"scale must be positive and finite, got 0.0"),
+         r"concat_and_cache: scale must be positive and finite, at least 2\^-126 \(the smallest "
+         r"normal float32\), got 0.0"),
+        ("fp8 scale subnormal", lambda a: (fp8_cache(a), a.update(f8, scale=1e-40)), ValueError,
+         r"scale must be positive and finite, at least 2\^-126"),
         ("fp8 scale -1", lambda a: (fp8_cache(a), a.update(f8, scale=-1.0)), ValueError,
          r"scale must be positive and finite"),
         ("fp8 scale inf", lambda a: (fp8_cache(a), a.update(f8, scale=math.inf)), ValueError,

@@ -301,6 +301,8 @@ BAD_FP8 = {
                             "kv_scale must be positive and finite"),
     "e4m3-scale-underflows-float32": (lambda: _v3_args("fp8_e4m3", kv_scale=1e-50), ValueError,
                                       "kv_scale must be positive and finite"),
+    "e4m3-scale-subnormal": (lambda: _v3_args("fp8_e4m3", kv_scale=1e-40), ValueError,
+                             r"kv_scale must be positive and finite, at least 2\^-126"),
     "e4m3-scale-tensor-nan": (lambda: _v3_args("fp8_e4m3", kv_scale=torch.tensor([float("nan")])), ValueError,
                               "kv_scale must be positive and finite"),
     "e4m3-scale-tensor-0": (lambda: _v3_args("fp8", kv_scale=torch.tensor(0.0)), ValueError,

@@ -245,8 +245,9 @@ def test_calibrate_and_dequantize_rows_name_their_bad_arguments():
         (torch.zeros(2, C + R, dtype=torch.uint8), "fp8_e4m3", 1.0, TypeError, "torch.float8_e4m3fn"),
         (e4m3[:, :5], "fp8_e4m3", 1.0, ValueError, r"rows must be \(\.\.\., c \+ r = 136\)"),
         (e4m3, "fp8_e4m3", None, ValueError, "need its scale"),
-        (e4m3, "fp8_e4m3", math.nan, ValueError, "scale must be one positive finite number"),
-        (e4m3, "fp8_e4m3", torch.ones(2), ValueError, "scale must be a 1-element float32 tensor"),
+        (e4m3, "fp8_e4m3", math.nan, ValueError, "dequantize_rows: scale must be positive and finite"),
+        (e4m3, "fp8_e4m3", torch.ones(2), TypeError,
+         "dequantize_rows: scale must be a float or a 1-element float32 tensor"),
         (torch.zeros(2, C + R, dtype=torch.int32), "auto", None, TypeError, "bfloat16, float16"),
     ]:
         with pytest.raises(error, match=match):
@@ -408,6 +409,99 @@ def test_chunked_context_prefill_checks_the_layout():
     e4m3 = torch.zeros(1, 4, C + R).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="kv_scale must be the cache's"):
         chunked_context_prefill(*args, e4m3, table, lens, kv_cache_dtype="fp8_e4m3", **options)
+
+
+# ---- the fp8_e4m3 scale: one rule at every door ---------------------------------------------
+# Each bad scale raises the same error class at every function an fp8_e4m3 scale enters by,
+# naming the function and the argument, before anything is written. On the CPU a tensor's value
+# is read too (no sync); on a GPU the readers that must not sync trust a tensor they hold.
+BAD_SCALES = {  # name: (scale, the error)
+    "zero": (0.0, ValueError),
+    "negative": (-1.0, ValueError),
+    "inf": (math.inf, ValueError),
+    "nan": (math.nan, ValueError),
+    "subnormal": (1e-40, ValueError),                       # below 2^-126, above 0 in float32
+    "subnormal tensor": (torch.tensor([1e-40]), ValueError),
+    "two elements": (torch.ones(2), TypeError),
+    "float64 tensor": (torch.ones(1, dtype=torch.float64), TypeError),
+    "str": ("1", TypeError),
+}
+SCALE_DOORS = ("concat_and_cache", "mla_decode", "mla_decode_reference", "chunked_context_prefill",
+               "quantize_e4m3", "dequantize_e4m3", "dequantize_rows", "PagedLatentCache",
+               "PagedMLA", "append_stored")
+
+
+def _scale_door(door):
+    """(the name its errors carry, the argument's name, call(scale), state()): the call with
+    everything but the scale right, and the bytes and counters it could change."""
+    from mla.kernels import chunked_context_prefill, concat_and_cache
+    from mla.kernels.decode import mla_decode, mla_decode_reference
+    w = weights()
+    h, d = CFG.num_heads, CFG.qk_nope_head_dim
+    kv_c, k_pe = torch.randn(3, C), torch.randn(3, R)
+    cache = poison(PagedLatentCache(1, 8, C, R, block_size=4, kv_cache_dtype="fp8_e4m3",
+                                    kv_scale=0.5))
+    cache.append(kv_c, k_pe, [0], [3])
+    kv = cache.kv_cache                                         # (blocks, 4, c + r) e4m3
+    table, lens = cache.block_table, cache.seq_lens.to(torch.int32)
+    rows = cache.gather(0, stored=True)                         # (3, c + r) e4m3
+    empty = PagedLatentCache(1, 8, C, R, block_size=4, kv_cache_dtype="fp8_e4m3")
+    decode = dict(kv_lora_rank=C, softmax_scale=0.1, kv_cache_dtype="fp8_e4m3")
+    q = torch.randn(1, h, C + R)
+    prefill = (torch.randn(3, h, d), torch.randn(3, h, R), kv_c, k_pe,
+               torch.tensor([0, 3], dtype=torch.int32), kv, table, lens)
+    doors = {
+        "concat_and_cache": ("concat_and_cache", "scale", lambda s: concat_and_cache(
+            kv_c, k_pe, kv, torch.tensor([3, 4, 5]), kv_cache_dtype="fp8_e4m3", scale=s,
+            backend="reference")),
+        "mla_decode": ("mla_decode", "kv_scale",
+                       lambda s: mla_decode(q, kv, table, lens, **decode, kv_scale=s)),
+        "mla_decode_reference": ("mla_decode", "kv_scale", lambda s: mla_decode_reference(
+            q, kv, table, lens, **decode, kv_scale=s)),
+        "chunked_context_prefill": ("chunked_context_prefill", "kv_scale",
+                                    lambda s: chunked_context_prefill(
+                                        *prefill, W_UK=w.W_UK, W_UV=w.W_UV, softmax_scale=0.1,
+                                        kv_cache_dtype="fp8_e4m3", kv_scale=s)),
+        "quantize_e4m3": ("quantize_e4m3", "scale", lambda s: fp8.quantize_e4m3(kv_c, k_pe, s)),
+        "dequantize_e4m3": ("dequantize_e4m3", "scale",
+                            lambda s: fp8.dequantize_e4m3(rows, C, s)),
+        "dequantize_rows": ("dequantize_rows", "scale",
+                            lambda s: fp8.dequantize_rows(rows, "fp8_e4m3", C, R, s)),
+        "PagedLatentCache": ("PagedLatentCache", "kv_scale", lambda s: PagedLatentCache(
+            1, 8, C, R, kv_cache_dtype="fp8_e4m3", kv_scale=s)),
+        "PagedMLA": ("PagedMLA", "kv_scale",
+                     lambda s: PagedMLA(w, kv_cache_dtype="fp8_e4m3", kv_scale=s)),
+        "append_stored": ("append_stored", "kv_scale",
+                          lambda s: empty.append_stored(rows, 0, kv_scale=s)),
+    }
+
+    def state():
+        return [kv.view(torch.uint8).clone(), rows.view(torch.uint8).clone(),
+                cache.seq_lens.clone(), cache.kv_scale.clone(),
+                empty.kv_cache.view(torch.uint8).clone(), empty.seq_lens.clone(),
+                torch.tensor(empty.free_blocks), torch.tensor(empty.kv_scale is None)]
+
+    return (*doors[door], state)
+
+
+@pytest.mark.parametrize("door", SCALE_DOORS)
+def test_every_door_holds_a_bad_e4m3_scale_to_one_rule(door):
+    fn, name, call, state = _scale_door(door)
+    before = state()
+    wrong = []
+    for label, (scale, error) in BAD_SCALES.items():
+        try:
+            call(scale)
+            got = None
+        except (TypeError, ValueError) as e:
+            got = e
+        if type(got) is not error or not str(got).startswith(f"{fn}: {name} must be"):
+            wrong.append(f"{label}: {type(got).__name__} {got}")
+    assert not wrong, (f"{door}: each bad scale must raise its error class, saying "
+                       f"'{fn}: {name} must be ...'; these did not:\n" + "\n".join(wrong))
+    assert all(torch.equal(a, b) for a, b in zip(state(), before))
+    call(2.0**-126)                     # the smallest scale allowed, as a float and a tensor
+    call(torch.tensor([2.0**-126]))
 
 
 # ---- the GPU: bf16, the CUDA writer, a graph --------------------------------------------------

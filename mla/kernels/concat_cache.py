@@ -28,7 +28,6 @@ the reference with one warning.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -157,20 +156,9 @@ def _validate(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale) -> torc
     if kind == "fp8_e4m3":
         if scale is None:
             raise ValueError(f"scale is required for kv_cache_dtype={kv_cache_dtype!r}")
-        if isinstance(scale, torch.Tensor):
-            if scale.numel() != 1 or scale.dtype != torch.float32:
-                raise TypeError(
-                    f"scale must be a float or a 1-element float32 tensor, got a tensor of shape "
-                    f"{tuple(scale.shape)} and dtype {scale.dtype}"
-                )
-            scale_t = scale.reshape(1).to(device)
-        elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
-            scale_t = torch.tensor([float(scale)], dtype=torch.float32, device=device)
-        else:
-            raise TypeError(f"scale must be a float or a 1-element float32 tensor, got {scale!r}")
-        s = scale_t.item()  # a device sync on GPU
-        if not (math.isfinite(s) and s > 0):
-            raise ValueError(f"scale must be positive and finite, got {s}")
+        # its value read on the host (a device sync on GPU), as the slots' below
+        scale_t = fp8.check_e4m3_scale("concat_and_cache", "scale", scale, device,
+                                       read_value=True)
 
     # ---- slot values (a device sync on GPU)
     if T > 0:
@@ -239,7 +227,8 @@ def concat_and_cache(
             latent in e4m3 with a float32 scale per 128 values, then k_pe in bf16; the layout
             and its rounding are in ``mla.kernels.fp8``). Both fp8 layouts need a torch with
             ``torch.float8_e4m3fn``.
-        scale: ``"fp8_e4m3"`` only: a positive finite float or a 1-element float32 tensor;
+        scale: ``"fp8_e4m3"`` only: a float or a 1-element float32 tensor on kv_cache's device
+            or the CPU, finite and at least 2^-126 (``mla.kernels.fp8.check_e4m3_scale``);
             ignored for ``"auto"``, refused for ``"fp8_ds_mla"`` (which computes its scales).
         backend: ``None`` (the extension if it loads, else the reference with one warning),
             ``"extension"`` (raise if it is not available) or ``"reference"``.

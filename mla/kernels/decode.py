@@ -110,10 +110,11 @@ def mla_decode(
             ``"cuda-sm90"``) compute the same values into a tile in q's dtype in shared memory;
             they run fp8 caches when ``_backend`` asks for them (``mla.kernels.backends`` says
             when they are the default).
-        kv_scale: ``"fp8_e4m3"`` only (None otherwise): the cache's one scale, a positive finite
-            float or a 1-element float32 tensor. A tensor's value is checked where seq_lens are
-            (``check_block_table``) and trusted elsewhere; under CUDA graph capture pass a tensor
-            on q's device.
+        kv_scale: ``"fp8_e4m3"`` only (None otherwise): the cache's one scale, a float or a
+            1-element float32 tensor on q's device or the CPU, finite and at least 2^-126
+            (``mla.kernels.fp8.check_e4m3_scale``). A GPU tensor's value is checked where seq_lens
+            are (``check_block_table``) and trusted elsewhere; under CUDA graph capture pass a
+            tensor on q's device.
         _config, _backend: private hooks for benchmarks and tests: ``_config`` overrides keys of
             ``default_config`` and selects the Triton kernel; ``_backend`` forces one of
             ``mla.kernels.backends.DECODE_BACKENDS`` (a ValueError if it cannot run the arguments).
@@ -165,7 +166,9 @@ def mla_decode(
         if max_seq_len is not None and longest > max_seq_len:
             raise ValueError(f"mla_decode: seq_lens holds {longest}, above max_seq_len={max_seq_len}")
         max_seq_len = longest if max_seq_len is None else max_seq_len
-    scale_t = _kv_scale_tensor(kv_scale, q.device, check_value=check) if kind == "fp8_e4m3" else None
+    scale_t = None
+    if kind == "fp8_e4m3":  # a GPU tensor's value is read only where the call reads the host anyway
+        scale_t = fp8.check_e4m3_scale("mla_decode", "kv_scale", kv_scale, q.device, read_value=check)
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "mla_decode: q is on the CPU, which Triton runs only in its interpreter; set "
@@ -349,7 +352,7 @@ def mla_decode_reference(
     _check_seq_lens(seq_lens, block_table, kv_cache, check_block_table=True)
     r = d - c
     if kind == "fp8_e4m3":  # (blocks, n, c + r) float32 = e4m3 value * the cache's scale
-        scale_t = _kv_scale_tensor(kv_scale, q.device, check_value=True)
+        scale_t = fp8.check_e4m3_scale("mla_decode", "kv_scale", kv_scale, q.device, read_value=True)
         kv_cache = torch.cat(fp8.dequantize_e4m3(kv_cache, c, scale_t), dim=-1)
     elif kind == "fp8_ds_mla":  # (blocks, n, c + r) float32: latent * its group's scale, bf16 rope
         kv_cache = torch.cat(fp8.dequantize_ds_mla(kv_cache, c, r), dim=-1)
@@ -556,7 +559,9 @@ def _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scal
 
 def _check_kv_format(q, kv_cache, kv_lora_rank, kv_cache_dtype, kv_scale) -> str:
     """kv_cache's dtype and width, and whether kv_scale is given, against ``kv_cache_dtype``;
-    returns its canonical name. kv_scale's value is checked by ``_kv_scale_tensor``."""
+    returns its canonical name. kv_scale itself is checked where the call turns it into the
+    tensor the kernel reads (``fp8.check_e4m3_scale``), once a call knows whether it may read
+    the host."""
     try:
         kind = fp8.canonical_kv_cache_dtype(kv_cache_dtype)
     except ValueError as error:
@@ -602,32 +607,7 @@ def _check_kv_format(q, kv_cache, kv_lora_rank, kv_cache_dtype, kv_scale) -> str
         return kind
     if kv_scale is None:
         raise ValueError("mla_decode: kv_scale is required for kv_cache_dtype='fp8_e4m3' (the cache's one scale)")
-    if isinstance(kv_scale, torch.Tensor):
-        if kv_scale.numel() != 1 or kv_scale.dtype != torch.float32:
-            raise TypeError(
-                f"mla_decode: kv_scale must be a float or a 1-element float32 tensor, got a tensor of shape "
-                f"{tuple(kv_scale.shape)} and dtype {kv_scale.dtype}"
-            )
-        if kv_scale.device not in (q.device, torch.device("cpu")):
-            raise ValueError(f"mla_decode: kv_scale is on {kv_scale.device} but q is on {q.device}")
-    elif isinstance(kv_scale, bool) or not isinstance(kv_scale, numbers.Real):
-        raise TypeError(f"mla_decode: kv_scale must be a float or a 1-element float32 tensor, got {kv_scale!r}")
     return kind
-
-
-def _kv_scale_tensor(kv_scale, device, *, check_value: bool) -> torch.Tensor:
-    """The "fp8_e4m3" scale (type already checked) as the (1,) float32 tensor on ``device`` the
-    kernel reads. A float is always checked; a tensor when ``check_value`` (one host read)."""
-    if isinstance(kv_scale, torch.Tensor):
-        scale = kv_scale.reshape(1).to(device)
-        value = float(scale.item()) if check_value else 1.0
-    else:
-        host = torch.tensor([float(kv_scale)], dtype=torch.float32)  # rounded as the kernel reads it
-        value = float(host.item())
-        scale = host.to(device)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"mla_decode: kv_scale must be positive and finite, got {value}")
-    return scale
 
 
 def _check_seq_lens(seq_lens, block_table, kv_cache, *, check_block_table: bool) -> int:

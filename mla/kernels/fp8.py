@@ -4,7 +4,7 @@ A cache row holds one token's ``[kv_c | k_pe]`` (c latent values, then r rope va
 layouts keep it in fewer bytes than the weights' dtype (``"auto"``, 2·(c + r) bytes in bf16):
 
 ``"fp8_e4m3"`` (alias ``"fp8"``): a ``float8_e4m3fn`` cache of width c + r and ONE float32 scale
-for the whole cache, given by the caller::
+for the whole cache, given by the caller (finite and at least 2^-126, ``check_e4m3_scale``)::
 
     row = e4m3(clamp([kv_c | k_pe] / scale, -448, 448))          # (c + r,) one byte a value
                                                                   # (a NaN as 0x7F)
@@ -36,6 +36,7 @@ writes to and that the decode kernels read against.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -43,7 +44,7 @@ __all__ = [
     "KV_CACHE_DTYPES", "DS_MLA_GROUP", "E4M3_MAX", "MIN_SCALE", "canonical_kv_cache_dtype",
     "fp8_available", "bytes_per_token", "ds_mla_layout", "quantize_e4m3", "dequantize_e4m3",
     "calibrate_e4m3_scale", "quantize_ds_mla", "dequantize_ds_mla", "dequantize_rows",
-    "require_fp8", "cache_row",
+    "require_fp8", "cache_row", "check_e4m3_scale",
 ]
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
@@ -139,12 +140,55 @@ def _check_rows(kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
 # fp8_e4m3: one scale for the whole cache
 
 
-def _scale_tensor(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``scale`` as a (1,) float32 tensor on ``device``; ValueError unless positive and finite."""
-    s = torch.as_tensor(scale, dtype=torch.float32).reshape(-1).to(device)
-    if s.numel() != 1 or not (torch.isfinite(s).all() and (s > 0).all()):
-        raise ValueError(f"scale must be one positive finite number, got {scale!r}")
-    return s
+# The rule for a caller's scale: finite and at least MIN_SCALE = 2^-126, the floor every computed
+# scale already has (calibrate_e4m3_scale, the fp8_ds_mla group scales), so no writer divides by
+# a float32 subnormal and no reader multiplies by one. The CUDA writer's x / s and the readers'
+# float32 q · s (Triton, sm80, sm90) keep subnormals as built; where they are flushed to zero
+# (nvcc --use_fast_math, torch.set_flush_denormal(True) on the CPU) a subnormal s reads as 0: the
+# writer stores +-448 for every x != 0 and NaN for x = 0, the reader returns zeros. Kept, it
+# still rounds the products q · s to multiples of 2^-149, so small stored values lose bits. And
+# such a scale holds nothing a model writes: its largest value, 448 · s, is below 5e-36.
+
+
+def check_e4m3_scale(fn: str, name: str, scale, device: torch.device | str, *,
+                     read_value: bool) -> torch.Tensor:
+    """The ``"fp8_e4m3"`` cache's scale ``scale`` as the (1,) float32 tensor on ``device`` that
+    the writers and readers take.
+
+    ``scale`` is a float (a Python or numpy real, not a bool) or a 1-element float32 tensor on
+    ``device`` or the CPU; its value must be finite and at least ``MIN_SCALE`` = 2^-126 as a
+    float32. Anything else is a TypeError, a tensor on another device or a bad value a
+    ValueError, each naming ``fn`` and the argument ``name``. A float's value is always checked,
+    and a CPU tensor's; a tensor on a GPU only with ``read_value``, since reading it is a host
+    sync: callers that must not sync (a CUDA-graph capture, a decode step) pass False and trust
+    the tensor they are given (the cache's own).
+    """
+    device = torch.device(device)
+    where = "the CPU" if device.type == "cpu" else f"{device} or the CPU"
+    expected = f"a float or a 1-element float32 tensor on {where}"
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or scale.dtype != torch.float32:
+            raise TypeError(f"{fn}: {name} must be {expected}, got a tensor of shape "
+                            f"{tuple(scale.shape)} and dtype {scale.dtype}")
+        on = scale.device  # "cuda" names the current GPU, as "cuda:0" may
+        same = on.type == device.type and (on.index == device.index
+                                           or None in (on.index, device.index))
+        if on.type != "cpu" and not same:
+            raise ValueError(f"{fn}: {name} must be {expected}, got a tensor on {on}")
+        given = float(scale) if read_value or on.type == "cpu" else None
+        value = given
+        scale = scale.reshape(1).to(device)
+    elif isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        given = float(scale)
+        host = torch.tensor([given], dtype=torch.float32)  # rounded as the kernels read it
+        value = float(host)
+        scale = host.to(device)
+    else:
+        raise TypeError(f"{fn}: {name} must be {expected}, got {type(scale).__name__} {scale!r}")
+    if value is not None and not (math.isfinite(value) and value >= MIN_SCALE):
+        raise ValueError(f"{fn}: {name} must be positive and finite, at least 2^-126 (the "
+                         f"smallest normal float32), got {given}")
+    return scale
 
 
 def quantize_e4m3(kv_c: torch.Tensor, k_pe: torch.Tensor,
@@ -152,7 +196,7 @@ def quantize_e4m3(kv_c: torch.Tensor, k_pe: torch.Tensor,
     """(T, c), (T, r) -> (T, c + r) float8_e4m3fn rows: e4m3(clamp([kv_c | k_pe] / s, ±448))."""
     require_fp8("fp8_e4m3")
     _check_rows(kv_c, k_pe)
-    s = _scale_tensor(scale, kv_c.device)
+    s = check_e4m3_scale("quantize_e4m3", "scale", scale, kv_c.device, read_value=True)
     rows = torch.cat([kv_c, k_pe], dim=-1).float()  # (T, c + r)
     # Divide by a tensor, never a Python scalar: CUDA would multiply by the reciprocal.
     v = (rows / s).clamp(-E4M3_MAX, E4M3_MAX)
@@ -165,7 +209,8 @@ def dequantize_e4m3(rows: torch.Tensor, kv_lora_rank: int,
     require_fp8("fp8_e4m3")
     if rows.dtype != torch.float8_e4m3fn:
         raise TypeError(f"rows must be torch.float8_e4m3fn, got {rows.dtype}")
-    x = rows.float() * _scale_tensor(scale, rows.device)  # (T, c + r)
+    scale = check_e4m3_scale("dequantize_e4m3", "scale", scale, rows.device, read_value=True)
+    x = rows.float() * scale  # (T, c + r)
     return x[..., :kv_lora_rank], x[..., kv_lora_rank:]
 
 
@@ -195,9 +240,9 @@ def dequantize_rows(rows: torch.Tensor, kv_cache_dtype: str, kv_lora_rank: int, 
     ``dtype``: as they are for ``"auto"``, ``row · scale`` for ``"fp8_e4m3"`` (``scale``: the
     cache's (1,) float32 tensor), value · its group's scale and the bf16 rope for
     ``"fp8_ds_mla"``. The product is formed in float32 and rounded once to ``dtype``, as the
-    decode kernels do in registers. ``scale`` may also be a float (its value checked); a
-    tensor's value is not read (no host sync): it is the cache's own. Rows of the wrong dtype or
-    width, or a missing scale, raise naming the argument."""
+    decode kernels do in registers. ``scale`` may also be a float; its value is checked as
+    ``check_e4m3_scale`` does, a GPU tensor's excepted (no host sync: it is the cache's own).
+    Rows of the wrong dtype or width, or a missing scale, raise naming the argument."""
     kind = canonical_kv_cache_dtype(kv_cache_dtype)
     if kind == "fp8_ds_mla":
         kv_c, k_pe = dequantize_ds_mla(rows, kv_lora_rank, rope_dim)
@@ -215,16 +260,9 @@ def dequantize_rows(rows: torch.Tensor, kv_cache_dtype: str, kv_lora_rank: int, 
     if rows.dtype != torch.float8_e4m3fn:
         raise TypeError(f"dequantize_rows: rows of an fp8_e4m3 cache must be "
                         f"torch.float8_e4m3fn, got {rows.dtype}")
-    if isinstance(scale, torch.Tensor):
-        # the cache's own scale: its shape and dtype checked, its value not (that would sync)
-        if scale.numel() != 1 or scale.dtype != torch.float32:
-            raise ValueError(f"dequantize_rows: scale must be a 1-element float32 tensor, got "
-                             f"{scale.dtype} of shape {tuple(scale.shape)}")
-        scale = scale.reshape(1).to(rows.device)
-    elif scale is None:
+    if scale is None:
         raise ValueError("dequantize_rows: an fp8_e4m3 cache's rows need its scale")
-    else:
-        scale = _scale_tensor(scale, rows.device)
+    scale = check_e4m3_scale("dequantize_rows", "scale", scale, rows.device, read_value=False)
     return (rows.float() * scale).to(dtype)
 
 

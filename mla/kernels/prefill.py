@@ -506,7 +506,8 @@ def merge_attention_states(
 def _check_context_inputs(fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, block_table, context_lens,
                           W_UK, W_UV, workspace_tokens, context_lens_host, check_values, kv_cache_dtype,
                           kv_scale):
-    """The arguments chunked_context_prefill adds to mla_prefill's; returns the host context lengths.
+    """The arguments chunked_context_prefill adds to mla_prefill's; returns the host context lengths
+    and the fp8_e4m3 scale as the (1,) float32 tensor on q's device (None for the other layouts).
 
     ``check_values`` False (a GPU caller that gave the host lengths) trusts block_table's entries:
     checking them reads the device.
@@ -540,11 +541,10 @@ def _check_context_inputs(fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, 
             f"got {kv_cache.shape[2]}"
         )
     if (kind == "fp8_e4m3") != (kv_scale is not None):
-        raise ValueError(f"{fn}: kv_scale must be the cache's (1,) float32 scale for kv_cache_dtype='fp8_e4m3' and "
-                         f"None otherwise, got {kv_scale!r} for {kv_cache_dtype!r}")
-    if kv_scale is not None and (not isinstance(kv_scale, torch.Tensor) or kv_scale.numel() != 1
-                                 or kv_scale.dtype != torch.float32 or kv_scale.device != q_nope.device):
-        raise ValueError(f"{fn}: kv_scale must be a 1-element float32 tensor on {q_nope.device}, got {kv_scale!r}")
+        raise ValueError(f"{fn}: kv_scale must be the cache's scale for kv_cache_dtype='fp8_e4m3' and None "
+                         f"otherwise, got {kv_scale!r} for {kv_cache_dtype!r}")
+    if kv_scale is not None:  # a GPU tensor's value is read only where the call reads the host anyway
+        kv_scale = fp8.check_e4m3_scale(fn, "kv_scale", kv_scale, q_nope.device, read_value=check_values)
     if kv_cache.shape[1] < 1:
         raise ValueError(f"{fn}: kv_cache's page size (dim 1) must be >= 1")
     b = cu_seqlens_q.shape[0] - 1
@@ -577,7 +577,7 @@ def _check_context_inputs(fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, 
             f"of {page}, but block_table has {block_table.shape[1]} columns"
         )
     if not check_values:
-        return lens
+        return lens, kv_scale
     used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < torch.tensor(
         pages, device=block_table.device
     )[:, None]
@@ -588,7 +588,7 @@ def _check_context_inputs(fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, 
                 f"{fn}: block_table's entries for the context must be pages of kv_cache, in [0, "
                 f"{kv_cache.shape[0] - 1}], got values in [{lo}, {hi}]"
             )
-    return lens
+    return lens, kv_scale
 
 
 def chunked_context_prefill(
@@ -608,7 +608,7 @@ def chunked_context_prefill(
     max_seqlen_q: int | None = None,
     context_lens_host: list[int] | None = None,
     kv_cache_dtype: str = "auto",
-    kv_scale: torch.Tensor | None = None,
+    kv_scale: float | torch.Tensor | None = None,
     backend: str = "triton",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """New tokens attend causally to themselves and fully to their cached context, in bounded memory.
@@ -651,7 +651,9 @@ def chunked_context_prefill(
             a host sync on a GPU: cu_seqlens_q's values and block_table's entries are then trusted
             there (still checked on the CPU, where that costs nothing).
         kv_cache_dtype: the cache's layout, ``"auto"``, ``"fp8_e4m3"`` or ``"fp8_ds_mla"``.
-        kv_scale: ``"fp8_e4m3"`` only: the cache's (1,) float32 scale on q's device.
+        kv_scale: ``"fp8_e4m3"`` only: the cache's scale, a float or a 1-element float32 tensor on
+            q's device or the CPU, finite and at least 2^-126 (``mla.kernels.fp8.check_e4m3_scale``;
+            a GPU tensor's value is trusted where the host lengths are).
         backend: what runs step 1 when no sequence has context (``PREFILL_BACKENDS``): "triton"
             (``mla_prefill``, the default), "sdpa" (``sdpa_prefill``) or "auto"
             (``choose_prefill_backend``). With context, step 1 always runs on ``mla_prefill``:
@@ -669,9 +671,10 @@ def chunked_context_prefill(
         fn, q_nope, q_pe, q_nope, k_pe, q_nope, cu_seqlens_q, cu_seqlens_q, softmax_scale, True,
         max_seqlen_q, None, check_values,
     )
-    lens = _check_context_inputs(fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, block_table, context_lens,
-                                 W_UK, W_UV, workspace_tokens, context_lens_host, check_values, kv_cache_dtype,
-                                 kv_scale)
+    lens, kv_scale = _check_context_inputs(
+        fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, block_table, context_lens, W_UK, W_UV,
+        workspace_tokens, context_lens_host, check_values, kv_cache_dtype, kv_scale,
+    )
     if backend not in PREFILL_BACKENDS:
         raise ValueError(f"{fn}: backend must be one of {PREFILL_BACKENDS}, got {backend!r}")
     h, d = q_nope.shape[1:]

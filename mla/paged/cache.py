@@ -108,29 +108,17 @@ def check_kv_cache_dtype(kv_cache_dtype, kv_lora_rank: int) -> str:
     return kind
 
 
-def check_kv_scale(kind: str, kv_scale, device: torch.device) -> torch.Tensor | None:
+def check_kv_scale(kind: str, kv_scale, device: torch.device, *,
+                   fn: str = "PagedLatentCache") -> torch.Tensor | None:
     """kv_scale as a (1,) float32 tensor on `device` for an fp8_e4m3 cache (None: calibrate
-    later); must be None for the other layouts. Reads a tensor's value (once, at construction)."""
+    later), checked by `fp8.check_e4m3_scale` under the name `fn`; must be None for the other
+    layouts. Reads a tensor's value (once, at construction)."""
     if kv_scale is None:
         return None
     if kind != "fp8_e4m3":
-        raise ValueError(f"kv_scale is for kv_cache_dtype='fp8_e4m3' only; it must be None for "
-                         f"{kind!r}")
-    if isinstance(kv_scale, torch.Tensor):
-        if kv_scale.numel() != 1 or kv_scale.dtype != torch.float32:
-            raise TypeError(f"kv_scale must be a float or a 1-element float32 tensor, got a "
-                            f"tensor of shape {tuple(kv_scale.shape)} and dtype {kv_scale.dtype}")
-        value = float(kv_scale)
-    elif isinstance(kv_scale, numbers.Real) and not isinstance(kv_scale, bool):
-        value = float(kv_scale)
-    else:
-        raise TypeError(f"kv_scale must be a float or a 1-element float32 tensor, got "
-                        f"{kv_scale!r}")
-    scale = torch.tensor([value], dtype=torch.float32)
-    if not (math.isfinite(float(scale)) and float(scale) >= fp8.MIN_SCALE):
-        raise ValueError(f"kv_scale must be positive and finite, at least 2^-126 (a normal "
-                         f"float32), got {value}")
-    return scale.to(device)
+        raise ValueError(f"{fn}: kv_scale is for kv_cache_dtype='fp8_e4m3' only; it must be None "
+                         f"for {kind!r}")
+    return fp8.check_e4m3_scale(fn, "kv_scale", kv_scale, device, read_value=True)
 
 
 def positive_int(name: str, value) -> int:
@@ -162,9 +150,10 @@ class PagedLatentCache:
             `dtype`), "fp8_e4m3" (alias "fp8": c + r bytes of float8_e4m3fn and one scale) or
             "fp8_ds_mla" (c + 4·c/128 + 2·r bytes of uint8, FlashMLA's token; c a multiple of
             128).
-        kv_scale: "fp8_e4m3" only: the cache's scale, a positive finite float or 1-element
-            float32 tensor; None = calibrated from the first tokens written (`calibrate`), then
-            fixed. Must be None for the other layouts.
+        kv_scale: "fp8_e4m3" only: the cache's scale, a float or 1-element float32 tensor (on
+            `device` or the CPU), finite and at least 2^-126 (`fp8.check_e4m3_scale`); None =
+            calibrated from the first tokens written (`calibrate`), then fixed. Must be None for
+            the other layouts.
         shuffle: None hands pages out in order 0, 1, 2, ...; an int seeds a random order of the
             free list, so block tables are non-contiguous (tests use it to catch code that
             assumes page j of a sequence sits next to page j + 1).
@@ -488,7 +477,7 @@ class PagedLatentCache:
         All-or-nothing, as `append`.
         """
         i = self._row_index("append_stored(i)", i)
-        scale = check_kv_scale(self.kv_cache_dtype, kv_scale, self.device)
+        scale = check_kv_scale(self.kv_cache_dtype, kv_scale, self.device, fn="append_stored")
         if scale is not None and self.kv_scale is not None and not torch.equal(scale,
                                                                                 self.kv_scale):
             raise ValueError(f"append_stored: kv_scale {float(scale)} differs from this cache's "

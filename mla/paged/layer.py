@@ -314,7 +314,7 @@ class PagedMLA(MLAAttention):
             raise ValueError(f"prefill_backend must be one of {PREFILL_BACKENDS}, got "
                              f"{prefill_backend!r}")
         kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype, self.config.kv_lora_rank)
-        kv_scale = check_kv_scale(kv_cache_dtype, kv_scale, weights.device)
+        kv_scale = check_kv_scale(kv_cache_dtype, kv_scale, weights.device, fn="PagedMLA")
         check_num_kv_splits(num_kv_splits, allow_none=True)
         if shuffle is not None:
             shuffle = as_int("shuffle", shuffle)
