@@ -427,20 +427,23 @@ def _skip_unless_sm90():
     skip()
 
 
-def _cuda_case(kind, dtype, heads, block_size, seed, seq_lens=SM80_LENGTHS, row_pad=0):
-    """DeepSeek-V3 sizes (c = 512, r = 64) on the GPU, q in ``dtype``; every unwritten byte of the
-    cache 0xFF (an e4m3 NaN, and a NaN scale or bf16 rope value in fp8_ds_mla's other bytes); the
-    latent's 128-value groups 1, 2, 4 and 8 times as large, so a wrong group's scale shows."""
+def _cuda_case(kind, dtype, heads, block_size, seed, seq_lens=SM80_LENGTHS, row_pad=0, s_q=None):
+    """DeepSeek-V3 sizes (c = 512, r = 64) on the GPU, q in ``dtype`` ((b, s_q, heads, 576) when
+    s_q is given); every unwritten byte of the cache 0xFF (an e4m3 NaN, and a NaN scale or bf16
+    rope value in fp8_ds_mla's other bytes); the latent's 128-value groups 1, 2, 4 and 8 times as
+    large, so a wrong group's scale shows."""
     args, _, _, _ = make_fp8_case(kind, seq_lens, heads=heads, c=512, r=64, block_size=block_size, seed=seed,
-                                  device="cuda", poison=0xFF, group_growth=2.0, row_pad=row_pad)
+                                  device="cuda", poison=0xFF, group_growth=2.0, row_pad=row_pad, s_q=s_q)
     args["q"] = args["q"].to(dtype)
     return args
 
 
 def _reference_in_q_dtype(args):
     """The float32 reference on the values the CUDA kernels' products read: the fp8 cache
-    dequantised by mla.kernels.fp8 (value * scale in float32) and rounded once to q's dtype."""
-    cache = dequantised(args).to(args["q"].dtype)
+    dequantised by mla.kernels.fp8 (value * scale in float32) and rounded once to q's dtype (a
+    cache in q's dtype as it is)."""
+    auto = args["kv_cache_dtype"] == "auto"
+    cache = args["kv_cache"] if auto else dequantised(args).to(args["q"].dtype)
     return mla_decode_reference(**as_auto(args, cache), compute_dtype=torch.float32)
 
 
@@ -496,29 +499,33 @@ def test_gpu_sm90_fp8_matches_reference_and_triton(kind, dtype, heads, block_siz
 
 
 def _check_op_writes_every_partial(args, backend, splits_list):
-    """The op of ``backend`` itself (bf16 q) at each split count, its partial buffers NaN-filled so
-    a slot it leaves unwritten shows, merged (or with one split the answer it writes) against the
-    reference, and equal to the public call's."""
+    """The op of ``backend`` itself at each split count, its partial buffers NaN-filled so a slot
+    it leaves unwritten shows, merged (or with one split the answer it writes) against the
+    reference, and equal to the public call's. A q of s_q new tokens (b, s_q, h, 576) goes to the
+    wgmma op as its (b, s_q·h, 576) rows, token-major, with q_tokens = s_q."""
     from mla.kernels import decode
 
-    b, heads, _ = args["q"].shape
+    q = args["q"]
+    b, d = q.shape[0], q.shape[-1]
+    rows = q.shape[-2] * (q.shape[1] if q.dim() == 4 else 1)  # s_q·h (token, head) pairs
+    tokens = {"q_tokens": q.shape[1]} if q.dim() == 4 else {}
     op = {"cuda-sm80": torch.ops.mla.mla_decode_sm80, "cuda-sm90": torch.ops.mla.mla_decode_sm90}[backend]
-    ref_out, ref_lse = _reference_in_q_dtype(args)
+    ref_out, ref_lse = (t.reshape(b, rows, *t.shape[q.dim() - 1:]) for t in _reference_in_q_dtype(args))
     for splits in splits_list:
-        dtype = torch.bfloat16 if splits == 1 else torch.float32  # one split: out itself, in q's dtype
-        part_out = torch.full((b, heads, splits, 512), float("nan"), device="cuda", dtype=dtype)
-        part_lse = torch.full((b, heads, splits), float("nan"), device="cuda")
-        op(args["q"], args["kv_cache"], args["block_table"], args["seq_lens"], part_out, part_lse,
-           float(args["softmax_scale"]), splits, args["kv_cache_dtype"], args["kv_scale"])
+        dtype = q.dtype if splits == 1 else torch.float32  # one split: out itself, in q's dtype
+        part_out = torch.full((b, rows, splits, 512), float("nan"), device="cuda", dtype=dtype)
+        part_lse = torch.full((b, rows, splits), float("nan"), device="cuda")
+        op(q.reshape(b, rows, d), args["kv_cache"], args["block_table"], args["seq_lens"], part_out, part_lse,
+           float(args["softmax_scale"]), splits, args["kv_cache_dtype"], args["kv_scale"], **tokens)
         if splits == 1:
             out, lse = part_out[:, :, 0], part_lse[:, :, 0]
         else:
-            out = torch.empty((b, heads, 512), dtype=torch.bfloat16, device="cuda")
-            lse = torch.empty((b, heads), device="cuda")
+            out = torch.empty((b, rows, 512), dtype=q.dtype, device="cuda")
+            lse = torch.empty((b, rows), device="cuda")
             decode._merge(part_out, part_lse, out, lse)
         assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
         out2, lse2 = mla_decode(**args, num_kv_splits=splits, _backend=backend)  # the public call's path
-        assert torch.equal(out2, out) and torch.equal(lse2, lse)
+        assert torch.equal(out2.reshape(b, rows, 512), out) and torch.equal(lse2.reshape(b, rows), lse)
 
 
 @pytest.mark.gpu
@@ -555,6 +562,67 @@ def test_gpu_sm90_fp8_op_writes_every_partial(kind):
     _skip_unless_sm90()
     args = _cuda_case(kind, torch.bfloat16, 128, 64, seed=12, seq_lens=SM90_LENGTHS)
     _check_op_writes_every_partial(args, "cuda-sm90", (1, 7, 40))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the wgmma stage 1's fp8 reads with several new tokens a sequence, and its repeatability
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s_q, heads", [(4, 20), (8, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_sm90_fp8_query_tokens_match_reference_and_triton(kind, dtype, s_q, heads):
+    # both layouts in both q dtypes with s_q > 1: 4 x 20 = 80 rows put new token 3's heads across
+    # two 64-row tiles; 8 x 128 = 1024 rows, 16 tiles of one token's heads each. Rows shorter than
+    # s_q (tokens that see nothing) beside the tile and pair edges; 40 splits: most splits of the
+    # short rows empty
+    _skip_unless_sm90()
+    lengths = sorted(set(SM90_LENGTHS) | {s_q - 1, s_q})
+    args = _cuda_case(kind, dtype, heads, 64, seed=20 + s_q + heads, seq_lens=lengths, s_q=s_q)
+    _check_against_reference_and_triton(args, "cuda-sm90", (None, 1, 5, 40))
+
+
+def _as_bf16_cache(args):
+    """``args`` on the bf16 cache of the same values ("auto"; unwritten values NaN, as dequantised)."""
+    return as_auto(args, dequantised(args).bfloat16())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["auto", *KINDS])
+def test_gpu_sm90_query_tokens_op_writes_every_partial(kind):
+    # the wgmma op itself on s_q = 4 new tokens of 20 heads (80 rows, two head blocks), partials
+    # NaN-filled: every (row, split) slot is written, a row that sees nothing of a split as 0 and
+    # -inf; 1 split (the answer in q's dtype), 7 (several pairs a split), 40 (most splits empty)
+    _skip_unless_sm90()
+    args = _cuda_case("fp8_ds_mla" if kind == "auto" else kind, torch.bfloat16, 20, 64, seed=13,
+                      seq_lens=sorted(set(SM90_LENGTHS) | {3, 4}), s_q=4)
+    if kind == "auto":
+        args = _as_bf16_cache(args)
+    _check_op_writes_every_partial(args, "cuda-sm90", (1, 7, 40))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s_q", [None, 4], ids=["one-token", "sq4"])
+@pytest.mark.parametrize("kind", ["auto", *KINDS])
+def test_gpu_sm90_runs_are_repeatable(kind, s_q):
+    """The wgmma kernel sums in a fixed order, so its answer is the same bits on every run: a tile
+    read before its block group is whole, or a buffer refilled while a warpgroup still reads it,
+    shows as a difference between runs even where it stays within the reference's tolerance. One
+    split (a sequence's tiles in one CTA, up to 24 pairs) and 13 (260 CTAs with one new token, 1040
+    with 4: several waves on the SMs, at staggered times)."""
+    _skip_unless_sm90()
+    args = _cuda_case("fp8_ds_mla" if kind == "auto" else kind, torch.bfloat16, 128, 64, seed=14,
+                      seq_lens=SM90_LENGTHS, s_q=s_q)
+    if kind == "auto":
+        args = _as_bf16_cache(args)
+    for splits in (1, 13):
+        out, lse = mla_decode(**args, num_kv_splits=splits, _backend="cuda-sm90")
+        assert not out.isnan().any() and not lse.isnan().any()
+        for _ in range(20):
+            again = mla_decode(**args, num_kv_splits=splits, _backend="cuda-sm90")
+            assert torch.equal(again[0], out) and torch.equal(again[1], lse)
 
 
 @pytest.mark.gpu
