@@ -313,3 +313,92 @@ def test_without_float8_a_clear_error(monkeypatch):
         fp8.quantize_ds_mla(torch.zeros(1, C), torch.zeros(1, R))
     with pytest.raises(RuntimeError, match="kv_cache_dtype='fp8_e4m3' needs torch.float8_e4m3fn"):
         fp8.quantize_e4m3(torch.zeros(1, 8), torch.zeros(1, 4), 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Every input: all 256 e4m3 bytes read back, and every bf16 / fp16 bit pattern and float32's
+# rounding edges (ties, the 448-480 saturation edge, subnormals, NaN and inf) written, against
+# the float64 spelling above. tests/test_kernels_concat_cache.py sends the same values through
+# the C++ twin and the CUDA kernel.
+
+
+def e4m3_edge_floats() -> torch.Tensor:
+    """float32 values at e4m3's rounding edges, both signs: every finite e4m3 value, the ties
+    between neighbours and the floats either side of them, the saturation edge, e4m3's and
+    float32's subnormals, inf and NaNs of several payloads."""
+    grid = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    mid = (grid[:-1] + grid[1:]) / 2  # ties: exact in float32
+    up = torch.nextafter(mid, torch.tensor(math.inf))
+    down = torch.nextafter(mid, torch.tensor(0.0))
+    special = torch.tensor([448.0, 464.0, 479.99997, 480.0, 481.0, 1e30, 3.4028235e38, math.inf,
+                            2.0**-10, 3 * 2.0**-10, 2.0**-6, 1e-45, 1e-40, 1.1754942e-38])
+    special = torch.cat([special, torch.nextafter(special, torch.tensor(0.0)),
+                         torch.nextafter(special, torch.tensor(math.inf))])
+    values = torch.cat([grid, mid, up, down, special])
+    nans = torch.tensor([0x7FC00000, 0x7FC00001, 0x7F800001, 0x7FFFFFFF],
+                        dtype=torch.int32).view(torch.float32)
+    return torch.cat([values, -values, nans, -nans])
+
+
+def sweep_values(dtype: torch.dtype) -> torch.Tensor:
+    """All 65536 bit patterns of bf16 / fp16; in float32 the edge values and 4096 random bit
+    patterns."""
+    if dtype == torch.float32:
+        g = torch.Generator().manual_seed(4)
+        random_bits = torch.randint(-(2**31), 2**31, (4096,), generator=g, dtype=torch.int64)
+        return torch.cat([e4m3_edge_floats(), random_bits.to(torch.int32).view(torch.float32)])
+    return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+def _same_values(got: np.ndarray, want: np.ndarray) -> None:
+    """Equal bit for bit as float64 (signed zeros apart), NaN where the other is NaN."""
+    nan = np.isnan(want)
+    assert (np.isnan(got) == nan).all()
+    np.testing.assert_array_equal(got[~nan].view(np.int64), want[~nan].view(np.int64))
+
+
+def test_every_e4m3_byte_reads_back_exactly():
+    byte = torch.arange(256, dtype=torch.uint8)
+    value = e4m3_value(byte.numpy())  # (256,) float64, NaN at 0x7F and 0xFF
+    for scale in (1.0, 0.125, 3.0):  # products exact in float32: 4 significant bits times 2
+        kv_c, k_pe = fp8.dequantize_e4m3(byte.view(torch.float8_e4m3fn)[None], 192, scale)
+        _same_values(torch.cat([kv_c, k_pe], -1)[0].double().numpy(), value * scale)
+    # fp8_ds_mla, c = 256: the 256 bytes as two groups of scales 0.125 and 3
+    rows = torch.cat([byte, torch.tensor([0.125, 3.0]).view(torch.uint8), torch.zeros(2 * R, dtype=torch.uint8)])
+    kv_c, _ = fp8.dequantize_ds_mla(rows[None], 256, R)
+    _same_values(kv_c[0].double().numpy(), value * np.repeat([0.125, 3.0], 128))
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.3, 2.0**-12])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_quantize_e4m3_every_input(dtype, scale):
+    x = sweep_values(dtype)
+    rows = torch.cat([x, x.new_zeros(-x.numel() % 512)]).reshape(-1, 512)  # (T, 448 + 64)
+    got = fp8.quantize_e4m3(rows[:, :448], rows[:, 448:], scale).view(torch.uint8).numpy()
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN, and quotients past float32 to inf
+        v = np.clip(f32(rows.double().numpy() / float(np.float32(scale))), -448.0, 448.0)
+        want = e4m3_bits(v)
+    want[np.isnan(v)] = 0x7F  # every NaN stored as the positive one
+    diff = np.argwhere(got != want)
+    assert diff.size == 0, f"{len(diff)} bytes differ, first at {diff[0].tolist()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_quantize_ds_mla_every_finite_input(dtype):
+    """Groups of 127 values led by 448 (scale 1: each value meets the e4m3 rounding as it is),
+    then every finite value 128 to a group in its order (scales from 2^-126 to ~2^119);
+    non-finite groups: test_zero_and_nonfinite_groups."""
+    x = sweep_values(dtype)
+    x = x[torch.isfinite(x)]
+    small = x[x.float().abs() <= 448]
+    anchored = torch.cat([small, small.new_zeros(-small.numel() % 127)]).reshape(-1, 127)
+    anchored = torch.cat([anchored.new_full((anchored.shape[0], 1), 448.0), anchored], dim=1)
+    latent = torch.cat([anchored.reshape(-1), x])
+    latent = torch.cat([latent, latent.new_zeros(-latent.numel() % C)]).reshape(-1, C)  # (T, c)
+    pe = torch.cat([x, x.new_zeros(-x.numel() % R)]).reshape(-1, R)
+    k_pe = pe.repeat(-(-latent.shape[0] // pe.shape[0]), 1)[: latent.shape[0]]  # (T, r)
+    ours = fp8.quantize_ds_mla(latent, k_pe).numpy()
+    with np.errstate(over="ignore"):  # float32 values near its top round to a bf16 inf
+        want = ref_quantize_ds_mla(latent, k_pe)
+    diff = np.argwhere(ours != want)
+    assert diff.size == 0, f"{len(diff)} bytes differ, first at {diff[0].tolist()}"

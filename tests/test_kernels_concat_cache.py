@@ -13,6 +13,7 @@ import torch
 from mla.kernels import concat_cache as cc
 from mla.kernels import extension, fp8
 from mla.kernels import concat_and_cache, concat_and_cache_reference
+from test_fp8 import sweep_values
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -600,3 +601,86 @@ def test_cuda_cache_past_2_pow_32_elements(ext):
     concat_and_cache_reference(kv_c, k_pe, ref, slots)
     assert torch.equal(bits(cache), bits(ref))
     assert torch.equal(cache.view(-1, c + r)[slots], torch.cat([kv_c, k_pe], -1))
+
+
+# ----------------------------------------------------------------------------------------------
+# Every conversion input: all bf16 and fp16 bit patterns, and the float32 values where e4m3
+# rounding turns (ties, the 448-480 saturation edge, subnormals, NaN payloads and signs, inf),
+# through each writer bit for bit against the reference. On a GPU this pins the e4m3 conversion
+# instruction (cvt.rn.satfinite on sm_89+, software before) to torch's cast; the cache is also
+# written through a view 1 byte off its storage, so the kernels take their unaligned paths.
+
+
+def _as_rows(values: torch.Tensor, width: int) -> torch.Tensor:
+    """values -> (T, width), zero padded."""
+    T = -(-values.numel() // width)
+    return torch.cat([values, values.new_zeros(T * width - values.numel())]).reshape(T, width)
+
+
+def _ds_mla_sweep_rows(values: torch.Tensor, c: int, r: int, seed: int = 0):
+    """kv_c, k_pe rows for fp8_ds_mla: first groups of 127 finite values |x| <= 448 led by 448
+    (scale exactly 1, so each value meets the e4m3 rounding as it is), a group led by inf, then
+    every value in its order and shuffled, 128 to a group (NaN, inf and huge values setting their
+    group's scale)."""
+    finite = values[values.float().abs() <= 448]
+    anchored = _as_rows(finite, 127)
+    anchored = torch.cat([anchored.new_full((anchored.shape[0], 1), 448.0), anchored], dim=1).reshape(-1)
+    inf_group = torch.cat([finite.new_full((1,), math.inf), finite[:127]])  # scale inf: zeros, NaN
+    perm = torch.randperm(values.numel(), generator=torch.Generator().manual_seed(seed))
+    kv_c = _as_rows(torch.cat([anchored, inf_group, _as_rows(values, 128).reshape(-1),
+                               _as_rows(values[perm], 128).reshape(-1)]), c)
+    k_pe = _as_rows(torch.cat([values, values[perm]]), r)[: kv_c.shape[0]]
+    k_pe = torch.cat([k_pe, k_pe.new_zeros(kv_c.shape[0] - k_pe.shape[0], r)])  # (T, r)
+    return kv_c, k_pe
+
+
+def _offset_cache(num_slots: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A contiguous (num_slots, 1, width) cache whose data starts 1 byte into its storage,
+    filled with random bytes."""
+    g = torch.Generator().manual_seed(5)
+    storage = torch.randint(0, 256, (num_slots * width + 16,), generator=g, dtype=torch.uint8).to(device)
+    return storage[1: 1 + num_slots * width].view(dtype).view(num_slots, 1, width)
+
+
+def _check_sweep(kv_c, k_pe, width, cache_dtype, device, **kw):
+    T = kv_c.shape[0]
+    slots = torch.arange(T, device=device)
+    slots[3] = -1  # a skipped token keeps its row's random bytes
+    for cache in (make_cache(T, 1, width, cache_dtype, device), _offset_cache(T, width, cache_dtype, device)):
+        ours, ref = cache.clone(), cache.clone()
+        concat_and_cache(kv_c.to(device), k_pe.to(device), ours, slots, backend="extension", **kw)
+        concat_and_cache_reference(kv_c.to(device), k_pe.to(device), ref, slots, **kw)
+        assert_bitwise_equal(ours, ref)
+        assert torch.equal(bits(ours[3]), bits(cache[3]))
+        if device != "cpu":  # and the C++ twin writes the same bytes
+            twin = cache.cpu()
+            cpu_kw = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+            concat_and_cache(kv_c, k_pe, twin, slots.cpu(), backend="extension", **cpu_kw)
+            assert_bitwise_equal(ours.cpu(), twin)
+    return ours
+
+
+SWEEP_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_gpu])]
+
+
+@pytest.mark.parametrize("device", SWEEP_DEVICES)
+@pytest.mark.parametrize("scale", [1.0, 0.3, 2.0**-12])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_e4m3_every_input_bit_for_bit(ext, device, dtype, scale):
+    """1: each value meets the e4m3 rounding as it is; 0.3: an IEEE quotient first; 2^-12: most
+    values past 448 (saturated) and fp16's subnormals in e4m3's range."""
+    rows = _as_rows(sweep_values(dtype), 512 + 64)
+    ours = _check_sweep(rows[:, :512], rows[:, 512:], 576, FP8, device, kv_cache_dtype="fp8_e4m3",
+                        scale=torch.tensor([scale], device=device))
+    stored = torch.cat([bits(ours[:3]), bits(ours[4:])]).reshape(-1).cpu()  # row 3 is skipped
+    assert (stored == 0x7F).any() and not (stored == 0xFF).any()  # NaN, always positive
+    assert (stored == 0x7E).any() and (stored == 0xFE).any()  # +-448: saturated, never NaN
+
+
+@pytest.mark.parametrize("device", SWEEP_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_ds_mla_every_input_bit_for_bit(ext, device, dtype):
+    kv_c, k_pe = _ds_mla_sweep_rows(sweep_values(dtype), 512, 64)
+    ours = _check_sweep(kv_c, k_pe, 656, torch.uint8, device, kv_cache_dtype="fp8_ds_mla")
+    scales = ours[:, 0, 512:528].contiguous().view(torch.float32).cpu()
+    assert (scales == 1.0).any() and scales.isnan().any() and scales.isinf().any()

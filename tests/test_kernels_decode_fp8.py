@@ -716,3 +716,94 @@ def test_gpu_cuda_fp8_ops_reject_what_they_cannot_run():
             key = f"{op} {name}"
             assert lines.get(key, "").startswith(f"RAISED mla_decode_{op}: {message}"), (key, lines.get(key))
     assert lines.get("untouched") == "True"
+
+
+# ---------------------------------------------------------------------------------------------
+# Every e4m3 byte read back exactly, at every row of a tile: one token of each sequence scores so
+# far above the rest (q on the rope dims only, that token's rope 448 · scale, the others' 0) that
+# its softmax weight is 1 and theirs exp2(-1e4) = 0, so out is that token's latent values exactly
+# (e4m3 · a power-of-two scale is exact in bf16 and fp16). Each token's latent is the 254 finite
+# e4m3 bytes rolled by its own amount, so reading a neighbour's row, a neighbour's scale group,
+# a byte pair swapped or a subnormal wrongly shows as a wrong value. On a GPU: the sm_80 stage 1
+# in bf16 / fp16 (its e4m3 conversion: cvt on sm_89+, integer decoding before); on the CPU: the
+# Triton kernel in float32.
+
+FINITE_E4M3 = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # (254,)
+DS_SCALES = (2.0**-4, 8.0, 1.0, 2.0**-7)  # fp8_ds_mla's four group scales: fp16 holds each e4m3 · s
+
+
+def make_exact_case(kind, seq_lens, targets, *, heads, block_size, dtype, device, seed=0):
+    """(args for mla_decode, expected out (b, heads, 512) float32): sequence i's out is token
+    targets[i]'s latent values. Unwritten bytes are 0xFF; unused block-table entries out of range."""
+    c, r = 512, 64
+    width = fp8.bytes_per_token(kind, c, r)
+    gen = torch.Generator().manual_seed(seed)
+    pages = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(pages) + 1
+    order = torch.randperm(num_blocks, generator=gen)
+    block_table = torch.full((len(seq_lens), max(pages) + 1), 10**6, dtype=torch.int32)
+    cache = torch.full((num_blocks, block_size, width), 0xFF, dtype=torch.uint8)
+    expected = torch.zeros(len(seq_lens), heads, c)
+    scale = 2.0**-4  # fp8_e4m3's one scale
+    first = 0
+    for i, (n, p) in enumerate(zip(seq_lens, pages)):
+        block_table[i, :p] = order[first: first + p].int()
+        first += p
+        for t in range(n):
+            row = cache[int(block_table[i, t // block_size]), t % block_size]  # (width,) a view
+            latent = FINITE_E4M3.roll(7 * i + 3 * t).repeat(3)[:c]  # (c,) bytes
+            row[:c] = latent
+            if kind == "fp8_e4m3":
+                row[c:] = 0x7E if t == targets[i] else 0x00  # 448 or 0, times the scale
+                values = latent.view(torch.float8_e4m3fn).float() * scale
+            else:
+                row[c: c + 16] = torch.tensor(DS_SCALES, dtype=torch.float32).view(torch.uint8)
+                rope = torch.full((r,), 448.0 * 2.0**-4 if t == targets[i] else 0.0, dtype=torch.bfloat16)
+                row[c + 16:] = rope.view(torch.uint8)
+                values = latent.view(torch.float8_e4m3fn).float() * torch.tensor(DS_SCALES).repeat_interleave(128)
+            if t == targets[i]:
+                expected[i] = values
+    # q on the rope dims only: the target scores 64 · 1000 · 28 · d^-1/2 ~ 7.5e4 above the others
+    q = torch.zeros(len(seq_lens), heads, c + r)
+    q[..., c:] = 1000.0
+    args = dict(q=q.to(dtype).to(device),
+                kv_cache=(cache.view(torch.float8_e4m3fn) if kind == "fp8_e4m3" else cache).to(device),
+                block_table=block_table.to(device),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), kv_lora_rank=c,
+                softmax_scale=(c + r) ** -0.5, kv_cache_dtype=kind,
+                kv_scale=torch.tensor([scale], device=device) if kind == "fp8_e4m3" else None)
+    return args, expected.to(device)
+
+
+def _check_exact(args, expected, splits_list, backend):
+    for splits in splits_list:
+        out, lse = mla_decode(**args, num_kv_splits=splits, _backend=backend)
+        seen = args["seq_lens"] > 0
+        assert torch.equal(out[seen].float(), expected[seen]), f"{backend}, {splits} splits"
+        assert (out[~seen] == 0).all() and (lse[~seen] == float("-inf")).all()
+        assert torch.isfinite(lse[seen]).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_e4m3_byte_read_exactly_triton_cpu(kind):
+    if DEVICE != "cpu":
+        pytest.skip("the GPU runs test_gpu_sm80_fp8_reads_every_byte_exactly")
+    args, expected = make_exact_case(kind, [0, 1, 40, 70], [None, 0, 33, 69], heads=2, block_size=32,
+                                     dtype=torch.float32, device="cpu")
+    _check_exact(args, expected, (1, 2), "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [32, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_sm80_fp8_reads_every_byte_exactly(kind, dtype, block_size):
+    # targets at rows 0, 1, 31 of a tile, the first row of a second tile and of a second page,
+    # the last token of a long sequence; a sequence of length 0
+    seq_lens = [0, 1, 2, 32, 33, 100, 200, 1000]
+    targets = [None, 0, 1, 31, 32, 64, 131, 999]
+    args, expected = make_exact_case(kind, seq_lens, targets, heads=16, block_size=block_size, dtype=dtype,
+                                     device="cuda")
+    # 1 and 3 splits: one CTA an SM (4 stages); 40: b x 40 past the SMs, two CTAs an SM (2 stages)
+    _check_exact(args, expected, (1, 3, 40, None), "cuda-sm80")
+    _check_exact(args, expected, (1, 3), "triton")
