@@ -1,7 +1,8 @@
 """LatentCache: what MLA keeps per token, for the naive and absorbed tiers.
 
 MLA caches c + r numbers a token, shared by all heads: the normed KV latent kv_c_normed (c) and
-the rotated rope key k_pe (r). MHA would cache 2·h·(d+r)-ish numbers; see `mla.memory`.
+the rotated rope key k_pe (r). A cache of every head's key and value at these widths would hold
+h·(d + r + v) numbers a token ("mla-expanded" in `mla.memory`, beside MHA, GQA and MQA).
 The naive and absorbed tiers keep the two parts as contiguous (b, t, ·) buffers, one row per
 sequence (as DeepSeek-V3's inference code does); the paged tier stores the same c + r values per
 token in pages (mla/paged/cache.py).

@@ -4,7 +4,8 @@
             each tier (the paged tier also on each fp8 cache); error against the naive tier,
             cache bytes per token, time per decode step; --tp N splits the heads over N
             processes (mla.parallel)
-    memory  KV cache per token and per sequence for MHA, GQA-8, MQA and MLA, and the paper's claims
+    memory  KV cache per token and per sequence for MHA, GQA-8, MQA and MLA (also its fp8 layouts
+            and its up-projected keys and values), and the paper's claims
     generate  transformers' generate() on a small random DeepSeek-V3-shaped model (or --model DIR)
             with its own attention and with each tier swapped in (mla.hf): same tokens?
             tokens a second, attention FLOPs and transient memory of a decode step
@@ -272,7 +273,6 @@ def memory_report(args: argparse.Namespace) -> None:
           f"{memory.paper_kv_reduction_vs_67b(16):.1%} with both in bf16")
 
 
-# ---- bench ---------------------------------------------------------------------------------
 # ---- generate ------------------------------------------------------------------------------
 def generate_report(args: argparse.Namespace) -> dict:
     """transformers' generate() with its own attention, then with each tier swapped in."""
@@ -362,8 +362,9 @@ def generate_report(args: argparse.Namespace) -> dict:
 
 # ---- bench ---------------------------------------------------------------------------------
 BENCHES = ("decode", "concat", "layer", "prefill", "tp", "generate")
-GPU_ONLY = ("decode", "concat", "layer", "prefill", "generate")  # bench_tp.py also runs over gloo, and says
-                                                     # itself how many GPUs --device cuda needs
+# The benchmarks refused up front without a GPU; bench_tp.py also runs over gloo, and says itself
+# how many GPUs --device cuda needs.
+GPU_ONLY = ("decode", "concat", "layer", "prefill", "generate")
 
 
 def bench(which: str, options: list[str]) -> None:

@@ -44,6 +44,8 @@ class MLAConfig:
         rms_norm_eps: epsilon of the two RMSNorms on the latents.
         attention_bias: whether q_a_proj / q_proj, kv_a_proj_with_mqa and o_proj carry a bias
             (False in every released checkpoint).
+        name: a label for reprs and error messages (the preset's name, or the HF model_type);
+            not compared, so two configs of the same sizes are equal whatever their names.
 
     Sizes are positive ints (not bools), numbers finite; an error names the field.
     """

@@ -478,7 +478,7 @@ class MLACache(Cache):
     """A transformers Cache for a swapped model, one MLALayerCache a layer.
 
     `generate()` makes its own (a DynamicCache that the swapped layers fill with
-    MLALayerCache); make this one to hold the cache yourself, e.g. to read `pages_in_use()`.
+    MLALayerCache); make this one to hold the cache yourself, e.g. to read `latent_bytes()`.
     """
 
     def __init__(self, model: nn.Module):

@@ -8,7 +8,7 @@ with d_h the per-head width of the comparison (the paper uses d_h = 128 = our v_
 qk_nope_head_dim). "mla-expanded" is what a cache of MLA's *up-projected* keys and values would
 hold, h·(d + r + v): the cache of an implementation that caches after kv_b_proj.
 
-MLA's cache also comes in two fp8 layouts (``mla.kernels.fp8``), schemes "mla-fp8_e4m3" (one
+MLA's cache also comes in two fp8 layouts (`mla.kernels.fp8`), schemes "mla-fp8_e4m3" (one
 byte a value, one scale for the cache) and "mla-fp8_ds_mla" (FlashMLA's token: the latent in
 e4m3 with a float32 scale per 128 values, the rope part in bf16). They cache the same c + r
 values a token; their bytes are fixed by the layout, whatever bytes_per_element says:
@@ -158,8 +158,9 @@ def prefill_crossover(config: MLAConfig, context: int) -> int:
 def kv_cache_table(config: MLAConfig, seq_len: int, num_layers: int,
                    bytes_per_element: float = 2.0,
                    schemes=("mha", "gqa-8", "mqa", "mla", *FP8_SCHEMES, "mla-expanded")):
-    """Rows of (scheme, elements/token/layer, bytes/token (all layers), bytes/sequence).
-    bytes_per_element applies to every scheme but the fp8 ones, whose layout fixes their bytes."""
+    """One dict a scheme: `scheme`, `elements_per_token_layer`, `bytes_per_token` (all
+    `num_layers` layers) and `bytes_per_sequence` (`seq_len` tokens). bytes_per_element applies to
+    every scheme but the fp8 ones, whose layout fixes their bytes."""
     seq_len = _count("seq_len", seq_len, 0)
     num_layers = _count("num_layers", num_layers, 1)
     bytes_per_element = _positive("bytes_per_element", bytes_per_element)

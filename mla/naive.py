@@ -97,7 +97,10 @@ def attend_up_projected(w: MLAWeights, q_nope: torch.Tensor, q_pe: torch.Tensor,
 
 def positions_and_rope(w: MLAWeights, cache: LatentCache | torch.Tensor, s: int,
                        dtype: torch.dtype, device: torch.device):
-    """Positions of the new tokens, seq_lens[i] + j: (b, s) int64, and their cos/sin (b, s, r/2)."""
+    """Positions of the new tokens, seq_lens[i] + j: (b, s) int64, and their cos/sin (b, s, r/2).
+
+    `cache` is the LatentCache the tokens go into, or its seq_lens (b,) int64 on the CPU.
+    """
     seq_lens = cache if isinstance(cache, torch.Tensor) else cache.seq_lens
     positions = seq_lens[:, None] + torch.arange(s)  # (b, s)
     positions = positions.to(device)

@@ -147,9 +147,9 @@ def _rank(rank: int, fn: Callable[..., Any], world_size: int, address: str, back
         raise
     dist.destroy_process_group()
     # Leave without the interpreter's teardown: gloo's worker threads can still be winding down
-    # then, and destroying them during finalisation aborted a rank now and then ("terminate
-    # called without an active exception", SIGABRT) after its result was already sent. What
-    # the teardown would have flushed (a rank's block-buffered prints to a pipe) is flushed here.
+    # then, and destroying them during finalisation can abort a rank ("terminate called without
+    # an active exception", SIGABRT) after its result is sent. What the teardown would flush (a
+    # rank's block-buffered prints to a pipe) is flushed here.
     sys.stdout.flush()
     sys.stderr.flush()
     queue.put((rank, True, value))

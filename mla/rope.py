@@ -5,8 +5,8 @@ RoPE rotates the r rotary dims of a query or key as r/2 pairs, and DeepSeek chec
 `rotate_half`) runs but disagrees with every real checkpoint. Pair i at position m turns by
 m·θ_i, θ_i = base^(-2i/r). YaRN (arXiv:2309.00071) interpolates the slow pairs (θ_i / factor),
 keeps the fast ones, ramps between them, and multiplies cos and sin by
-mscale(factor, mscale) / mscale(factor, mscale_all_dim). Angles are float32, as in the code the
-checkpoints were trained with. Derivation: docs/derivations/rope.md.
+mscale(factor, mscale) / mscale(factor, mscale_all_dim) (`rope_attention_factor`). Angles are
+float32, as in the code the checkpoints were trained with. Derivation: docs/derivations/rope.md.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def rope_inv_freq(config: MLAConfig, device: torch.device | str | None = None) -
 
 
 def rope_attention_factor(config: MLAConfig) -> float:
-    """YaRN's multiplier on cos and sin: mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    """YaRN's multiplier on cos and sin: mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+    when both are non-zero, else mscale(factor), as HF computes it; 1 without YaRN."""
     yarn = config.yarn
     if yarn is None:
         return 1.0

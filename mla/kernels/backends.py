@@ -33,10 +33,12 @@ sm_90a, no spills) but has not yet run on a GPU, so s_q > 1 runs on ``"triton"``
 ``_backend="cuda-sm90"`` asks for it; ``SM90_TAKES_QUERY_TOKENS_BY_DEFAULT = True`` makes it the
 default for every s_q > 1 it can run.
 
-By default a GPU runs ``"cuda-sm80"`` for <= 16 heads and ``"cuda-sm90"`` for more where each
-applies (one new token, or s_q > 1 with the switch above on, a cache in q's dtype or, once the
-switches above are on, an fp8 one, the extension is built, the GPU and the arguments fit), else
-``"triton"``. The times of each on an H200 are in ``benchmarks/results/h200-decode.json``.
+By default a GPU runs ``"cuda-sm80"`` for <= 16 heads and ``"cuda-sm90"`` for more, where the
+kernel applies: the extension holds it, the GPU and the arguments fit it (``why_backend_cannot_run``),
+q has one new token a sequence (with ``SM90_TAKES_QUERY_TOKENS_BY_DEFAULT`` on, s_q > 1 goes to
+``"cuda-sm90"`` at any head count), and the cache is in q's dtype (or fp8, with that kernel's
+``*_READS_FP8_BY_DEFAULT`` on). Everything else runs on ``"triton"``. The times of each on an
+H200 are in ``benchmarks/results/h200-decode.json``.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def why_backend_cannot_run(backend, q, kv_cache, block_table, seq_lens, kv_lora_
             q = q[:, 0]  # (b, h, c + r): the rows' strides of mla_decode's (b, s_q·h, c + r) view
         else:
             q = q.reshape(q.shape[0], -1, q.shape[-1])  # mla_decode copies such a q too
-    b, h, d = q.shape
+    b, h, width = q.shape  # width = c + r
     if q.device.type != "cuda":
         return f"q is on {q.device.type}, not a GPU"
     capability = torch.cuda.get_device_capability(q.device)
@@ -123,8 +125,8 @@ def why_backend_cannot_run(backend, q, kv_cache, block_table, seq_lens, kv_lora_
         return f"q is {q.dtype}, not bfloat16 or float16"
     if not sm90 and h > SM80_MAX_HEADS:
         return f"q has {h} heads, more than {SM80_MAX_HEADS}"
-    if (kv_lora_rank, d - kv_lora_rank) != CUDA_LATENT:
-        return f"c, r = {kv_lora_rank}, {d - kv_lora_rank}, not {CUDA_LATENT[0]}, {CUDA_LATENT[1]}"
+    if (kv_lora_rank, width - kv_lora_rank) != CUDA_LATENT:
+        return f"c, r = {kv_lora_rank}, {width - kv_lora_rank}, not {CUDA_LATENT[0]}, {CUDA_LATENT[1]}"
     tile = CUDA_TILES[backend][1]
     if kv_cache.shape[1] % tile:
         return f"the block size {kv_cache.shape[1]} is not a multiple of {tile}"

@@ -43,11 +43,11 @@ j)`` cached rows:
 
     q_nope, q_pe = q[i, rows, :c], q[i, rows, c:]                    (BLOCK_H, c), (BLOCK_H, r)
     m, l, acc = -inf, 0, 0                                           (BLOCK_H,), (BLOCK_H, c)
-    for each tile of BLOCK_N positions n in this split:
-        page, row = block_table[i, n // page_size], n % page_size
+    for each tile of BLOCK_N positions pos in this split:
+        page, row = block_table[i, pos // page_size], pos % page_size
         kv_nope, kv_pe = cache[page, row, :c], cache[page, row, c:]  (BLOCK_N, c), (BLOCK_N, r)
         s = (q_nope @ kv_nope^T + q_pe @ kv_pe^T) * scale            (BLOCK_H, BLOCK_N)
-        s = -inf where n >= row_len                                  (causal among new tokens)
+        s = -inf where pos >= row_len                                (causal among new tokens)
         m_new = max(m, rowmax(s));  p = exp(s - m_new)
         l   = l * exp(m - m_new) + rowsum(p)
         acc = acc * exp(m - m_new) + p @ kv_nope                     (value = the nope part)
@@ -57,9 +57,9 @@ j)`` cached rows:
 Only the split's last tiles can hold positions some row does not see (the causal limits differ
 from ``seq_len`` by at most s_q - 1), so the tiles before them run without masks.
 
-Stage 2, one program per (sequence, query row, chunk of c)::
+Stage 2, one program per (sequence, query row, chunk of c), over the splits k::
 
-    lse = logsumexp_s(partial_lse[s]);  out = sum_s exp(partial_lse[s] - lse) * partial_out[s]
+    lse = logsumexp_k(partial_lse[k]);  out = sum_k exp(partial_lse[k] - lse) * partial_out[k]
 
 The exponentials run in base 2 (``exp2``, the cheap instruction), with the scale folded into
 ``softmax_scale * log2(e)``; the lse is turned back into natural log on the way out.
@@ -70,7 +70,6 @@ and launches these kernels; ``docs/derivations/split-kv.md`` derives the merge a
 
 import triton
 import triton.language as tl
-
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,12 +39,12 @@ Blocked pseudo-code, one program per (block of BLOCK_M queries, head, sequence):
 
     q_nope, q_pe = q_nope[rows, head], q_pe[rows, head]           (BLOCK_M, d), (BLOCK_M, r)
     m, l, acc = -inf, 0, 0                                        (BLOCK_M,), (BLOCK_M, v)
-    for each tile of BLOCK_N keys n (causal: up to the block's last visible key):
-        s = (q_nope @ k_nope[n, head]^T + q_pe @ k_pe[n]^T) * scale * log2(e)
-        s = -inf where key n is past t or past the query's diagonal   (diagonal tiles only)
+    for each tile of BLOCK_N keys j (causal: up to the block's last visible key):
+        s = (q_nope @ k_nope[j, head]^T + q_pe @ k_pe[j]^T) * scale * log2(e)
+        s = -inf where key j is past t or past the query's diagonal   (diagonal tiles only)
         m_new = max(m, rowmax(s));  p = exp2(s - m_new)
         l   = l * exp2(m - m_new) + rowsum(p)
-        acc = acc * exp2(m - m_new) + p @ v[n, head]
+        acc = acc * exp2(m - m_new) + p @ v[j, head]
         m = m_new
     out = acc / l ;  lse = (m + log2(l)) * ln(2)
 

@@ -2,7 +2,7 @@
 
 The math is the absorbed tier's (mla/absorbed.py) for decode rows and short rows, and the naive
 tier's up-projected dataflow for long rows; what changes is where the latent lives and who
-computes. One call, for the new tokens of n sequences packed into N rows:
+computes. One call, for the new tokens of b sequences packed into N rows:
 
     plan (host)   positions, slot mapping, seq_lens, block-table growth, query offsets: built on
                   the host from the lengths, moved to the device in one packed copy
@@ -376,20 +376,20 @@ class PagedMLA(MLAAttention):
     def forward_ragged(self, x: torch.Tensor, cache: PagedLatentCache,
                        query_start_loc: torch.Tensor | Sequence[int],
                        seq_ids: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
-        """The new tokens of n sequences, flattened without padding: x (T, hidden) -> (T, hidden).
+        """The new tokens of b sequences, flattened without padding: x (T, hidden) -> (T, hidden).
 
         Args:
             x: (T, hidden) in the weights' dtype and device. Sequence k's new tokens are rows
                 query_start_loc[k] ... query_start_loc[k+1] - 1, in order; rows from
-                query_start_loc[n] to T are padding (e.g. to a captured graph's size): they are
+                query_start_loc[b] to T are padding (e.g. to a captured graph's size): they are
                 written nowhere and their outputs are zeros.
             cache: this layer's PagedLatentCache.
-            query_start_loc: (n + 1,) integers, 0 = query_start_loc[0] <= ... <=
-                query_start_loc[n] <= T (read on the host). Sequence k has
+            query_start_loc: (b + 1,) integers, 0 = query_start_loc[0] <= ... <=
+                query_start_loc[b] <= T (read on the host). Sequence k has
                 query_start_loc[k+1] - query_start_loc[k] new tokens: 1 is a decode, more is a
                 prefill or an extend over its cached context, 0 sits out.
-            seq_ids: (n,) distinct cache rows (integers) the sequences live in; None = rows
-                0 .. n-1.
+            seq_ids: (b,) distinct cache rows (integers) the sequences live in; None = rows
+                0 .. b-1.
 
         Returns:
             (T, hidden): each token's attention output, causal over its sequence's cached
@@ -402,16 +402,16 @@ class PagedMLA(MLAAttention):
         T = x.shape[0]
         qsl = as_int_tensor("query_start_loc", query_start_loc)
         if qsl.numel() < 1:
-            raise ValueError("query_start_loc must hold n + 1 >= 1 offsets, got none")
+            raise ValueError("query_start_loc must hold b + 1 >= 1 offsets, got none")
         new_lens = qsl.diff()
         if int(qsl[0]) != 0 or bool((new_lens < 0).any()) or int(qsl[-1]) > T:
             raise ValueError("query_start_loc must start at 0, never decrease and end at most at "
                              f"T={T}, got {qsl.tolist()}")
-        n = new_lens.numel()
+        b = new_lens.numel()
         if seq_ids is None:
-            if n > cache.batch_size:
-                raise ValueError(f"{n} sequences but the cache has {cache.batch_size} rows")
-            seq_ids = torch.arange(n)
+            if b > cache.batch_size:
+                raise ValueError(f"{b} sequences but the cache has {cache.batch_size} rows")
+            seq_ids = torch.arange(b)
         seq_ids, new_lens = cache.check_rows(seq_ids, new_lens)    # rows, distinct, room
         keep = new_lens > 0                                          # sequences that take part
         if not bool(keep.any()):
@@ -445,7 +445,7 @@ class PagedMLA(MLAAttention):
     # ---- one eager call: plan on the host, run, advance seq_lens ----------------------------
     def _append_and_attend(self, x: torch.Tensor, cache: PagedLatentCache, seq_ids: torch.Tensor,
                            new_lens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        """x (T, hidden); seq_ids, new_lens, starts (n,) CPU int64, checked, new_lens >= 1;
+        """x (T, hidden); seq_ids, new_lens, starts (b,) CPU int64, checked, new_lens >= 1;
         sequence k's tokens are rows starts[k] ... starts[k] + new_lens[k] - 1 of x."""
         plan = self._plan(cache, seq_ids, new_lens, starts)
         y = self._run(x, cache, plan)
@@ -459,10 +459,10 @@ class PagedMLA(MLAAttention):
         Asks `prefill_path` for every row with several new tokens first, then takes the pages
         (all-or-nothing): an error from either leaves the cache as it was.
         """
-        context_lens = cache.seq_lens[seq_ids]                     # (n,) before this call
+        context_lens = cache.seq_lens[seq_ids]                     # (b,) before this call
         token_seq, offsets = ragged_index(new_lens)                # (N,) each, packed order
         N = token_seq.numel()
-        packed_starts = torch.cumsum(new_lens, 0) - new_lens       # (n,) first packed token
+        packed_starts = torch.cumsum(new_lens, 0) - new_lens       # (b,) first packed token
         decode = new_lens == 1
         by_path: dict[str, list[int]] = {}
         for k in torch.nonzero(~decode).flatten().tolist():
@@ -689,6 +689,7 @@ class PagedMLA(MLAAttention):
 
         Args:
             x: (b, 1, hidden) (or (b, hidden)), b = cache.batch_size, weights' dtype and device.
+            cache: this layer's PagedLatentCache; every one of its b rows decodes one token.
             slot_mapping: (b,) int64 on the device: where each row's token is written
                 (-1 skips the write: a padding row).
             positions: (b,) int64 on the device: each token's position (its row's seq_len
