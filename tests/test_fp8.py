@@ -307,6 +307,17 @@ def test_e4m3_refuses_a_bad_scale(scale):
         fp8.quantize_e4m3(torch.ones(1, 8), torch.ones(1, 4), scale)
 
 
+@pytest.mark.parametrize("scale", [0.5, torch.tensor([0.5])], ids=["float", "cpu-tensor"])
+def test_e4m3_scale_from_the_host_is_refused_under_graph_capture(monkeypatch, scale):
+    # a capture cannot copy a host value to the GPU; the error says what to pass instead. The
+    # capture is simulated: nothing here touches a GPU before the check.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ValueError, match=r"mla_decode: kv_scale must be a 1-element float32 tensor on cuda "
+                                         r"under CUDA graph capture"):
+        fp8.check_e4m3_scale("mla_decode", "kv_scale", scale, "cuda", read_value=False)
+
+
 def test_without_float8_a_clear_error(monkeypatch):
     monkeypatch.setattr(fp8, "fp8_available", lambda: False)
     with pytest.raises(RuntimeError, match="kv_cache_dtype='fp8_ds_mla' needs torch.float8_e4m3fn"):

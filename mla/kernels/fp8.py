@@ -166,6 +166,12 @@ def check_e4m3_scale(fn: str, name: str, scale, device: torch.device | str, *,
     device = torch.device(device)
     where = "the CPU" if device.type == "cpu" else f"{device} or the CPU"
     expected = f"a float or a 1-element float32 tensor on {where}"
+    # a CUDA graph capture cannot copy a host value to the GPU: the scale must be there already
+    capturing = device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if capturing and not (isinstance(scale, torch.Tensor) and scale.device.type == "cuda"):
+        raise ValueError(f"{fn}: {name} must be a 1-element float32 tensor on {device} under CUDA graph "
+                         f"capture (a host value cannot be copied to the GPU there), got "
+                         f"{'a tensor on the CPU' if isinstance(scale, torch.Tensor) else repr(scale)}")
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1 or scale.dtype != torch.float32:
             raise TypeError(f"{fn}: {name} must be {expected}, got a tensor of shape "
