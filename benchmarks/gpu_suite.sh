@@ -2,7 +2,7 @@
 # Everything the GPU machine runs, in parts, each time-boxed, logs and JSON under $OUT.
 #   bash benchmarks/gpu_suite.sh tests concat-bench sanitize decode-bench decode-sq accuracy sweep layer prefill
 #   bash benchmarks/gpu_suite.sh tp   (two GPUs: nvidia-h200-x2)
-#   bash benchmarks/gpu_suite.sh variants concat-probe cuda-probe cuda-timeline sm90-probe prefill-crossover prefill-probe   (the lab: benchmarks/lab/)
+#   bash benchmarks/gpu_suite.sh variants fp8-variants compile concat-probe cuda-probe cuda-timeline sm90-probe prefill-crossover prefill-probe   (the lab: benchmarks/lab/)
 # Run from the repository root with PYTHONPATH=. (the device machine has no package registry);
 # FlashMLA runs beside mla_decode in decode-bench when .peers/flash_mla is there (PYTHONPATH=.peers:.).
 set -u
@@ -30,6 +30,8 @@ for part in "$@"; do
     decode-sq) run decode-sq 560 python3 -m mla bench decode --s-q 2,4 --out "$OUT/s_q" ;;  # several query tokens, beside FlashMLA
     accuracy) run accuracy 240 python3 benchmarks/accuracy_fp8.py --device cuda --prompt 1024 --decode-steps 8 --out "$OUT" ;;
     variants) run variants 300 python3 benchmarks/lab/tune_decode.py --out "$OUT" --variants --budget-s 240 ;;
+    fp8-variants) run fp8-variants 560 bash -c "python3 benchmarks/lab/tune_decode.py --out $OUT --variants --kv-cache-dtype fp8_ds_mla --budget-s 220 && python3 benchmarks/lab/tune_decode.py --out $OUT --variants --kv-cache-dtype fp8_e4m3 --budget-s 220" ;;  # the Triton fp8 tiles against their neighbours
+    compile) run compile 300 python3 benchmarks/compile_triton.py --out "$OUT" ;;  # the GPU's own Triton and ptxas: registers and spills beside the times
     cuda-probe) run cuda-probe 300 python3 benchmarks/lab/probe_decode_cuda.py --out "$OUT" ;;
     sm90-probe) run sm90-probe 300 python3 benchmarks/lab/probe_decode_sm90.py --out "$OUT" ;;  # writes h200-decode-sm90-probe.json
     cuda-timeline) run cuda-timeline 240 python3 benchmarks/lab/timeline_decode_cuda.py --out "$OUT" ;;

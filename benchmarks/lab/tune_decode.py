@@ -3,6 +3,7 @@
     PYTHONPATH=. python3 benchmarks/lab/tune_decode.py --out DIR --sweep              # <= ~5 min
     PYTHONPATH=. python3 benchmarks/lab/tune_decode.py --out DIR --variants           # the VARIANTS list
     PYTHONPATH=. python3 benchmarks/lab/tune_decode.py --out DIR --set num_warps=8    # a candidate default
+    PYTHONPATH=. python3 benchmarks/lab/tune_decode.py --out DIR --variants --kv-cache-dtype fp8_ds_mla  # FP8_VARIANTS
 
 Sweep: stage-1 configs (BLOCK_H, BLOCK_N, num_warps, num_stages) x split counts at
 ``SWEEP_SHAPES``, the best per shape printed, everything written to ``h200-decode-sweep.json``.
@@ -13,6 +14,10 @@ Variants: ``VARIANTS``, each entry a config change at a few shapes with the pred
 before it ran, graph and eager times and the compiled kernel's registers, spills and shared
 memory; writes ``h200-decode-variants.json``. Earlier lists, and the options they tried that
 the kernel no longer has, are in git history and in NOTES.md; their results in results/.
+
+On an fp8 cache (``--kv-cache-dtype fp8_e4m3|fp8_ds_mla``) the variants are ``FP8_VARIANTS``,
+the caches written from the same bf16 rows, outputs checked against the reference on the fp8
+cache; the file name takes the layout (``h200-decode-variants-fp8_ds_mla.json``).
 
 Candidate (``--set KEY=VALUE``): the Triton kernel with a ``default_config`` key overridden, at
 every shape of the decode benchmark (graph time, as its ``time_us``); writes
@@ -51,12 +56,34 @@ VARIANTS = [  # name, config overrides, shapes, split counts (None: the automati
 ]
 
 
-def triton_call(q, block_table, seq_lens, splits, overrides):
+# The fp8 tiles default_config takes are those that compile without spills
+# (benchmarks/compile_triton.py); these time them against their neighbours. 16 rows: BLOCK_N 32,
+# 8 warps, 3 stages; 32 rows (128 heads: four row blocks a sequence): BLOCK_N 32, 8 warps, 1 stage.
+A128, G128 = (64, 4096, 128), (4, 131072, 128)
+FP8_VARIANTS = [
+    ("fp8-16h-default", {}, [A16, D16], None, "no spills: the fastest of the 16-row tiles"),
+    ("fp8-16h-n64-w8-s2", {"BLOCK_N": 64, "num_stages": 2}, [A16, D16], None,
+     "ds_mla 0 spills, e4m3 4 B: within 5% of the default"),
+    ("fp8-16h-n32-w4-s2", {"num_warps": 4, "num_stages": 2}, [A16, D16], None,
+     "0 spills at 255 registers, 4 warps: within 10% of the default"),
+    ("fp8-16h-bf16-tiles", {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}, [A16], None,
+     "the bf16 tiles spill 19-36 KB a thread: several times slower"),
+    ("fp8-128h-default", {}, [A128, G128], None, "no spills; one stage: the loads are not overlapped"),
+    ("fp8-128h-s2", {"num_stages": 2}, [A128, G128], None,
+     "1 KB spills (ds_mla), 0-60 B (e4m3): two stages may still win for e4m3"),
+    ("fp8-128h-n64-s2", {"BLOCK_N": 64, "num_stages": 2}, [A128], None, "e4m3 0-60 B, ds_mla 1 KB spills"),
+    ("fp8-128h-bf16-tiles", {"BLOCK_H": 64, "BLOCK_N": 64, "num_stages": 2}, [A128, G128], None,
+     "64 rows, half the tile conversions of 32, 0.8-1.3 KB spills: compute bound, so maybe faster"),
+]
+
+
+def triton_call(q, block_table, seq_lens, splits, overrides, kv_cache_dtype="auto", kv_scale=None):
     """fn(cache): mla_decode's Triton kernel with a config override and a fixed split count."""
     from mla.kernels.decode import mla_decode
 
     return lambda cache: mla_decode(q, cache, block_table, seq_lens, kv_lora_rank=C, softmax_scale=SCALE,
-                                    num_kv_splits=splits, _config=overrides, _backend="triton")
+                                    num_kv_splits=splits, kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale,
+                                    _config=overrides, _backend="triton")
 
 
 def auto_splits(b, t, h, config, num_sms):
@@ -140,7 +167,9 @@ def kernel_stats(jit_fn, seen: set) -> list[dict]:
     return stats
 
 
-def run_variants(out_dir, budget_s, variants=VARIANTS, out_name="h200-decode-variants.json"):
+def run_variants(out_dir, budget_s, variants=VARIANTS, out_name="h200-decode-variants.json",
+                 kv_cache_dtype="auto"):
+    from benchmarks.bench_decode import reference_out, write_fp8_caches
     from mla.kernels.decode import default_config
     from mla.kernels.triton_decode import _mla_decode_split_kernel
 
@@ -155,20 +184,27 @@ def run_variants(out_dir, budget_s, variants=VARIANTS, out_name="h200-decode-var
             break
         for b, t, h in shapes:
             if (b, t, h) not in inputs:
-                inputs[(b, t, h)] = make_inputs(b, t, h)
-            q, (cache,), block_table, seq_lens = inputs[(b, t, h)]
-            config = dict(default_config(h), **overrides)
+                q, caches, block_table, seq_lens = make_inputs(b, t, h)
+                scale = None
+                if kv_cache_dtype != "auto":
+                    caches, scale = write_fp8_caches(kv_cache_dtype, caches, 1)
+                inputs[(b, t, h)] = q, caches[0], block_table, seq_lens, scale
+            q, cache, block_table, seq_lens, scale = inputs[(b, t, h)]
+            layout = dict(kv_cache_dtype=kv_cache_dtype, kv_scale=scale)
+            config = dict(default_config(h, kv_cache_dtype), **overrides)
             auto = auto_splits(b, t, h, config, num_sms)
             for splits in split_list or [auto]:
                 row = dict(variant=name, prediction=prediction, b=b, t=t, h=h, page=PAGE,
-                           config=dict(config, num_kv_splits=splits), auto_splits=auto)
+                           kv_cache_dtype=kv_cache_dtype, config=dict(config, num_kv_splits=splits), auto_splits=auto)
                 try:
-                    call = triton_call(q, block_table, seq_lens, splits, overrides)
+                    call = triton_call(q, block_table, seq_lens, splits, overrides, **layout)
                     row["eager_us"] = bench_us(lambda: call(cache), warmup_ms=5, rep_ms=30)
                     row["time_us"] = bench_us(graphed(call, [cache]), warmup_ms=5, rep_ms=30)
                     row["compiled"] = kernel_stats(_mla_decode_split_kernel, seen)
-                    if (b, t, h) not in expected:
+                    if (b, t, h) not in expected and kv_cache_dtype == "auto":
                         expected[(b, t, h)] = torch_decode(q, cache, block_table, seq_lens)[0].float()
+                    elif (b, t, h) not in expected:  # the reference on the same fp8 cache
+                        expected[(b, t, h)] = reference_out(q, cache, block_table, seq_lens, **layout)
                     want = expected[(b, t, h)]
                     row["max_rel_err_vs_torch"] = ((call(cache)[0].float() - want).abs().max() / want.abs().max()).item()
                     msg = str(config) + (f" {row['compiled']}" if row["compiled"] else "")
@@ -204,6 +240,8 @@ def main(argv=None):
     parser.add_argument("--sweep", action="store_true", help="time a grid of kernel configs")
     parser.add_argument("--variants", action="store_true", help="time the VARIANTS list")
     parser.add_argument("--budget-s", type=float, default=240, help="stop starting configs after this")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_ds_mla"],
+                        help="the cache layout the variants and the candidate run on (fp8: FP8_VARIANTS)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a default_config key (int or true/false) tried at every shape of the decode benchmark")
     args = parser.parse_args(argv)
@@ -212,12 +250,15 @@ def main(argv=None):
     torch.manual_seed(0)
     if args.sweep:
         run_sweep(args.out, args.budget_s)
+    kind = args.kv_cache_dtype
+    suffix = "" if kind == "auto" else f"-{kind}"
     if args.variants:
-        run_variants(args.out, args.budget_s)
+        run_variants(args.out, args.budget_s, VARIANTS if kind == "auto" else FP8_VARIANTS,
+                     f"h200-decode-variants{suffix}.json", kv_cache_dtype=kind)
     if args.set:
         overrides = parse_set(args.set)
         run_variants(args.out, args.budget_s, [("candidate", overrides, SHAPES, None, "")],
-                     "h200-decode-candidate.json")
+                     f"h200-decode-candidate{suffix}.json", kv_cache_dtype=kind)
 
 
 if __name__ == "__main__":
