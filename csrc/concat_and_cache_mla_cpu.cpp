@@ -146,7 +146,10 @@ void concat_and_cache_mla_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe,
     return;
   }
   const float s = scale->item<float>();
-  TORCH_CHECK(std::isfinite(s) && s > 0.0f, "scale must be positive and finite, got ", num(static_cast<double>(s)));
+  // mla.kernels.fp8.check_e4m3_scale's rule: below 2^-126 a scale is a subnormal, which a
+  // flush-to-zero division reads as 0
+  TORCH_CHECK(std::isfinite(s) && s >= std::numeric_limits<float>::min(),
+              "scale must be positive and finite, at least 2^-126, got ", num(static_cast<double>(s)));
   switch (kv_c.scalar_type()) {
     case at::kBFloat16: write_rows_fp8<c10::BFloat16>(kv_c, k_pe, kv_cache, slots, s, a); break;
     case at::kHalf: write_rows_fp8<c10::Half>(kv_c, k_pe, kv_cache, slots, s, a); break;

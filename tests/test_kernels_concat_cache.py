@@ -332,6 +332,8 @@ def _op(kv_c, k_pe, cache, slots, kv_cache_dtype="auto", scale=None):
         (lambda a: a.update(cache=a["cache"].to(FP8), kv_cache_dtype="fp8"), r"scale is required"),
         (lambda a: a.update(cache=a["cache"].to(FP8), kv_cache_dtype="fp8",
                             scale=torch.tensor([-1.0])), r"scale must be positive and finite"),
+        (lambda a: a.update(cache=a["cache"].to(FP8), kv_cache_dtype="fp8",
+                            scale=torch.tensor([1e-40])), r"scale must be positive and finite, at least 2\^-126"),
         (lambda a: a.update(kv_c=torch.randn(3, 16)[:, ::2]), r"kv_c last dim must be contiguous"),
     ],
 )
