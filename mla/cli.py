@@ -444,7 +444,9 @@ def main(argv: list[str] | None = None) -> None:
 
     # the options demo and generate share: which tiers, where, in what dtype, and the output
     run = argparse.ArgumentParser(add_help=False)
-    run.add_argument("--tiers", default=",".join(TIERS), help="comma-separated, e.g. naive,absorbed")
+    run.add_argument("--tiers", default=",".join(TIERS),
+                     help="comma-separated, e.g. naive,absorbed; the reference runs as well: "
+                          "demo always runs the naive tier, generate transformers' own attention")
     run.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
     run.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                      help="default float32 on the CPU, bfloat16 on a GPU")

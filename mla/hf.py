@@ -43,6 +43,7 @@ from torch import nn
 
 from .cache import LatentCache
 from .config import MLAConfig
+from .memory import attention_flops
 from .paged import PagedLatentCache
 from .tiers import TIERS, build
 from .weights import MLAWeights
@@ -511,13 +512,14 @@ def decode_step_costs(config: MLAConfig, t: int, bytes_per_element: int = 2) -> 
     over them costs 2·t·h·(d + r + v). The absorbed and paged tiers fold W_UK into the query
     and W_UV into the output (2·c·h·(d + v)) and attend over the latent itself: 2·t·h·(2c + r),
     holding h·t scores (float32) and no per-head key or value. Scores (float32) are counted for
-    all. `mla.memory.attention_flops` gives the same FLOPs.
+    all. The FLOPs are `mla.memory.attention_flops(config, 1, t)`'s (t >= 1 counts the new token,
+    which the cache holds before the step attends).
     """
-    h, d, r, v, c = (config.num_heads, config.qk_nope_head_dim, config.qk_rope_head_dim,
-                     config.v_head_dim, config.kv_lora_rank)
+    h, d, r, v = (config.num_heads, config.qk_nope_head_dim, config.qk_rope_head_dim,
+                  config.v_head_dim)
+    flops = attention_flops(config, 1, t)
+    up_flops, absorbed_flops = flops.up_projected, flops.absorbed
     scores = 4 * h * t
-    up_flops = 2 * t * c * h * (d + v) + 2 * t * h * (d + r + v)
-    absorbed_flops = 2 * c * h * (d + v) + 2 * t * h * (2 * c + r)
     return {
         "transformers": dict(flops=up_flops,
                              transient_bytes=t * h * (2 * d + r + v) * bytes_per_element + scores),

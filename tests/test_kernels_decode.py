@@ -370,6 +370,24 @@ def test_multi_token_inputs_unchanged():
         torch.testing.assert_close(case[k], v, rtol=0, atol=0, equal_nan=True)
 
 
+def test_multi_token_nan_in_a_row_a_token_does_not_see_reaches_it():
+    # mla_decode's documented limit: the kernel loads a tile once for all of a sequence's tokens,
+    # so a NaN in row seq_len - 1, which only the last new token sees, meets token 0's p = 0 in
+    # the p . value dot (0 x NaN = NaN), while its lse, a sum of p, is right; the reference takes
+    # token 0's rows only and stays finite
+    s_q = 2
+    case = make_case([40, 40], heads=3, c=32, r=8, block_size=16, seed=56, s_q=s_q)
+    block, slot = divmod(40 - 1, 16)
+    case["kv_cache"][case["block_table"][0, block], slot] = float("nan")
+    ref_out, ref_lse = mla_decode_reference(**case)
+    assert ref_out[0, 1].isnan().all() and ref_out[0, 0].isfinite().all() and ref_lse[0, 0].isfinite().all()
+    for splits in (1, 2):
+        out, lse = mla_decode(**case, num_kv_splits=splits)
+        assert out[0, 1].isnan().all() and out[0, 0].isnan().all()
+        torch.testing.assert_close(lse[0, 0], ref_lse[0, 0], rtol=TOL[torch.float32], atol=0)  # p = 0 there
+        assert_tokens_match(out[1:], lse[1:], ref_out[1:], ref_lse[1:], case["seq_lens"][1:], s_q, TOL[torch.float32])
+
+
 def test_multi_token_bad_block_table_entry():
     # s_q = 4, page 16, seq_len 17: new token 0 sees 14 rows (entry 0 only), the last token all 17
     # (entries 0 and 1): entry 1 is read and checked; entry 2 is not read

@@ -131,6 +131,12 @@ def mla_decode(
     ``_backend`` forcing it with s_q > 1 is a ValueError. On the CPU the Triton kernel runs in its interpreter; bf16 there runs in
     float32 on copies of q and the pages the rows use (the interpreter's bf16 dot is wrong), out
     cast back to bf16.
+
+    With s_q > 1, a NaN or inf in the value (first c values) of a cached row that token j does
+    not see (between its causal limit and ``seq_len``) still reaches token j's out, not its lse,
+    in the Triton and the ``"cuda-sm90"`` kernels: the value tile is shared by all the sequence's
+    tokens, and token j's probability 0 there times NaN is NaN in the dot.
+    ``mla_decode_reference`` ignores such rows.
     """
     kind = _check_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, softmax_scale, num_kv_splits,
                          kv_cache_dtype, kv_scale)

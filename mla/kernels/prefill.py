@@ -362,12 +362,13 @@ def choose_prefill_backend(backend: str, device: torch.device | str, *, equal_ro
         equal_rows: whether every row has the same number of new tokens (one batched SDPA call).
 
     Returns "triton" (``mla_prefill``) or "sdpa" (``sdpa_prefill``). "auto" is "sdpa" on a CUDA
-    device with equal rows: there torch's cuDNN attention was faster than the Triton kernel at
-    every empty-cache prompt measured, 1 x 1k to 1 x 128k tokens and 4 x 2k, at DeepSeek-V3's
-    sizes in bf16 on an H200 (``benchmarks/results/h200-prefill.json``; the prefill derivation
-    page has the figures). Else "triton": ragged rows would take one SDPA call a row, which was
-    not measured; and on the CPU the paged tier is the kernels' test bench (Triton's interpreter
-    runs the code the GPU runs), where SDPA would stand in for the kernel under test.
+    device with equal rows, where torch's cuDNN attention is faster than the kernel at every
+    empty-cache prompt timed (the figures: ``docs/derivations/prefill.md``, from
+    ``benchmarks/results/h200-prefill.json``).
+    Else "triton": ragged rows would take one SDPA call a row and a host read of their offsets,
+    where the kernel takes them in one launch; and on the CPU the paged tier is the kernels'
+    test bench (Triton's interpreter runs the code the GPU runs), where SDPA would stand in for
+    the kernel under test.
     """
     if backend not in PREFILL_BACKENDS:
         raise ValueError(f"prefill backend must be one of {PREFILL_BACKENDS}, got {backend!r}")

@@ -403,8 +403,7 @@ def _mla_decode_merge_kernel(
 ):
     # All splits' partials of the chunk are read in one (BLOCK_S, BLOCK_C) load, so every load is
     # in flight at once, and the chunks of c are separate programs, so even one sequence fills
-    # the GPU: 2.6 us at (1, 32768, 16 heads) with 128 splits on an H200, where a loop over the
-    # splits takes 15 us (benchmarks/lab/results/h200-decode-merge-probe.json).
+    # the GPU (timings against a loop over the splits: docs/derivations/split-kv.md).
     pid_b = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)  # query row: (token, head)
     pid_c = tl.program_id(2)
