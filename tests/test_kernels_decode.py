@@ -381,9 +381,11 @@ def test_multi_token_nan_in_a_row_a_token_does_not_see_reaches_it():
     case["kv_cache"][case["block_table"][0, block], slot] = float("nan")
     ref_out, ref_lse = mla_decode_reference(**case)
     assert ref_out[0, 1].isnan().all() and ref_out[0, 0].isfinite().all() and ref_lse[0, 0].isfinite().all()
+    assert ref_lse[0, 1].isnan().all()
     for splits in (1, 2):
         out, lse = mla_decode(**case, num_kv_splits=splits)
         assert out[0, 1].isnan().all() and out[0, 0].isnan().all()
+        assert lse[0, 1].isnan().all()  # the token that sees the NaN: a NaN sum is not an empty split
         torch.testing.assert_close(lse[0, 0], ref_lse[0, 0], rtol=TOL[torch.float32], atol=0)  # p = 0 there
         assert_tokens_match(out[1:], lse[1:], ref_out[1:], ref_lse[1:], case["seq_lens"][1:], s_q, TOL[torch.float32])
 

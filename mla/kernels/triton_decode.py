@@ -359,8 +359,9 @@ def _mla_decode_split_kernel(
             stride_btp, BLOCK_N, BLOCK_C, BLOCK_R, DOT_PRECISION, KV_FORMAT, E4M3, PAGE_TILE, True, EXACT,
         )
 
-    # ---- normalise and write; an empty split (l = 0) writes zeros and lse = -inf
-    nonempty = l_i > 0.0
+    # ---- normalise and write; an empty split (l = 0) writes zeros and lse = -inf. A NaN score
+    # makes l NaN, which is not 0: out and lse are NaN, as the reference's are
+    nonempty = l_i != 0.0
     l_safe = tl.where(nonempty, l_i, 1.0)
     out = acc * (kv_scale / l_safe)[:, None]
     lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # x ln(2)
@@ -427,7 +428,7 @@ def _mla_decode_merge_kernel(
     )  # (BLOCK_S, BLOCK_C)
     acc = tl.sum(parts * weights[:, None], 0)
 
-    nonempty = total > 0.0
+    nonempty = total != 0.0  # a NaN partial lse makes total NaN: out and lse stay NaN
     total_safe = tl.where(nonempty, total, 1.0)
     out = acc / total_safe
     tl.store(out_ptr + pid_b * stride_ob + pid_h * stride_oh + offs_c, out.to(out_ptr.dtype.element_ty), mask=mask_c)
