@@ -850,7 +850,7 @@ def test_absorbed_rows_go_through_the_decode_kernel_in_queries_of_up_to_8(monkey
 def test_query_pieces_see_exactly_their_causal_prefix():
     """Under FlashMLA's convention (query j of s_q sees seq_len - (s_q - 1 - j) rows), token j of
     a row with t cached tokens sees t + j + 1 rows, in the row's own pieces."""
-    from mla.paged.layer import query_pieces
+    from mla.paged.plan import query_pieces
     new_lens, context_lens = torch.tensor([2, 8, 9, 17, 3, 1]), torch.tensor([0, 5, 40, 1, 0, 7])
     s_q, piece_row, seq_lens, slots = query_pieces(new_lens, context_lens)
     assert s_q == 8 and piece_row.tolist() == [0, 1, 2, 2, 3, 3, 3, 4, 5]
