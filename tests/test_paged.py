@@ -498,6 +498,19 @@ def test_decode_step_matches_common_call(block_size, num_kv_splits):
     assert rel(out, ref) < 1e-5
 
 
+def test_the_package_exports_the_prefill_options_the_layer_takes():
+    """mla.paged.PREFILL_MODES are PagedMLA(prefill=...)'s options: each builds, the absorbed
+    tier's two are among them, and another value raises naming them."""
+    from mla.absorbed import PREFILL_MODES as ABSORBED_MODES
+    from mla.paged import PREFILL_MODES
+    weights = mla.MLAWeights(TINY, dtype=torch.float32, seed=1)
+    assert "auto" in PREFILL_MODES and set(ABSORBED_MODES) < set(PREFILL_MODES)
+    for mode in PREFILL_MODES:
+        assert mla.build(weights, "paged", prefill=mode).prefill == mode
+    with pytest.raises(ValueError, match=r"prefill must be one of \('auto', "):
+        mla.build(weights, "paged", prefill="sometimes")
+
+
 def test_auto_prefill_picks_by_the_crossover_and_matches_absorbed():
     from mla.paged.layer import PREFILL_CROSSOVER
     weights = mla.MLAWeights(TINY, dtype=torch.float32, seed=1)

@@ -58,7 +58,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..absorbed import PREFILL_MODES, attend_absorbed
+from ..absorbed import attend_absorbed
 from ..base import MLAAttention
 from ..kernels import chunked_context_prefill, mla_decode
 from ..kernels.prefill import DEFAULT_WORKSPACE_TOKENS, PREFILL_BACKENDS
@@ -68,11 +68,12 @@ from ..rope import rope_cos_sin
 from ..weights import MLAWeights
 from .cache import (CACHE_DTYPES, PagedLatentCache, as_int, as_int_tensor, check_kv_cache_dtype,
                     check_kv_scale, gather_pages, positive_int, write_slots)
-from .plan import (CallPlan, DecodeRows, PrefillRows, check_num_kv_splits, decode_step_inputs,
-                   decode_step_plan, plan_call)
+from .plan import (PREFILL_PATHS, CallPlan, DecodeRows, PrefillRows, check_num_kv_splits,
+                   decode_step_inputs, decode_step_plan, plan_call)
 
-# The options of `PagedMLA(prefill=...)`: "auto" chooses per row by `prefill_crossover`.
-PAGED_PREFILL_MODES = ("auto", *PREFILL_MODES)
+# The options of `PagedMLA(prefill=...)`: "auto" chooses each row's path by
+# `prefill_crossover`, the two paths force one.
+PREFILL_MODES = ("auto", *PREFILL_PATHS)
 
 # Rows with at least this many new tokens attend in MHA mode (up-projected) under
 # prefill="auto"; shorter ones in MQA mode (absorbed). The FLOP model
@@ -170,8 +171,8 @@ class PagedMLA(MLAAttention):
         block_size = positive_int("block_size", block_size)
         if num_blocks is not None:
             num_blocks = positive_int("num_blocks", num_blocks)
-        if prefill not in PAGED_PREFILL_MODES:
-            raise ValueError(f"prefill must be one of {PAGED_PREFILL_MODES}, got {prefill!r}")
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
         if prefill_crossover is None:
             prefill_crossover = PREFILL_CROSSOVER
         if (not isinstance(prefill_crossover, int) or isinstance(prefill_crossover, bool)
