@@ -66,7 +66,7 @@ from ..naive import (attend_up_projected, causal_mask, latent, query_latent, que
                      query_rope)
 from ..rope import rope_cos_sin
 from ..weights import MLAWeights
-from .cache import (CACHE_DTYPES, PagedLatentCache, as_int, as_int_tensor, check_kv_cache_dtype,
+from .cache import (VALUE_DTYPES, PagedLatentCache, as_int, as_int_tensor, check_kv_cache_dtype,
                     check_kv_scale, gather_pages, positive_int, write_slots)
 from .plan import (PREFILL_PATHS, CallPlan, DecodeRows, PrefillRows, check_num_kv_splits,
                    decode_step_inputs, decode_step_plan, plan_call)
@@ -163,7 +163,7 @@ class PagedMLA(MLAAttention):
                  num_kv_splits: int | None = None, shuffle: int | None = None,
                  process_group=None):
         super().__init__(weights, process_group=process_group)
-        if weights.dtype not in CACHE_DTYPES:
+        if weights.dtype not in VALUE_DTYPES:
             raise TypeError(
                 f"the paged tier runs on float32, float16 or bfloat16 weights (its kernels' "
                 f"dtypes), got weights of dtype {weights.dtype}; cast them (e.g. "
