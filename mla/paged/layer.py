@@ -471,8 +471,9 @@ class PagedMLA(MLAAttention):
                 before the step); RoPE is computed from it on the device.
             seq_lens_after: (b,) int32 on the device: cached tokens a row after the write (the
                 kernel attends over them; 0 = the row sits out, output zero before o_proj's bias).
-            num_kv_splits: the decode kernel's split count, an int in [1, MAX_KV_SPLITS], fixed
-                (the choice from seq_lens would read them on the host).
+            num_kv_splits: the decode kernel's split count, an int in [1, MAX_KV_SPLITS]
+                (`mla.paged.plan`: CUDA's grid limit), fixed (the choice from seq_lens would
+                read them on the host).
             block_table: (b, max_blocks) int32 on the device; None = cache.block_table.
 
         Returns (b, 1, hidden) (or (b, hidden)), what the common call returns for a decode of
