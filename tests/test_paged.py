@@ -498,6 +498,19 @@ def test_decode_step_matches_common_call(block_size, num_kv_splits):
     assert rel(out, ref) < 1e-5
 
 
+def test_the_package_exports_the_prefill_options_the_layer_takes():
+    """mla.paged.PREFILL_MODES are PagedMLA(prefill=...)'s options: each builds, the absorbed
+    tier's two are among them, and another value raises naming them."""
+    from mla.absorbed import PREFILL_MODES as ABSORBED_MODES
+    from mla.paged import PREFILL_MODES
+    weights = mla.MLAWeights(TINY, dtype=torch.float32, seed=1)
+    assert "auto" in PREFILL_MODES and set(ABSORBED_MODES) < set(PREFILL_MODES)
+    for mode in PREFILL_MODES:
+        assert mla.build(weights, "paged", prefill=mode).prefill == mode
+    with pytest.raises(ValueError, match=r"prefill must be one of \('auto', "):
+        mla.build(weights, "paged", prefill="sometimes")
+
+
 def test_auto_prefill_picks_by_the_crossover_and_matches_absorbed():
     from mla.paged.layer import PREFILL_CROSSOVER
     weights = mla.MLAWeights(TINY, dtype=torch.float32, seed=1)
@@ -850,7 +863,7 @@ def test_absorbed_rows_go_through_the_decode_kernel_in_queries_of_up_to_8(monkey
 def test_query_pieces_see_exactly_their_causal_prefix():
     """Under FlashMLA's convention (query j of s_q sees seq_len - (s_q - 1 - j) rows), token j of
     a row with t cached tokens sees t + j + 1 rows, in the row's own pieces."""
-    from mla.paged.layer import query_pieces
+    from mla.paged.plan import query_pieces
     new_lens, context_lens = torch.tensor([2, 8, 9, 17, 3, 1]), torch.tensor([0, 5, 40, 1, 0, 7])
     s_q, piece_row, seq_lens, slots = query_pieces(new_lens, context_lens)
     assert s_q == 8 and piece_row.tolist() == [0, 1, 2, 2, 3, 3, 3, 4, 5]

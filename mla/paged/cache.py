@@ -52,8 +52,9 @@ class OutOfBlocksError(RuntimeError):
     """The free list cannot hold what a call needs; nothing was allocated or written."""
 
 
-# The dtypes the cache's kernels read and write.
-CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The dtypes a cache's values can have (its `dtype`, the weights'): what its kernels take and
+# what its readers get back, whatever the layout stores (kv_cache_dtype).
+VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # An fp8_e4m3 cache calibrated from its first tokens maps their largest |value| to
 # E4M3_MAX / CALIBRATION_HEADROOM = 224: later tokens up to twice as large are stored without
@@ -145,7 +146,7 @@ class PagedLatentCache:
         num_blocks: pages in the pool; None = enough for every row at max_seq_len,
             batch_size · max_blocks (fewer is the point of paging: rows rarely all grow long).
         dtype, device: the values' dtype (the weights': what readers get back, one of
-            CACHE_DTYPES: float32, float16, bfloat16) and the cache's device.
+            VALUE_DTYPES: float32, float16, bfloat16) and the cache's device.
         kv_cache_dtype: how a row is stored (`mla.kernels.fp8`): "auto" (c + r values of
             `dtype`), "fp8_e4m3" (alias "fp8": c + r bytes of float8_e4m3fn and one scale) or
             "fp8_ds_mla" (c + 4·c/128 + 2·r bytes of uint8, FlashMLA's token; c a multiple of
@@ -180,8 +181,8 @@ class PagedLatentCache:
         kv_lora_rank = positive_int("kv_lora_rank", kv_lora_rank)
         rope_dim = positive_int("rope_dim", rope_dim)
         block_size = positive_int("block_size", block_size)
-        if dtype not in CACHE_DTYPES:
-            raise TypeError(f"dtype must be one of {', '.join(map(str, CACHE_DTYPES))} (what the "
+        if dtype not in VALUE_DTYPES:
+            raise TypeError(f"dtype must be one of {', '.join(map(str, VALUE_DTYPES))} (what the "
                             f"cache's kernels read and write), got {dtype!r}")
         device = torch.device(device)
         kind = check_kv_cache_dtype(kv_cache_dtype, kv_lora_rank)

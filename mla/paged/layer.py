@@ -6,6 +6,7 @@ computes. One call, for the new tokens of b sequences packed into N rows:
 
     plan (host)   positions, slot mapping, seq_lens, block-table growth, query offsets: built on
                   the host from the lengths, moved to the device in one packed copy
+                  (mla/paged/plan.py)
     x (N, hidden) -> q_nope (N, h, d), q_pe (N, h, r)             naive.query_* (eqs. 37-40)
                   -> [kv_c_normed | k_pe] (N, c + r)               naive.latent (eqs. 41, 43)
     append        each row into its slot of the pages, in the        concat_and_cache
@@ -32,8 +33,8 @@ prefill's workspace), so the attention is that over the dequantised cache.
 readable version the kernels are tested against.
 
 The eager call (`forward`, `forward_ragged`) and the CUDA-graph step (`decode_step`) run the same
-`_run`; they differ only in who builds the metadata: the host plan, or the caller's device
-buffers (`decode_inputs`).
+`_run`; they differ only in who builds the metadata: the host plan (`plan_call`), or the
+caller's device buffers (`decode_step_plan`, filled by `decode_inputs`).
 
 Why two modes: MQA mode scores a (query, key) pair over c + r and sums c values, MHA mode over
 d + r and v: (c+r+c)/(d+r+v) = 3.4x fewer FLOPs a score up-projected (V3 sizes; mla/absorbed.py
@@ -43,6 +44,10 @@ the row's queries. So long rows are cheaper in MHA mode and short ones in MQA mo
 `prefill_crossover` new tokens attend absorbed, longer ones up-projected; "up-project" /
 "absorbed" force one path.
 
+Shapes: N real new tokens of the call, T rows of x (N and padding), T_p the new tokens of the
+prefill rows on one path, s_q new tokens a query (mla/paged/plan.py has the plan's letters); the
+rest as in mla/naive.py.
+
 The tier is inference-only: its calls run without autograd (outputs never require grad), because
 the kernels have no backward. The naive and absorbed tiers are differentiable.
 """
@@ -50,25 +55,25 @@ the kernels have no backward. The naive and absorbed tiers are differentiable.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from ..absorbed import PREFILL_MODES, attend_absorbed
+from ..absorbed import attend_absorbed
 from ..base import MLAAttention
 from ..kernels import chunked_context_prefill, mla_decode
-from ..kernels.constants import MAX_GRID_YZ
-from ..kernels.decode import MAX_QUERY_TOKENS
 from ..kernels.prefill import DEFAULT_WORKSPACE_TOKENS, PREFILL_BACKENDS
 from ..naive import (attend_up_projected, causal_mask, latent, query_latent, query_nope,
                      query_rope)
 from ..rope import rope_cos_sin
 from ..weights import MLAWeights
-from .cache import (CACHE_DTYPES, PagedLatentCache, as_int, as_int_tensor, check_kv_cache_dtype,
-                    check_kv_scale, gather_pages, positive_int, ragged_index, write_slots)
+from .cache import (VALUE_DTYPES, PagedLatentCache, as_int, as_int_tensor, check_kv_cache_dtype,
+                    check_kv_scale, gather_pages, positive_int, write_slots)
+from .plan import (PREFILL_PATHS, CallPlan, DecodeRows, PrefillRows, check_num_kv_splits,
+                   decode_step_inputs, decode_step_plan, plan_call)
 
-# The options of `PagedMLA(prefill=...)`: "auto" chooses per row by `prefill_crossover`.
-PAGED_PREFILL_MODES = ("auto", *PREFILL_MODES)
+# The options of `PagedMLA(prefill=...)`: "auto" chooses each row's path by
+# `prefill_crossover`, the two paths force one.
+PREFILL_MODES = ("auto", *PREFILL_PATHS)
 
 # Rows with at least this many new tokens attend in MHA mode (up-projected) under
 # prefill="auto"; shorter ones in MQA mode (absorbed). The FLOP model
@@ -78,118 +83,6 @@ PAGED_PREFILL_MODES = ("auto", *PREFILL_MODES)
 # s = 64), taken with both paths in plain torch. benchmarks/lab/prefill_crossover.py measures it
 # with the kernels both modes run on.
 PREFILL_CROSSOVER = 64
-
-# The most pieces a decode row is cut into: CUDA's limit on a grid's y and z dimensions, which
-# mla_decode launches the splits over.
-MAX_KV_SPLITS = MAX_GRID_YZ
-
-
-# ---- what one call needs on the device -----------------------------------------------------
-@dataclass
-class DecodeRows:
-    """Rows attending in MQA mode through mla_decode: b queries of s_q new tokens each, every
-    token already in its pages. A decode row is one token; a row of several new tokens is cut
-    into pieces of at most MAX_QUERY_TOKENS, each piece a query of its own.
-
-    tokens: (b,) int64, the one-token rows' tokens among the call's N; None = all N tokens, in
-        order (or, for pieces, unused: their tokens are the PrefillRows' ones).
-    block_table: (b, max_blocks) int32.  seq_lens: (b,) int32, cached tokens a query sees, its
-        new tokens included (a piece: its row's context and new tokens up to the piece's last).
-    num_kv_splits: mla_decode's split count; None lets it choose, from `max_seq_len` where
-        given (no sync), else from a read of seq_lens (one host sync).
-    max_seq_len: host int, the largest of seq_lens (the host plan knows it), or None.
-    s_q: host int in 1..MAX_QUERY_TOKENS, tokens a query.
-    query_slots: (T,) int64 for s_q > 1: token k's place in the (b · s_q) query rows. A piece of
-        L < s_q tokens takes the last L places: under FlashMLA's causal convention (query j of s_q
-        sees seq_len - (s_q - 1 - j) rows) its tokens then see exactly their causal prefix.
-    """
-
-    tokens: torch.Tensor | None
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    num_kv_splits: int | None
-    max_seq_len: int | None = None
-    s_q: int = 1
-    query_slots: torch.Tensor | None = None
-
-
-@dataclass
-class PrefillRows:
-    """m rows of a call with several new tokens each, all attending one way.
-
-    tokens: (T_p,) int64, the rows' new tokens among the call's N, row after row.
-    slots: (T_p,) int64, the new tokens' cache slots (MHA mode reads their latent rows there).
-    query_start_loc: (m + 1,) int64, row k's tokens are tokens[query_start_loc[k]:...[k+1]].
-    context_lens: (m,) int64, tokens each row held before this call.
-    block_table: (m, max_blocks) int32, each row's pages (the new tokens already written).
-    max_new_len, max_seq_len: host ints, max(new tokens) and max(context + new tokens).
-    context_lens_host: context_lens as host ints (the MHA mode's chunks are planned from them).
-    pieces: MQA mode's queries (path "absorbed"): the rows cut into pieces of at most
-        MAX_QUERY_TOKENS new tokens; None on the "up-project" path.
-    All tensors on the cache's device.
-    """
-
-    tokens: torch.Tensor
-    slots: torch.Tensor
-    query_start_loc: torch.Tensor
-    context_lens: torch.Tensor
-    block_table: torch.Tensor
-    max_new_len: int
-    max_seq_len: int
-    context_lens_host: list[int]
-    pieces: DecodeRows | None = None
-
-
-@dataclass
-class CallPlan:
-    """One call's metadata on the device.
-
-    positions, slot_mapping: (N,) int64 for the N real tokens, in the call's packed order.
-    token_rows: (N,) int64, each real token's row of x; None = x's first N rows, in order.
-    decode: the one-token rows (or None); prefill: (path, rows) for each path taken.
-    """
-
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    token_rows: torch.Tensor | None
-    decode: DecodeRows | None
-    prefill: list[tuple[str, PrefillRows]] = field(default_factory=list)
-
-
-def query_pieces(new_lens: torch.Tensor, context_lens: torch.Tensor
-                 ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cut m rows of new tokens into MQA-mode queries of at most MAX_QUERY_TOKENS tokens (host).
-
-    new_lens, context_lens: (m,) int64 on the host. Returns s_q (tokens a query), piece_row (P,)
-    each piece's row among the m, piece_seq_lens (P,) the cached tokens each piece sees (its
-    row's context and new tokens up to its last one), query_slots (T_p,) each new token's place
-    in the (P · s_q) query rows, its piece's tokens in the last places.
-    """
-    s_q = min(MAX_QUERY_TOKENS, int(new_lens.max()))
-    n_pieces = (new_lens + s_q - 1) // s_q                                  # (m,)
-    first_piece = torch.cumsum(n_pieces, 0) - n_pieces                      # (m,)
-    piece_row, piece_k = ragged_index(n_pieces)                             # (P,) each
-    piece_end = torch.minimum((piece_k + 1) * s_q, new_lens[piece_row])     # (P,) new tokens seen
-    piece_len = piece_end - piece_k * s_q                                   # (P,) 1 .. s_q
-    token_row, j = ragged_index(new_lens)                                   # (T_p,) each
-    piece = first_piece[token_row] + j // s_q                               # (T_p,)
-    query_slots = piece * s_q + (s_q - piece_len[piece]) + j % s_q          # (T_p,)
-    return s_q, piece_row, context_lens[piece_row] + piece_end, query_slots
-
-
-def to_device(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Move a call's host-built int64 metadata to `device` in one copy: packed into one buffer
-    (pinned on a GPU, so the copy does not wait for the host), split back into views there."""
-    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in host.values()])
-    if device.type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    else:
-        flat = flat.to(device)
-    out, at = {}, 0
-    for key, t in host.items():
-        out[key] = flat[at:at + t.numel()].view(t.shape)
-        at += t.numel()
-    return out
 
 
 def decode_attention(q: torch.Tensor, cache: PagedLatentCache, block_table: torch.Tensor,
@@ -205,27 +98,6 @@ def decode_attention(q: torch.Tensor, cache: PagedLatentCache, block_table: torc
                         check_block_table=False, kv_cache_dtype=cache.kv_cache_dtype,
                         kv_scale=cache.kernel_scale)
     return out
-
-
-def check_calibrated(cache: PagedLatentCache) -> None:
-    """The CUDA-graph step reads nothing on the host, so it cannot calibrate: an fp8_e4m3
-    cache must have its scale before `decode_inputs` touches it."""
-    if isinstance(cache, PagedLatentCache) and cache.needs_scale:
-        raise ValueError("cache is fp8_e4m3 without a scale, and decode_inputs / decode_step do "
-                         "not calibrate (the step reads nothing on the host); give the layer or "
-                         "cache a kv_scale, or run an eager call (a prefill) first")
-
-
-def check_num_kv_splits(num_kv_splits, *, allow_none: bool) -> None:
-    """num_kv_splits must be an int in [1, MAX_KV_SPLITS] (or None where `allow_none`); bools
-    and floats raise a ValueError too."""
-    if num_kv_splits is None and allow_none:
-        return
-    if (isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int)
-            or not 1 <= num_kv_splits <= MAX_KV_SPLITS):
-        allowed = " or None" if allow_none else ""
-        raise ValueError(f"num_kv_splits must be an int in [1, {MAX_KV_SPLITS}]{allowed}, got "
-                         f"{num_kv_splits!r}")
 
 
 class PagedMLA(MLAAttention):
@@ -291,7 +163,7 @@ class PagedMLA(MLAAttention):
                  num_kv_splits: int | None = None, shuffle: int | None = None,
                  process_group=None):
         super().__init__(weights, process_group=process_group)
-        if weights.dtype not in CACHE_DTYPES:
+        if weights.dtype not in VALUE_DTYPES:
             raise TypeError(
                 f"the paged tier runs on float32, float16 or bfloat16 weights (its kernels' "
                 f"dtypes), got weights of dtype {weights.dtype}; cast them (e.g. "
@@ -299,8 +171,8 @@ class PagedMLA(MLAAttention):
         block_size = positive_int("block_size", block_size)
         if num_blocks is not None:
             num_blocks = positive_int("num_blocks", num_blocks)
-        if prefill not in PAGED_PREFILL_MODES:
-            raise ValueError(f"prefill must be one of {PAGED_PREFILL_MODES}, got {prefill!r}")
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
         if prefill_crossover is None:
             prefill_crossover = PREFILL_CROSSOVER
         if (not isinstance(prefill_crossover, int) or isinstance(prefill_crossover, bool)
@@ -454,89 +326,11 @@ class PagedMLA(MLAAttention):
 
     def _plan(self, cache: PagedLatentCache, seq_ids: torch.Tensor, new_lens: torch.Tensor,
               starts: torch.Tensor) -> CallPlan:
-        """The call's metadata, built on the host and moved to the device in one copy.
-
-        Asks `prefill_path` for every row with several new tokens first, then takes the pages
-        (all-or-nothing): an error from either leaves the cache as it was.
-        """
-        context_lens = cache.seq_lens[seq_ids]                     # (b,) before this call
-        token_seq, offsets = ragged_index(new_lens)                # (N,) each, packed order
-        N = token_seq.numel()
-        packed_starts = torch.cumsum(new_lens, 0) - new_lens       # (b,) first packed token
-        decode = new_lens == 1
-        by_path: dict[str, list[int]] = {}
-        for k in torch.nonzero(~decode).flatten().tolist():
-            path = self.prefill_path(int(new_lens[k]), int(context_lens[k]))
-            if path not in PREFILL_MODES:
-                raise ValueError(f"prefill_path returned {path!r}; expected one of "
-                                 f"{PREFILL_MODES}")
-            by_path.setdefault(path, []).append(k)
-
-        grown = cache.allocate_on_host(seq_ids, new_lens)          # (g,) rows whose table grew
-        positions = context_lens[token_seq] + offsets              # (N,) seq_lens + j
-        host = dict(positions=positions,
-                    slot_mapping=cache.slot_mapping(seq_ids[token_seq], positions),
-                    grown=grown, grown_table=cache.block_table_cpu[grown])
-        token_rows = starts[token_seq] + offsets                   # (N,) rows of x
-        in_order = bool((token_rows == torch.arange(N)).all())
-        if not in_order:
-            host["token_rows"] = token_rows
-        decode_ks = torch.nonzero(decode).flatten()
-        decode_rows = seq_ids[decode_ks]
-        every_row = bool(torch.equal(decode_rows, torch.arange(cache.batch_size)))
-        if decode_ks.numel():
-            host["decode_seq_lens"] = context_lens[decode_ks] + 1
-            if decode_ks.numel() < N:
-                host["decode_tokens"] = packed_starts[decode_ks]
-            if not every_row:
-                host["decode_rows"] = decode_rows
-        pieces = {}
-        for path, ks in by_path.items():
-            ks = torch.tensor(ks)
-            p_seq, p_off = ragged_index(new_lens[ks])
-            host[path + "/tokens"] = packed_starts[ks][p_seq] + p_off
-            host[path + "/query_start_loc"] = torch.cat([torch.zeros(1, dtype=torch.int64),
-                                                         torch.cumsum(new_lens[ks], 0)])
-            host[path + "/context_lens"] = context_lens[ks]
-            host[path + "/rows"] = seq_ids[ks]
-            if path == "absorbed":                  # MQA mode: queries of <= 8 new tokens
-                s_q, piece_row, piece_seq_lens, query_slots = query_pieces(new_lens[ks],
-                                                                           context_lens[ks])
-                pieces[path] = s_q
-                host[path + "/piece_rows"] = seq_ids[ks][piece_row]
-                host[path + "/piece_seq_lens"] = piece_seq_lens
-                host[path + "/query_slots"] = query_slots
-
-        dev = to_device(host, cache.device)
-        if grown.numel():
-            cache.block_table[dev["grown"]] = dev["grown_table"].to(torch.int32)
-        plan = CallPlan(positions=dev["positions"], slot_mapping=dev["slot_mapping"],
-                        token_rows=dev.get("token_rows"), decode=None)
-        if decode_ks.numel():
-            table = cache.block_table if every_row else cache.block_table[dev["decode_rows"]]
-            plan.decode = DecodeRows(tokens=dev.get("decode_tokens"), block_table=table,
-                                     seq_lens=dev["decode_seq_lens"].to(torch.int32),
-                                     num_kv_splits=self.num_kv_splits,
-                                     max_seq_len=int(host["decode_seq_lens"].max()))
-        for path, ks in by_path.items():
-            total = context_lens[ks] + new_lens[ks]
-            tokens = dev[path + "/tokens"]
-            rows = PrefillRows(
-                tokens=tokens, slots=plan.slot_mapping[tokens],
-                query_start_loc=dev[path + "/query_start_loc"],
-                context_lens=dev[path + "/context_lens"],
-                block_table=cache.block_table[dev[path + "/rows"]],
-                max_new_len=int(new_lens[ks].max()), max_seq_len=int(total.max()),
-                context_lens_host=context_lens[ks].tolist())
-            if path in pieces:
-                rows.pieces = DecodeRows(
-                    tokens=None, block_table=cache.block_table[dev[path + "/piece_rows"]],
-                    seq_lens=dev[path + "/piece_seq_lens"].to(torch.int32),
-                    num_kv_splits=self.num_kv_splits, s_q=pieces[path],
-                    max_seq_len=int(host[path + "/piece_seq_lens"].max()),
-                    query_slots=dev[path + "/query_slots"])
-            plan.prefill.append((path, rows))
-        return plan
+        """The call's plan, built on the host by `mla.paged.plan.plan_call` (which takes the
+        pages, all-or-nothing), each row of several new tokens on the path `prefill_path`
+        gives it."""
+        return plan_call(cache, seq_ids, new_lens, starts, prefill_path=self.prefill_path,
+                         num_kv_splits=self.num_kv_splits)
 
     # ---- the dataflow, shared by the eager call and the CUDA-graph step ---------------------
     def _run(self, x: torch.Tensor, cache: PagedLatentCache, plan: CallPlan) -> torch.Tensor:
@@ -562,7 +356,8 @@ class PagedMLA(MLAAttention):
             cache.calibrate(kv_c_normed[0], k_pe[0])
         write_slots(kv_c_normed[0], k_pe[0], cache, plan.slot_mapping)
 
-        # Decode rows: absorbed, over the pages (the split-KV kernel).
+        # Decode rows, eqs. (42), (44)-(46) absorbed: MQA over the latent in the pages (the
+        # split-KV kernel).
         dec = plan.decode
         if dec is not None and dec.tokens is None:                 # every token decodes
             o = self.attend_decode(q_nope, q_pe, cache, dec)                   # (N, h, v)
@@ -572,7 +367,8 @@ class PagedMLA(MLAAttention):
                 o[dec.tokens] = self.attend_decode(q_nope[dec.tokens], q_pe[dec.tokens],
                                                    cache, dec)
 
-        # Prefill rows: their packed new tokens over their context, one batch a path.
+        # Prefill rows, eqs. (42), (44)-(46) absorbed or up-projected: their packed new tokens
+        # over their context, one batch a path.
         for path, rows in plan.prefill:
             o[rows.tokens] = self.attend_prefill(path, q_nope[rows.tokens], q_pe[rows.tokens],
                                                  cache, rows)
@@ -657,28 +453,7 @@ class PagedMLA(MLAAttention):
         values are copied into its tensors, which are returned. Run it outside the graph, before
         each replay.
         """
-        names = ("slot_mapping", "positions", "seq_lens_after")
-        check_calibrated(cache)
-        if out is not None and not (isinstance(out, dict) and all(k in out for k in names)):
-            raise ValueError(f"out must be a dict with the tensors {names} (an earlier "
-                             f"decode_inputs' result), got {out!r}")
-        b = cache.batch_size
-        rows, ones = cache.check_rows(torch.arange(b), torch.ones(b, dtype=torch.int64))
-        grown = cache.allocate_on_host(rows, ones)
-        positions = cache.seq_lens.clone()                           # (b,) before the step
-        dev = to_device(dict(slot_mapping=cache.slot_mapping(rows, positions),
-                             positions=positions, grown=grown,
-                             grown_table=cache.block_table_cpu[grown]), cache.device)
-        if grown.numel():
-            cache.block_table[dev["grown"]] = dev["grown_table"].to(torch.int32)
-        cache.seq_lens += 1
-        values = dict(slot_mapping=dev["slot_mapping"], positions=dev["positions"],
-                      seq_lens_after=(dev["positions"] + 1).to(torch.int32))
-        if out is None:
-            return values
-        for k in names:
-            out[k].copy_(values[k])
-        return out
+        return decode_step_inputs(cache, out)
 
     @torch.no_grad()
     def decode_step(self, x: torch.Tensor, cache: PagedLatentCache, *,
@@ -696,8 +471,9 @@ class PagedMLA(MLAAttention):
                 before the step); RoPE is computed from it on the device.
             seq_lens_after: (b,) int32 on the device: cached tokens a row after the write (the
                 kernel attends over them; 0 = the row sits out, output zero before o_proj's bias).
-            num_kv_splits: the decode kernel's split count, an int in [1, MAX_KV_SPLITS], fixed
-                (the choice from seq_lens would read them on the host).
+            num_kv_splits: the decode kernel's split count, an int in [1, MAX_KV_SPLITS]
+                (`mla.paged.plan`: CUDA's grid limit), fixed (the choice from seq_lens would
+                read them on the host).
             block_table: (b, max_blocks) int32 on the device; None = cache.block_table.
 
         Returns (b, 1, hidden) (or (b, hidden)), what the common call returns for a decode of
@@ -716,23 +492,9 @@ class PagedMLA(MLAAttention):
         x = x if squeeze or not isinstance(x, torch.Tensor) else x[:, 0]   # (b, hidden)
         self.check_x(x, ragged=True)
         self.check_cache(cache, x.shape[0], cache_type=PagedLatentCache)
-        b = cache.batch_size
-        check_calibrated(cache)
-        check_num_kv_splits(num_kv_splits, allow_none=False)
-        table = cache.block_table if block_table is None else block_table
-        for name, t, shape, dtype in (("slot_mapping", slot_mapping, (b,), torch.int64),
-                                      ("positions", positions, (b,), torch.int64),
-                                      ("seq_lens_after", seq_lens_after, (b,), torch.int32),
-                                      ("block_table", table, (b, table.shape[-1]), torch.int32)):
-            if (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
-                    or t.device != cache.device):
-                got = (f"{t.dtype} of shape {tuple(t.shape)} on {t.device}"
-                       if isinstance(t, torch.Tensor) else type(t).__name__)
-                raise ValueError(f"{name} must be a {shape} {dtype} tensor on {cache.device}, "
-                                 f"got {got}")
-        plan = CallPlan(positions=positions, slot_mapping=slot_mapping, token_rows=None,
-                        decode=DecodeRows(tokens=None, block_table=table, seq_lens=seq_lens_after,
-                                          num_kv_splits=num_kv_splits))
+        plan = decode_step_plan(cache, slot_mapping=slot_mapping, positions=positions,
+                                seq_lens_after=seq_lens_after, num_kv_splits=num_kv_splits,
+                                block_table=block_table)
         y = self._run(x, cache, plan)                                # (b, hidden)
         return y if squeeze else y[:, None]
 
