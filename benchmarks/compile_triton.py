@@ -108,6 +108,11 @@ def capture_ptxas_logs() -> dict:
     return logs
 
 
+def mma_kind(kernel: dict) -> str:
+    """'wgmma', 'mma' (mma.sync, the pre-Hopper instruction) or '-' for a kernel without dots."""
+    return "wgmma" if kernel["wgmma"] else "mma" if kernel["mma_sync"] else "-"
+
+
 def meta(*shape, dtype=torch.bfloat16):
     return torch.empty(*shape, dtype=dtype, device="meta")
 
@@ -189,8 +194,14 @@ def main() -> int:
         kernels = []
         for compiled, log in logs[before:]:  # the kernels this case compiled (not the ones reused)
             md = compiled.metadata
+            ptx = compiled.asm["ptx"]
             kernels.append({"kernel": md.name, "num_warps": md.num_warps, "num_stages": md.num_stages,
-                            "shared_bytes": md.shared, **parse_ptxas_log(log)})
+                            "shared_bytes": md.shared, **parse_ptxas_log(log),
+                            # the tensor-core instruction Triton chose (wgmma needs 64 rows a
+                            # warpgroup) and the asynchronous copies that pipeline the loads
+                            "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+                            "mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
+                            "cp_async": len(re.findall(r"cp\.async\.(?:ca|cg)", ptx))})
         rows.append({"case": name, "config": overrides or None, "error": error,
                      "compile_s": round(time.perf_counter() - start, 2), "kernels": kernels})
 
@@ -202,7 +213,8 @@ def main() -> int:
     path.write_text(json.dumps(result, indent=1) + "\n")
 
     print(f"Triton {triton.__version__}, sm_{args.arch} (shared memory limit {limit} B)")
-    print(f"  {'case':<46} {'kernel':<26} {'warps':>5} {'stages':>6} {'shared B':>9} {'regs':>5} {'spill st/ld B':>14}")
+    print(f"  {'case':<46} {'kernel':<26} {'warps':>5} {'stages':>6} {'shared B':>9} {'regs':>5} {'spill st/ld B':>14}"
+          f" {'mma':>6}")
     over_limit = False
     for row in rows:
         if row["error"]:
@@ -214,7 +226,7 @@ def main() -> int:
             over_limit |= over
             print(f"  {row['case']:<46} {k['kernel'][:26]:<26} {k['num_warps']:>5} {k['num_stages']:>6} "
                   f"{k['shared_bytes']:>9} {k['registers']!s:>5} {k['spill_store_bytes']!s:>6}/"
-                  f"{k['spill_load_bytes']!s:<7}{' > limit' if over else ''}")
+                  f"{k['spill_load_bytes']!s:<7} {mma_kind(k):>6}{' > limit' if over else ''}")
     print(f"wrote {path}")
     return 1 if failed or over_limit else 0
 
