@@ -318,6 +318,13 @@ BAD_FP8 = {
                          "kv_scale is for kv_cache_dtype='fp8_e4m3' only"),
     "unknown-kind": (lambda: dict(_v3_args("fp8_ds_mla"), kv_cache_dtype="fp8_e5m2"), ValueError,
                      "kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_ds_mla', got 'fp8_e5m2'"),
+    # rows that start off a 4-byte boundary: the scales could not be read as float32 in place
+    "ds-row-stride-657": (lambda: dict(_v3_args("fp8_ds_mla"),
+                                       kv_cache=torch.zeros(2, 4, 657, dtype=torch.uint8)[..., :656]), ValueError,
+                          r"fp8_ds_mla kv_cache's rows must start at multiples of 4 bytes .*strides \(2628, 657, 1\)"),
+    "ds-storage-offset-2": (lambda: dict(_v3_args("fp8_ds_mla"),
+                                         kv_cache=torch.zeros(2 * 4 * 656 + 2, dtype=torch.uint8)[2:].view(2, 4, 656)),
+                            ValueError, r"rows must start at multiples of 4 bytes .*got data_ptr % 4 = 2"),
     "ds-rank-not-128s": (lambda: dict(_v3_args("fp8_ds_mla", width=500 + 12 + 152), kv_lora_rank=500), ValueError,
                          "kv_lora_rank c must be a multiple of 128 for kv_cache_dtype='fp8_ds_mla'"),
 }

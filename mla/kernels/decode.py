@@ -104,9 +104,11 @@ def mla_decode(
             values in q's dtype; ``"fp8_e4m3"`` (alias ``"fp8"``), a ``torch.float8_e4m3fn``
             cache of width c + r read as ``value * kv_scale``; ``"fp8_ds_mla"``, a ``torch.uint8``
             cache of width c + 4·c/128 + 2·r (656 for c = 512, r = 64) holding each token's latent
-            in e4m3 with a float32 scale per 128 values and its rope part in bf16. The Triton
-            kernel dequantises fp8 rows in registers to float32, then casts them to q's dtype
-            for the dots (exact for float32 q). The CUDA stage-1 kernels (``"cuda-sm80"``,
+            in e4m3 with a float32 scale per 128 values and its rope part in bf16, each row
+            starting at a multiple of 4 bytes. The Triton kernel converts fp8 rows to q's dtype
+            in registers for the dots: e4m3 values exactly, with ``kv_scale`` applied to the
+            scores and the output; ds_mla values times their group's scale in float32, rounded
+            once (exact for float32 q). The CUDA stage-1 kernels (``"cuda-sm80"``,
             ``"cuda-sm90"``) compute the same values into a tile in q's dtype in shared memory;
             they run fp8 caches when ``_backend`` asks for them (``mla.kernels.backends`` says
             when they are the default).
@@ -603,6 +605,14 @@ def _check_kv_format(q, kv_cache, kv_lora_rank, kv_cache_dtype, kv_scale) -> str
             raise ValueError(
                 f"mla_decode: kv_cache's last dim must be {formula} for kv_cache_dtype={kv_cache_dtype!r} "
                 f"(c = kv_lora_rank = {c}, r = {r} from q's last dim {d}), got {kv_cache.shape[2]}"
+            )
+        # the kernels read a row's scales as float32 and its rope part as bf16 in place: every
+        # row must start 4-byte aligned (a misaligned load faults on a GPU)
+        if kind == "fp8_ds_mla" and (kv_cache.data_ptr() % 4 or kv_cache.stride(0) % 4 or kv_cache.stride(1) % 4):
+            raise ValueError(
+                f"mla_decode: an fp8_ds_mla kv_cache's rows must start at multiples of 4 bytes (its scales "
+                f"are read as float32), got data_ptr % 4 = {kv_cache.data_ptr() % 4} and strides "
+                f"{tuple(kv_cache.stride())}"
             )
     if kind != "fp8_e4m3":
         if kv_scale is not None:
