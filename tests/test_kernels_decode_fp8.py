@@ -21,7 +21,7 @@ from mla.kernels import fp8
 from mla.kernels.concat_cache import concat_and_cache
 from mla.kernels.decode import mla_decode, mla_decode_reference
 from mla.kernels.decode import _e4m3_conversion
-from mla.kernels.triton_decode import E4M3_INTEGER_OPS, _e4m3_to
+from mla.kernels.triton_decode import E4M3_INTEGER_OPS, E4M3_INTERPRETER, _e4m3_to
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KINDS = ("fp8_e4m3", "fp8_ds_mla")
@@ -140,6 +140,14 @@ def test_e4m3_decoding_matches_torch_on_all_256_bytes(conversion, dtype):
     assert nan.sum() == 2 and (got.isnan() == nan).all()  # 0x7F, 0xFF
     # bit for bit elsewhere: signed zeros, the subnormals m * 2^-9, +-448
     assert same_bytes(got[~nan], want[~nan])
+
+
+def test_the_interpreter_converts_its_own_way_on_any_device(monkeypatch):
+    # Triton interprets GPU tensors too (TRITON_INTERPRET=1 on a GPU machine): its conversion
+    # reads 0x7F as 480 there as well, so the NaN fix-up applies whatever q's device
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for device in ("cpu", "cuda", "cuda:1"):
+        assert _e4m3_conversion(torch.device(device)) == E4M3_INTERPRETER
 
 
 # ---------------------------------------------------------------------------------------------
@@ -589,6 +597,34 @@ def test_gpu_triton_reads_ds_mla_rows_4_byte_aligned(layout, block_size):
     cache = args["kv_cache"]
     assert (cache.data_ptr() % 16, cache.stride(1)) == ((0, 660) if layout == "row-stride-660" else (4, 656))
     _check_against_reference_and_triton(args, "triton", (None, 3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_triton_runs_on_the_gpu_of_q(kind, monkeypatch):
+    """q on the second GPU while the first is current (a model spread over GPUs in one process):
+    Triton launches on the current device, so mla_decode makes q's current for the call, which
+    is also the target whose e4m3 conversion it picks."""
+    from mla.kernels import decode
+
+    current = []  # the current device when the kernel's conversion is chosen, just before launch
+    choose = decode._e4m3_conversion
+
+    def spy(device):
+        current.append(torch.cuda.current_device())
+        assert current[-1] == device.index, "a launch on a GPU other than q's"
+        return choose(device)
+
+    monkeypatch.setattr(decode, "_e4m3_conversion", spy)
+    args = _cuda_case(kind, torch.bfloat16, 16, 64, seed=17, seq_lens=[0, 1, 100, 1000])
+    args = {k: v.to("cuda:1") if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    with torch.cuda.device(0):
+        out, lse = mla_decode(**args, num_kv_splits=3, _backend="triton")  # stage 1 and the merge
+        torch.cuda.synchronize(1)
+    assert current == [1] and out.device == lse.device == torch.device("cuda:1")
+    ref_out, ref_lse = _reference_in_q_dtype(args)
+    assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
 
 
 @pytest.mark.gpu
