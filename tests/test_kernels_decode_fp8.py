@@ -203,6 +203,22 @@ def test_e4m3_scale_near_the_float32_floor():
     assert_close_rows(out, lse, ref_out, ref_lse, TIGHT)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_nan_byte_in_a_row_a_query_sees_makes_its_out_and_lse_nan(kind):
+    # byte 0 of sequence 0's last row set to 0x7F, an e4m3 NaN in the latent (key and value):
+    # its scores, sums and outputs are NaN through the conversion (on a GPU, in hardware), stage
+    # 1's normalisation and the merge, as the reference's; sequence 1 is untouched
+    args, _, _, _ = make_fp8_case(kind, [40, 40], heads=2, seed=8)
+    block, slot = divmod(40 - 1, 16)
+    args["kv_cache"].view(torch.uint8)[args["block_table"][0, block], slot, 0] = 0x7F
+    ref_out, ref_lse = mla_decode_reference(**args)
+    assert ref_out[0].isnan().all() and ref_lse[0].isnan().all()
+    for splits in (1, 2):
+        out, lse = mla_decode(**args, num_kv_splits=splits)
+        assert out[0].isnan().all() and lse[0].isnan().all()
+        assert_close_rows(out[1:], lse[1:], ref_out[1:], ref_lse[1:], TIGHT)
+
+
 def test_ds_mla_reads_each_group_its_own_scale():
     # scale group 1 of every row by 2 in place of its stored scale: the kernel must follow
     args, _, _, _ = make_fp8_case("fp8_ds_mla", [20], heads=2, seed=3)
