@@ -21,7 +21,7 @@ from mla.kernels import fp8
 from mla.kernels.concat_cache import concat_and_cache
 from mla.kernels.decode import mla_decode, mla_decode_reference
 from mla.kernels.decode import _e4m3_conversion
-from mla.kernels.triton_decode import E4M3_INTEGER_OPS, _e4m3_to
+from mla.kernels.triton_decode import E4M3_INTEGER_OPS, E4M3_INTERPRETER, _e4m3_to
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KINDS = ("fp8_e4m3", "fp8_ds_mla")
@@ -122,22 +122,32 @@ def assert_close_rows(out, lse, ref_out, ref_lse, tol):
 @triton.jit
 def _decode_bytes_kernel(x_ptr, y_ptr, N: tl.constexpr, E4M3: tl.constexpr):
     offs = tl.arange(0, N)
-    tl.store(y_ptr + offs, _e4m3_to(tl.load(x_ptr + offs), tl.float32, E4M3))
+    tl.store(y_ptr + offs, _e4m3_to(tl.load(x_ptr + offs), y_ptr.dtype.element_ty, E4M3))
 
 
 # the way mla_decode converts on this device, and integer ops (a GPU before sm_89), which every
-# device runs
+# device runs; into each dtype the kernel converts to (sm_90 reaches bf16 through fp16, sm_89
+# through float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("conversion", ["this device's", "integer ops"])
-def test_e4m3_decoding_matches_torch_on_all_256_bytes(conversion):
+def test_e4m3_decoding_matches_torch_on_all_256_bytes(conversion, dtype):
     e4m3 = _e4m3_conversion(torch.device(DEVICE)) if conversion == "this device's" else E4M3_INTEGER_OPS
     byte = torch.arange(256, dtype=torch.uint8, device=DEVICE)
-    got = torch.empty(256, dtype=torch.float32, device=DEVICE)
+    got = torch.empty(256, dtype=dtype, device=DEVICE)
     _decode_bytes_kernel[(1,)](byte, got, 256, e4m3)
-    want = byte.view(torch.float8_e4m3fn).float()
+    want = byte.view(torch.float8_e4m3fn).to(dtype)
     nan = want.isnan()
     assert nan.sum() == 2 and (got.isnan() == nan).all()  # 0x7F, 0xFF
     # bit for bit elsewhere: signed zeros, the subnormals m * 2^-9, +-448
-    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+    assert same_bytes(got[~nan], want[~nan])
+
+
+def test_the_interpreter_converts_its_own_way_on_any_device(monkeypatch):
+    # Triton interprets GPU tensors too (TRITON_INTERPRET=1 on a GPU machine): its conversion
+    # reads 0x7F as 480 there as well, so the NaN fix-up applies whatever q's device
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for device in ("cpu", "cuda", "cuda:1"):
+        assert _e4m3_conversion(torch.device(device)) == E4M3_INTERPRETER
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,6 +186,37 @@ def test_group_scales_matter(kind):
     out, lse = mla_decode(**args)
     ref_out, ref_lse = mla_decode_reference(**args)
     assert_close_rows(out, lse, ref_out, ref_lse, TIGHT)
+
+
+def test_e4m3_scale_near_the_float32_floor():
+    # the smallest scale check_e4m3_scale takes, 2^-126, over 1000 rows of about equal scores
+    # in one split (l = 1000): kv_scale / l is a float32 subnormal, 2^-136, with 10 bits fewer than a
+    # normal one, so the kernel applies the scale after dividing by l. Every latent value is
+    # made positive (the sign bit cleared; 0xFF stays a NaN, 0x7F), so out, their mean times
+    # 2^-126, is a normal float32 that keeps every bit
+    args, _, _, _ = make_fp8_case("fp8_e4m3", [1000], heads=2, seed=7)
+    args["kv_cache"].view(torch.uint8)[..., : args["kv_lora_rank"]] &= 0x7F
+    args["kv_scale"] = torch.tensor([2.0**-126], device=DEVICE)
+    out, lse = mla_decode(**args, num_kv_splits=1)
+    ref_out, ref_lse = mla_decode_reference(**args)
+    assert ref_out.min() > 2.0**-126
+    assert_close_rows(out, lse, ref_out, ref_lse, TIGHT)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_nan_byte_in_a_row_a_query_sees_makes_its_out_and_lse_nan(kind):
+    # byte 0 of sequence 0's last row set to 0x7F, an e4m3 NaN in the latent (key and value):
+    # its scores, sums and outputs are NaN through the conversion (on a GPU, in hardware), stage
+    # 1's normalisation and the merge, as the reference's; sequence 1 is untouched
+    args, _, _, _ = make_fp8_case(kind, [40, 40], heads=2, seed=8)
+    block, slot = divmod(40 - 1, 16)
+    args["kv_cache"].view(torch.uint8)[args["block_table"][0, block], slot, 0] = 0x7F
+    ref_out, ref_lse = mla_decode_reference(**args)
+    assert ref_out[0].isnan().all() and ref_lse[0].isnan().all()
+    for splits in (1, 2):
+        out, lse = mla_decode(**args, num_kv_splits=splits)
+        assert out[0].isnan().all() and lse[0].isnan().all()
+        assert_close_rows(out[1:], lse[1:], ref_out[1:], ref_lse[1:], TIGHT)
 
 
 def test_ds_mla_reads_each_group_its_own_scale():
@@ -548,6 +589,60 @@ def test_gpu_cuda_fp8_reads_a_cache_of_wider_rows(kind, backend, heads):
     _check_against_reference_and_triton(args, backend, (None, 3))
 
 
+def _at_byte_offset(cache, offset):
+    """A copy of the contiguous byte cache ``cache`` that starts ``offset`` bytes into a buffer."""
+    flat = torch.full((cache.numel() + offset,), 0xFF, dtype=torch.uint8, device=cache.device)
+    moved = flat[offset:].view(cache.shape)
+    moved.copy_(cache)
+    return moved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("layout", ["row-stride-660", "offset-4"])
+def test_gpu_triton_reads_ds_mla_rows_4_byte_aligned(layout, block_size):
+    """Rows that start 4-byte but not 16-byte aligned, which mla_decode takes: Triton then
+    cannot prove 16-byte alignment and must read the scales and the rope one float32 / bf16 at a
+    time (a 16-byte vector load there faults). At V3 sizes every other test's rows are 656 bytes
+    apart from a 16-byte aligned start; here they are 660 apart, or start 4 bytes into their
+    buffer. Pages of 16 (tiles of 32 span pages) and 64."""
+    args = _cuda_case("fp8_ds_mla", torch.bfloat16, 16, block_size, seed=16, seq_lens=[0, 1, 31, 33, 700],
+                      row_pad=4 if layout == "row-stride-660" else 0)
+    if layout == "offset-4":
+        args["kv_cache"] = _at_byte_offset(args["kv_cache"], 4)
+    cache = args["kv_cache"]
+    assert (cache.data_ptr() % 16, cache.stride(1)) == ((0, 660) if layout == "row-stride-660" else (4, 656))
+    _check_against_reference_and_triton(args, "triton", (None, 3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_triton_runs_on_the_gpu_of_q(kind, monkeypatch):
+    """q on the second GPU while the first is current (a model spread over GPUs in one process):
+    Triton launches on the current device, so mla_decode makes q's current for the call, which
+    is also the target whose e4m3 conversion it picks."""
+    from mla.kernels import decode
+
+    current = []  # the current device when the kernel's conversion is chosen, just before launch
+    choose = decode._e4m3_conversion
+
+    def spy(device):
+        current.append(torch.cuda.current_device())
+        assert current[-1] == device.index, "a launch on a GPU other than q's"
+        return choose(device)
+
+    monkeypatch.setattr(decode, "_e4m3_conversion", spy)
+    args = _cuda_case(kind, torch.bfloat16, 16, 64, seed=17, seq_lens=[0, 1, 100, 1000])
+    args = {k: v.to("cuda:1") if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    with torch.cuda.device(0):
+        out, lse = mla_decode(**args, num_kv_splits=3, _backend="triton")  # stage 1 and the merge
+        torch.cuda.synchronize(1)
+    assert current == [1] and out.device == lse.device == torch.device("cuda:1")
+    ref_out, ref_lse = _reference_in_q_dtype(args)
+    assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
 def test_gpu_sm80_fp8_both_launch_shapes(kind):
@@ -633,11 +728,12 @@ def test_gpu_sm90_runs_are_repeatable(kind, s_q):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend, heads", [("cuda-sm80", 16), ("cuda-sm90", 128)])
+@pytest.mark.parametrize("backend, heads", [("cuda-sm80", 16), ("cuda-sm90", 128), ("triton", 16)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_gpu_cuda_fp8_cuda_graph_capture(kind, backend, heads):
-    # with num_kv_splits given the call captures; the replay equals the eager call, and an
-    # fp8_e4m3 scale changed in place is read by the next replay (it lives on the device)
+    # with num_kv_splits given the call captures (Triton's choice of e4m3 conversion included);
+    # the replay equals the eager call, and an fp8_e4m3 scale changed in place is read by the
+    # next replay (it lives on the device)
     if backend == "cuda-sm90":
         _skip_unless_sm90()
     from tests.test_kernels_decode import captured

@@ -49,6 +49,19 @@ _KV_FORMATS = {"auto": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
 # ---------------------------------------------------------------------------------------------
 
 
+def _on_the_gpu_of_q(op):
+    """``op`` run with q's GPU as the current device: Triton compiles for and launches on the
+    current device, not on its arguments' (a model spread over several GPUs in one process)."""
+    @functools.wraps(op)
+    def on_q_gpu(q, *args, **kwargs):
+        if isinstance(q, torch.Tensor) and q.device.type == "cuda":
+            with torch.cuda.device(q.device):
+                return op(q, *args, **kwargs)
+        return op(q, *args, **kwargs)
+    return on_q_gpu
+
+
+@_on_the_gpu_of_q
 def mla_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -132,7 +145,7 @@ def mla_decode(
     default), and s_q > 1 runs on Triton otherwise. ``"cuda-sm80"`` takes one new token only:
     ``_backend`` forcing it with s_q > 1 is a ValueError. On the CPU the Triton kernel runs in its interpreter; bf16 there runs in
     float32 on copies of q and the pages the rows use (the interpreter's bf16 dot is wrong), out
-    cast back to bf16.
+    cast back to bf16. On a GPU every kernel runs on q's, whichever device is current.
 
     With s_q > 1, a NaN or inf in the value (first c values) of a cached row that token j does
     not see (between its causal limit and ``seq_len``) still reaches token j's out, not its lse,
@@ -280,9 +293,10 @@ def mla_decode(
 
 def _e4m3_conversion(device: torch.device) -> int:
     """How the Triton kernel converts e4m3 bytes on ``device`` (``mla.kernels.triton_decode``):
-    the interpreter's conversion on the CPU; in hardware where the target has it (sm_89 and
-    later); in integer ops elsewhere."""
-    if device.type == "cpu":
+    the interpreter's conversion on the CPU and wherever Triton interprets (it runs GPU tensors
+    too); in hardware where the target has it (sm_89 and later); in integer ops elsewhere. The
+    target is the current device's, the one Triton compiles for (``mla_decode`` makes it q's)."""
+    if device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
         return E4M3_INTERPRETER
     target = triton.runtime.driver.active.get_current_target()
     return E4M3_HARDWARE if target.backend == "cuda" and target.arch >= 89 else E4M3_INTEGER_OPS

@@ -360,10 +360,11 @@ def _mla_decode_split_kernel(
         )
 
     # ---- normalise and write; an empty split (l = 0) writes zeros and lse = -inf. A NaN score
-    # makes l NaN, which is not 0: out and lse are NaN, as the reference's are
+    # makes l NaN, which is not 0: out and lse are NaN, as the reference's are. The scale comes
+    # last: acc / l is a value's size, where kv_scale / l of a scale near 2^-126 is subnormal
     nonempty = l_i != 0.0
     l_safe = tl.where(nonempty, l_i, 1.0)
-    out = acc * (kv_scale / l_safe)[:, None]
+    out = acc / l_safe[:, None] * kv_scale
     lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # x ln(2)
 
     out_ptrs = (
