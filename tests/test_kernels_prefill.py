@@ -614,6 +614,21 @@ def test_gpu_bf16_v3_ragged_causal(heads):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_gpu_runs_on_the_gpu_of_q():
+    # q on the second GPU while the first is current (a model spread over GPUs in one process):
+    # Triton launches on the current device, so mla_prefill makes q's current for the call
+    args = make_varlen([1, 77, 300], [1, 77, 1000], h=16, dtype=torch.bfloat16, device="cuda:1", **V3)
+    with torch.cuda.device(0):
+        out, lse = mla_prefill(*args, softmax_scale=192**-0.5)
+        torch.cuda.synchronize(1)
+    ref_out, ref_lse = mla_prefill_reference(*args, softmax_scale=192**-0.5)
+    assert out.device == lse.device == torch.device("cuda:1")
+    assert rel_err(out, ref_out) < 2e-2
+    assert_lse_close(lse, ref_lse, 1e-2)
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_matches_sdpa():
     s, h = 2048, 16
     q_nope, q_pe, k_nope, k_pe, v, cu_q, cu_k = make_varlen([s], [s], h=h, dtype=torch.bfloat16, device="cuda", **V3)

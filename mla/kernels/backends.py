@@ -17,8 +17,9 @@ same partials, which the Triton merge combines (with one split, each writes the 
   and both fp8 layouts, dequantising each block group of a tile into q's dtype in place in shared
   memory.
 
-What is validated on a GPU: ``"cuda-sm80"`` and ``"cuda-sm90"`` on caches in q's dtype, and
-``"triton"`` on every layout. The fp8 paths of the CUDA kernels are written and compile-checked
+What is validated on a GPU: all three on caches in q's dtype. The fp8 path of ``"triton"`` is
+tested on the CPU (Triton's interpreter) and compiled for sm_90 (``benchmarks/compile_triton.py``),
+and its GPU tests are written. The fp8 paths of the CUDA kernels are written and compile-checked
 (``"cuda-sm80"``: nvcc 13 for sm_80, 86, 89, 90a, 100 and 120; ``"cuda-sm90"``: sm_90a; no spills)
 but have not yet run on a GPU, so an fp8 cache runs on ``"triton"`` unless ``_backend`` asks for
 one of them. ``SM80_READS_FP8_BY_DEFAULT = True`` makes ``"cuda-sm80"`` the default for <= 16
@@ -43,6 +44,8 @@ H200 are in ``benchmarks/results/h200-decode.json``.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 
 import torch
@@ -76,6 +79,22 @@ SM90_READS_FP8_BY_DEFAULT = False
 SM90_TAKES_QUERY_TOKENS_BY_DEFAULT = False
 _EXTENSION_KEY = {"cuda-sm80": "decode", "cuda-sm90": "decode_sm90"}
 _CPU_SM_COUNT = 132  # an H100/H200's SM count, so CPU runs choose the splits a GPU would
+
+
+def on_the_gpu_of_its_first_tensor(op):
+    """``op`` run with its first argument's GPU as the current device: Triton compiles for and
+    launches on the current device, not on its arguments' (a model spread over several GPUs in
+    one process). The CUDA ops guard their device themselves."""
+    name = next(iter(inspect.signature(op).parameters))
+
+    @functools.wraps(op)
+    def on_its_gpu(*args, **kwargs):
+        first = args[0] if args else kwargs.get(name)
+        if isinstance(first, torch.Tensor) and first.device.type == "cuda":
+            with torch.cuda.device(first.device):
+                return op(*args, **kwargs)
+        return op(*args, **kwargs)
+    return on_its_gpu
 
 
 def sm_count(device: torch.device | str) -> int:

@@ -22,7 +22,7 @@ import torch
 import triton
 
 from . import fp8
-from .backends import CUDA_TILES, choose_decode_backend, sm_count
+from .backends import CUDA_TILES, choose_decode_backend, on_the_gpu_of_its_first_tensor, sm_count
 from .constants import LOG2E, MAX_GRID_YZ
 from .triton_decode import (E4M3_HARDWARE, E4M3_INTEGER_OPS, E4M3_INTERPRETER, _mla_decode_merge_kernel,
                             _mla_decode_split_kernel)
@@ -49,19 +49,7 @@ _KV_FORMATS = {"auto": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
 # ---------------------------------------------------------------------------------------------
 
 
-def _on_the_gpu_of_q(op):
-    """``op`` run with q's GPU as the current device: Triton compiles for and launches on the
-    current device, not on its arguments' (a model spread over several GPUs in one process)."""
-    @functools.wraps(op)
-    def on_q_gpu(q, *args, **kwargs):
-        if isinstance(q, torch.Tensor) and q.device.type == "cuda":
-            with torch.cuda.device(q.device):
-                return op(q, *args, **kwargs)
-        return op(q, *args, **kwargs)
-    return on_q_gpu
-
-
-@_on_the_gpu_of_q
+@on_the_gpu_of_its_first_tensor
 def mla_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,

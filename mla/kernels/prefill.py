@@ -37,6 +37,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import fp8
+from .backends import on_the_gpu_of_its_first_tensor
 from .constants import LOG2E, MAX_GRID_YZ
 from .triton_prefill import default_prefill_config, mla_prefill_kernel
 
@@ -188,6 +189,7 @@ def _interpreted(device: torch.device) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+@on_the_gpu_of_its_first_tensor
 def mla_prefill(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
