@@ -30,3 +30,21 @@ def test_triton_kernels_compile_for_sm90_and_fp8_tiles_do_not_spill(tmp_path):
             for kernel in case["kernels"]:
                 assert kernel["registers"] is not None, case  # ptxas's report was read
                 assert kernel["spill_store_bytes"] == 0, (case["case"], kernel)
+
+
+def test_on_a_gpu_with_99_kb_of_shared_memory_the_kernels_step_down_until_they_fit(tmp_path):
+    # sm_89 (RTX 4090, L40): the prefill's default tile needs 128 KB; Triton refuses it before it
+    # launches, and mla_prefill launches the next configuration down
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_triton.py"), "--out", str(tmp_path),
+                           "--quick", "--arch", "89"], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (path,) = tmp_path.glob("triton-compile-*-sm89.json")
+    report = json.loads(path.read_text())
+    for case in report["cases"]:
+        assert case["error"] is None, case
+        launched = [k for k in case["kernels"] if k["launched"]]
+        assert all(k["shared_bytes"] <= report["shared_limit"] for k in launched), case
+    prefill = [k for case in report["cases"] for k in case["kernels"] if k["kernel"] == "mla_prefill_kernel"]
+    assert [k["launched"] for k in prefill] == [False, True]  # refused, then a smaller one ran

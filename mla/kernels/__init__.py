@@ -5,7 +5,8 @@ One module a piece: ``triton_decode`` (the Triton decode kernels), ``decode`` (t
 reference, checks and split policy), ``backends`` (which stage 1 runs), ``triton_prefill`` (the
 Triton prefill kernel), ``prefill`` (the prefill op, its reference, the log-sum-exp merge and
 chunked context prefill), ``extension`` (the compiled csrc extension), ``concat_cache`` (the
-concat-and-cache op and its reference), ``fp8`` (the fp8 cache layouts in plain torch).
+concat-and-cache op and its reference), ``fp8`` (the fp8 cache layouts in plain torch),
+``launch`` (the Triton ops' device and the shared-memory fit on GPUs with less than an H100's).
 
 On a machine without a CUDA GPU the Triton kernels run in Triton's interpreter; TRITON_INTERPRET
 must be set before triton is first imported, so this package sets it when no GPU is visible.

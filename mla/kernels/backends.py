@@ -44,8 +44,6 @@ H200 are in ``benchmarks/results/h200-decode.json``.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import warnings
 
 import torch
@@ -79,22 +77,6 @@ SM90_READS_FP8_BY_DEFAULT = False
 SM90_TAKES_QUERY_TOKENS_BY_DEFAULT = False
 _EXTENSION_KEY = {"cuda-sm80": "decode", "cuda-sm90": "decode_sm90"}
 _CPU_SM_COUNT = 132  # an H100/H200's SM count, so CPU runs choose the splits a GPU would
-
-
-def on_the_gpu_of_its_first_tensor(op):
-    """``op`` run with its first argument's GPU as the current device: Triton compiles for and
-    launches on the current device, not on its arguments' (a model spread over several GPUs in
-    one process). The CUDA ops guard their device themselves."""
-    name = next(iter(inspect.signature(op).parameters))
-
-    @functools.wraps(op)
-    def on_its_gpu(*args, **kwargs):
-        first = args[0] if args else kwargs.get(name)
-        if isinstance(first, torch.Tensor) and first.device.type == "cuda":
-            with torch.cuda.device(first.device):
-                return op(*args, **kwargs)
-        return op(*args, **kwargs)
-    return on_its_gpu
 
 
 def sm_count(device: torch.device | str) -> int:

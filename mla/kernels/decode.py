@@ -22,8 +22,9 @@ import torch
 import triton
 
 from . import fp8
-from .backends import CUDA_TILES, choose_decode_backend, on_the_gpu_of_its_first_tensor, sm_count
+from .backends import CUDA_TILES, choose_decode_backend, sm_count
 from .constants import LOG2E, MAX_GRID_YZ
+from .launch import launch_fitting, on_the_gpu_of_its_first_tensor, step_down
 from .triton_decode import (E4M3_HARDWARE, E4M3_INTEGER_OPS, E4M3_INTERPRETER, _mla_decode_merge_kernel,
                             _mla_decode_split_kernel)
 
@@ -246,37 +247,49 @@ def mla_decode(
 
     block_c, block_r = max(16, triton.next_power_of_2(c)), max(16, triton.next_power_of_2(r))
     head_major = bool(config["HEAD_MAJOR"])
-    row_blocks = triton.cdiv(rows, block_h)
-    grid = (row_blocks, b, num_kv_splits) if head_major else (b, row_blocks, num_kv_splits)
     # an fp8 cache goes in as its bytes; the scale pointer is read for "fp8_e4m3" only
     kv = kv_cache if kind == "auto" else kv_cache.view(torch.uint8)
     rope_offset = c + 4 * (c // fp8.DS_MLA_GROUP) if kind == "fp8_ds_mla" else c
-    _mla_decode_split_kernel[grid](
-        q, kv, scale_t if scale_t is not None else seq_lens, block_table, seq_lens, part_out, part_lse,
-        h, s_q, c, r, rope_offset, block_size, num_kv_splits, float(softmax_scale) * LOG2E,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1),
-        block_table.stride(0), block_table.stride(1),
-        seq_lens.stride(0),
-        *part_out_strides,
-        *part_lse_strides,
-        BLOCK_H=block_h,
-        BLOCK_N=config["BLOCK_N"],
-        BLOCK_C=block_c,
-        BLOCK_R=block_r,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PAGE_TILE=bool(config["PAGE_TILE"]) and block_size % config["BLOCK_N"] == 0,
-        EXACT=(block_c == c and block_r == r),
-        HEAD_MAJOR=head_major,
-        SPLIT_TAIL=bool(config["SPLIT_TAIL"]),
-        KV_FORMAT=_KV_FORMATS[kind],
-        E4M3=_e4m3_conversion(q.device),
-        num_warps=config["num_warps"],
-        num_stages=config["num_stages"],
-    )
+    def launch(config):
+        block_h = config["BLOCK_H"]
+        row_blocks = triton.cdiv(rows, block_h)
+        grid = (row_blocks, b, num_kv_splits) if head_major else (b, row_blocks, num_kv_splits)
+        _mla_decode_split_kernel[grid](
+            q, kv, scale_t if scale_t is not None else seq_lens, block_table, seq_lens, part_out, part_lse,
+            h, s_q, c, r, rope_offset, block_size, num_kv_splits, float(softmax_scale) * LOG2E,
+            q.stride(0), q.stride(1), q.stride(2),
+            kv_cache.stride(0), kv_cache.stride(1),
+            block_table.stride(0), block_table.stride(1),
+            seq_lens.stride(0),
+            *part_out_strides,
+            *part_lse_strides,
+            BLOCK_H=block_h,
+            BLOCK_N=config["BLOCK_N"],
+            BLOCK_C=block_c,
+            BLOCK_R=block_r,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            PAGE_TILE=bool(config["PAGE_TILE"]) and block_size % config["BLOCK_N"] == 0,
+            EXACT=(block_c == c and block_r == r),
+            HEAD_MAJOR=head_major,
+            SPLIT_TAIL=bool(config["SPLIT_TAIL"]),
+            KV_FORMAT=_KV_FORMATS[kind],
+            E4M3=_e4m3_conversion(q.device),
+            num_warps=config["num_warps"],
+            num_stages=config["num_stages"],
+        )
+
+    if _config:  # a configuration given is launched as it is: a GPU that cannot take it says so
+        launch(config)
+    else:
+        launch_fitting(launch, config, ("mla_decode", q.device, kind, q.dtype),
+                       functools.partial(step_down, order=_STEP_DOWN))
     if num_kv_splits > 1:
         _merge(part_out, part_lse, out_rows, lse_rows)
     return out, lse
+
+
+# shared memory a decode configuration needs shrinks with fewer stages, then tokens, then rows
+_STEP_DOWN = (("num_stages", 1), ("BLOCK_N", 16), ("BLOCK_H", 16))
 
 
 def _e4m3_conversion(device: torch.device) -> int:

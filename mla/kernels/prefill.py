@@ -26,6 +26,7 @@ a page; ``total_q`` / ``total_k`` are the packed rows of all sequences' queries 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import numbers
@@ -37,8 +38,8 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import fp8
-from .backends import on_the_gpu_of_its_first_tensor
 from .constants import LOG2E, MAX_GRID_YZ
+from .launch import launch_fitting, on_the_gpu_of_its_first_tensor, step_down
 from .triton_prefill import default_prefill_config, mla_prefill_kernel
 
 __all__ = [
@@ -189,6 +190,10 @@ def _interpreted(device: torch.device) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+# shared memory a prefill configuration needs shrinks with fewer stages, then keys, then queries
+_STEP_DOWN = (("num_stages", 1), ("BLOCK_N", 16), ("BLOCK_M", 16))
+
+
 @on_the_gpu_of_its_first_tensor
 def mla_prefill(
     q_nope: torch.Tensor,
@@ -271,28 +276,36 @@ def mla_prefill(
             raise ValueError(f"{fn}: unknown _config keys {sorted(unknown)}; known: {sorted(config)}")
         config.update(_config)
     block_d, block_r, block_v = (max(16, triton.next_power_of_2(n)) for n in (d, r, dv))
-    grid = (triton.cdiv(max_seqlen_q, config["BLOCK_M"]), h, b)
-    mla_prefill_kernel[grid](
-        q_nope_c, q_pe_c, k_nope_c, k_pe_c, v_c, cu_seqlens_q, cu_seqlens_k, out_c, lse,
-        d, r, dv, float(softmax_scale) * LOG2E,
-        q_nope_c.stride(0), q_nope_c.stride(1),
-        q_pe_c.stride(0), q_pe_c.stride(1),
-        k_nope_c.stride(0), k_nope_c.stride(1),
-        k_pe_c.stride(0),
-        v_c.stride(0), v_c.stride(1),
-        out_c.stride(0), out_c.stride(1),
-        lse.stride(0), lse.stride(1),
-        BLOCK_M=config["BLOCK_M"],
-        BLOCK_N=config["BLOCK_N"],
-        BLOCK_D=block_d,
-        BLOCK_R=block_r,
-        BLOCK_V=block_v,
-        CAUSAL=causal,
-        EXACT=(block_d, block_r, block_v) == (d, r, dv),
-        DOT_PRECISION="ieee" if q_nope_c.dtype == torch.float32 else "tf32",
-        num_warps=config["num_warps"],
-        num_stages=config["num_stages"],
-    )
+
+    def launch(config):
+        grid = (triton.cdiv(max_seqlen_q, config["BLOCK_M"]), h, b)
+        mla_prefill_kernel[grid](
+            q_nope_c, q_pe_c, k_nope_c, k_pe_c, v_c, cu_seqlens_q, cu_seqlens_k, out_c, lse,
+            d, r, dv, float(softmax_scale) * LOG2E,
+            q_nope_c.stride(0), q_nope_c.stride(1),
+            q_pe_c.stride(0), q_pe_c.stride(1),
+            k_nope_c.stride(0), k_nope_c.stride(1),
+            k_pe_c.stride(0),
+            v_c.stride(0), v_c.stride(1),
+            out_c.stride(0), out_c.stride(1),
+            lse.stride(0), lse.stride(1),
+            BLOCK_M=config["BLOCK_M"],
+            BLOCK_N=config["BLOCK_N"],
+            BLOCK_D=block_d,
+            BLOCK_R=block_r,
+            BLOCK_V=block_v,
+            CAUSAL=causal,
+            EXACT=(block_d, block_r, block_v) == (d, r, dv),
+            DOT_PRECISION="ieee" if q_nope_c.dtype == torch.float32 else "tf32",
+            num_warps=config["num_warps"],
+            num_stages=config["num_stages"],
+        )
+
+    if _config:  # a configuration given is launched as it is: a GPU that cannot take it says so
+        launch(config)
+    else:
+        launch_fitting(launch, config, (fn, q_nope.device, q_nope_c.dtype, d, r, dv, causal),
+                       functools.partial(step_down, order=_STEP_DOWN))
     if out_c is not out:
         out.copy_(out_c)
     return out, lse
