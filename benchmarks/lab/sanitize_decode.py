@@ -60,6 +60,33 @@ def main() -> None:
     fp8_and_query_tokens()
 
 
+def poisoned_cache(kind, lengths, table_tokens, page, c, r, dtype, device="cuda"):
+    """A paged cache in the layout ``kind`` whose every unwritten byte is 0xFF (NaN in bf16 and
+    in e4m3), sequence i's first ``lengths[i]`` rows written by concat_and_cache from random
+    latents on randomly ordered pages; a block table of room for ``table_tokens`` tokens a row,
+    its unused entries garbage (10^6). Returns (cache, block_table, scale): the fp8_e4m3 scale,
+    else None."""
+    b = len(lengths)
+    max_blocks = max(1, -(-table_tokens // page)) + 1
+    num_blocks = b * max_blocks + 2
+    cache_dtype, width = fp8.cache_row(kind, c, r, dtype)
+    cache = torch.full((num_blocks, page, width * cache_dtype.itemsize), 0xFF, dtype=torch.uint8,
+                       device=device).view(cache_dtype)
+    table = torch.full((b, max_blocks), 10**6, dtype=torch.int32, device=device)
+    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
+    slots, used = [], 0
+    for i, n in enumerate(lengths):
+        pages = -(-n // page)
+        table[i, :pages] = perm[used:used + pages]
+        slots += [int(table[i, t // page]) * page + t % page for t in range(n)]
+        used += pages
+    latents = torch.randn(len(slots), c + r, device=device, dtype=dtype)
+    scale = torch.tensor([0.02], device=device) if kind == "fp8_e4m3" else None
+    concat_and_cache(latents[:, :c], latents[:, c:], cache, torch.tensor(slots, dtype=torch.int64, device=device),
+                     kv_cache_dtype=kind, scale=scale)
+    return cache, table, scale
+
+
 def fp8_and_query_tokens(only: str | None = None) -> None:
     """The Triton kernel on s_q = 1..8 query tokens and on fp8_e4m3 / fp8_ds_mla caches, and the
     CUDA stage-1 kernels on the fp8 caches they take (s_q = 1; sm_80 for <= 16 heads, sm_90 for
@@ -88,25 +115,7 @@ def fp8_and_query_tokens(only: str | None = None) -> None:
         if only is not None and (kind == "auto" or s_q != 1):
             continue
         b = len(seq_lens)
-        max_blocks = max(1, -(-max(seq_lens) // page)) + 1
-        num_blocks = b * max_blocks + 3
-        row_bytes = fp8.bytes_per_token(kind, c, r, torch.bfloat16)
-        cache = torch.full((num_blocks, page, row_bytes), 0xFF, dtype=torch.uint8, device="cuda")
-        cache = cache.view({"auto": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
-                            "fp8_ds_mla": torch.uint8}[kind])
-        table = torch.full((b, max_blocks), 10**6, dtype=torch.int32, device="cuda")
-        perm = torch.randperm(num_blocks, device="cuda").to(torch.int32)
-        slots, used = [], 0
-        for i, n in enumerate(seq_lens):
-            nb = -(-n // page)
-            table[i, :nb] = perm[used:used + nb]
-            slots += [int(table[i, t // page]) * page + t % page for t in range(n)]
-            used += nb
-        latents = torch.randn(len(slots), c + r, device="cuda", dtype=torch.bfloat16)
-        scale = torch.tensor([0.02], device="cuda") if kind == "fp8_e4m3" else None
-        concat_and_cache(latents[:, :c], latents[:, c:], cache,
-                         torch.tensor(slots, dtype=torch.int64, device="cuda"),
-                         kv_cache_dtype=kind, scale=scale)
+        cache, table, scale = poisoned_cache(kind, seq_lens, max(seq_lens), page, c, r, torch.bfloat16)
         q = torch.randn(b, s_q, heads, c + r, device="cuda", dtype=torch.bfloat16)
         lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
         layout = dict(kv_lora_rank=c, softmax_scale=0.1, kv_cache_dtype=kind, kv_scale=scale)

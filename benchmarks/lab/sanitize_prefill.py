@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from mla.kernels import (chunked_context_prefill, concat_and_cache, fp8, mla_prefill,
-                         mla_prefill_reference)
+from benchmarks.lab.sanitize_decode import poisoned_cache
+from mla.kernels import chunked_context_prefill, mla_prefill, mla_prefill_reference
 
 H, D, R, V, C, PAGE = 16, 128, 64, 128, 512, 16
 DT = torch.bfloat16
@@ -53,25 +53,7 @@ def flash() -> int:
 
 def chunked(kind: str) -> int:
     contexts, news = [0, 37, 100], [5, 20, 1]
-    b = len(contexts)
-    max_blocks = -(-max(c + n for c, n in zip(contexts, news)) // PAGE) + 1
-    num_blocks = b * max_blocks + 2
-    cache = torch.full((num_blocks, PAGE, fp8.bytes_per_token(kind, C, R, DT)), 0xFF,
-                       dtype=torch.uint8, device="cuda")
-    cache = cache.view({"auto": DT, "fp8_e4m3": torch.float8_e4m3fn, "fp8_ds_mla": torch.uint8}[kind])
-    table = torch.full((b, max_blocks), 10**6, dtype=torch.int32, device="cuda")
-    perm = torch.randperm(num_blocks, device="cuda").to(torch.int32)
-    slots, used = [], 0
-    for i, n in enumerate(contexts):
-        pages = -(-n // PAGE)
-        table[i, :pages] = perm[used:used + pages]
-        slots += [int(table[i, t // PAGE]) * PAGE + t % PAGE for t in range(n)]
-        used += pages
-    latents = torch.randn(len(slots), C + R, device="cuda", dtype=DT)
-    scale = torch.tensor([0.02], device="cuda") if kind == "fp8_e4m3" else None
-    concat_and_cache(latents[:, :C], latents[:, C:], cache,
-                     torch.tensor(slots, dtype=torch.int64, device="cuda"), kv_cache_dtype=kind,
-                     scale=scale)
+    cache, table, scale = poisoned_cache(kind, contexts, max(c + n for c, n in zip(contexts, news)), PAGE, C, R, DT)
     total = sum(news)
     q_nope = torch.randn(total, H, D, device="cuda", dtype=DT)
     q_pe = torch.randn(total, H, R, device="cuda", dtype=DT)
