@@ -64,15 +64,16 @@ CUDA_LATENT = (512, 64)  # (c, r) both CUDA kernels are built for
 # the wgmma kernel's kSmemBytes for every layout (it stages the stored bytes in its tile buffers)
 CUDA_SMEM_BYTES = {"cuda-sm80": 105_088, "cuda-sm90": 231_712}
 SM80_FP8_SMEM_BYTES = {"fp8_e4m3": 104_576, "fp8_ds_mla": 109_696}
-SM90_FP8_SMEM_BYTES = {"fp8_e4m3": 231_712, "fp8_ds_mla": 231_712}
+SM90_FP8_SMEM_BYTES = dict.fromkeys(("fp8_e4m3", "fp8_ds_mla"), CUDA_SMEM_BYTES["cuda-sm90"])
 # Whether an fp8 cache runs on "cuda-sm80" by default (<= 16 heads), and on "cuda-sm90" (more
 # heads), rather than on "triton": True once the GPU tests of that kernel's fp8 path pass
 # (module docstring)
 SM80_READS_FP8_BY_DEFAULT = False
 SM90_READS_FP8_BY_DEFAULT = False
 # Whether q of s_q > 1 new tokens runs on "cuda-sm90" by default rather than on "triton": True
-# once a GPU run passes test_sm90_query_tokens* in tests/test_kernels_decode.py (against the
-# reference and the Triton kernel, ragged and short rows, fp8_ds_mla, a CUDA graph) and
+# once a GPU run passes test_gpu_sm90_query_tokens* in tests/test_kernels_decode.py and
+# tests/test_kernels_decode_fp8.py (against the reference and the Triton kernel, ragged and short
+# rows, every layout, a CUDA graph) and
 # benchmarks/lab/sanitize_decode.py under compute-sanitizer memcheck
 SM90_TAKES_QUERY_TOKENS_BY_DEFAULT = False
 _EXTENSION_KEY = {"cuda-sm80": "decode", "cuda-sm90": "decode_sm90"}

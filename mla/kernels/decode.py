@@ -39,8 +39,6 @@ __all__ = [
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_QUERY_TOKENS = 8  # s_q: new tokens a sequence one call takes (speculative decoding, MTP)
 _MERGE_TILE = 4096  # partial-output values one merge program reads (splits x chunk of c)
-# an H100/H200 block's most shared memory; 3 stages of 64 x 576 bf16 tiles (216 KiB) fit
-_SHARED_MEMORY_BUDGET = 227 * 1024
 # the kernel's KV_FORMAT for each cache layout (mla.kernels.fp8 defines the fp8 ones)
 _KV_FORMATS = {"auto": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
 
@@ -192,10 +190,7 @@ def mla_decode(
                                         _config=_config, _backend=_backend)
         return out.to(torch.bfloat16), lse
 
-    config = _fit_shared_memory(
-        default_config(rows, kind), max(16, triton.next_power_of_2(c)), max(16, triton.next_power_of_2(r)),
-        q.element_size(),
-    )
+    config = default_config(rows, kind)
     if _config:
         unknown = set(_config) - set(config)
         if unknown:
@@ -249,7 +244,7 @@ def mla_decode(
     head_major = bool(config["HEAD_MAJOR"])
     # an fp8 cache goes in as its bytes; the scale pointer is read for "fp8_e4m3" only
     kv = kv_cache if kind == "auto" else kv_cache.view(torch.uint8)
-    rope_offset = c + 4 * (c // fp8.DS_MLA_GROUP) if kind == "fp8_ds_mla" else c
+    rope_offset = fp8.ds_mla_layout(c, r)["rope"][0] if kind == "fp8_ds_mla" else c
     def launch(config):
         block_h = config["BLOCK_H"]
         row_blocks = triton.cdiv(rows, block_h)
@@ -418,8 +413,8 @@ def default_config(num_heads: int, kv_cache_dtype: str = "auto") -> dict:
     ``HEAD_MAJOR``: a sequence's head blocks run side by side and share its tiles through L2.
     ``SPLIT_TAIL``: whole tiles run without token masks, the split's partial last tile apart.
     The tiles for caches in q's dtype are the fastest on an H200 (``docs/derivations/split-kv.md``);
-    for caches of more than 2 bytes a value ``mla_decode`` lowers stages and tile to fit shared
-    memory. An fp8 tile passes through registers to be converted, beside the accumulator, so its
+    where a GPU refuses one for its shared memory (float32 caches; GPUs with less than an H100's
+    227 KB a block) ``mla_decode`` launches the next smaller (``mla.kernels.launch``). An fp8 tile passes through registers to be converted, beside the accumulator, so its
     tiles are those ptxas compiles without spilling at c = 512 (``benchmarks/compile_triton.py``):
     at most 32 rows, 8 warps.
     """
@@ -434,22 +429,6 @@ def default_config(num_heads: int, kv_cache_dtype: str = "auto") -> dict:
     else:
         tile = {"BLOCK_H": block_h, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     return dict(tile, PAGE_TILE=True, HEAD_MAJOR=True, SPLIT_TAIL=True)
-
-
-def _fit_shared_memory(config: dict, block_c: int, block_r: int, element_size: int) -> dict:
-    """Fewer stages, then smaller tiles, until num_stages cache tiles fit the budget.
-
-    Only the defaults are fitted (a ``_config`` override is taken as given): the defaults are
-    tuned for 2-byte caches at c + r = 576, and fp32 or wider rows would not fit.
-    """
-    config = dict(config)
-    tile_bytes = lambda cfg: cfg["num_stages"] * cfg["BLOCK_N"] * (block_c + block_r) * element_size  # noqa: E731
-    while tile_bytes(config) > _SHARED_MEMORY_BUDGET and (config["num_stages"] > 2 or config["BLOCK_N"] > 16):
-        if config["num_stages"] > 2:
-            config["num_stages"] -= 1
-        else:
-            config["BLOCK_N"] //= 2
-    return config
 
 
 def choose_num_kv_splits(
