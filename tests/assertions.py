@@ -8,6 +8,11 @@ tutorials/conftest.py shares.
 import torch
 
 
+def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative error in the Frobenius norm, in float64."""
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
 def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
     """Relative error in the Frobenius norm below tol; NaN or inf on either side fails."""
     assert torch.isfinite(actual).all(), "non-finite values in the output under test"
@@ -21,7 +26,6 @@ def check_graphed_decode_steps(paged, common, graphed, hidden: int, tol: float, 
     """Capture `paged.decode_step` over the cache `graphed` in a CUDA graph and replay it for
     `steps` + 1 tokens a row, each checked against the eager call over its twin cache `common`
     (the same tokens so far) within `tol`. Warms up (Triton compiles) on a side stream first."""
-    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
     b = graphed.batch_size
     static_x = torch.zeros(b, 1, hidden, device="cuda", dtype=dtype)
     buffers = paged.decode_inputs(graphed)

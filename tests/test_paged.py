@@ -15,16 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mla
-from assertions import check_graphed_decode_steps
+from assertions import check_graphed_decode_steps, rel
 from mla.cache import LatentCache
 from mla.paged import UNUSED, OutOfBlocksError, PagedLatentCache, PagedMLA
 
 TINY = mla.MLAConfig.from_preset("tiny")
 NAN = float("nan")
-
-
-def rel(actual, expected):
-    return float((actual.double() - expected.double()).norm() / expected.double().norm())
 
 
 def pair(block_size, *, prefill="up-project", seed=1, **options):

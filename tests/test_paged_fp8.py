@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import mla
-from assertions import check_graphed_decode_steps
+from assertions import check_graphed_decode_steps, rel
 from mla import memory
 from mla.kernels import fp8
 from mla.paged import PagedLatentCache, PagedMLA
@@ -32,10 +32,6 @@ C, R = CFG.kv_lora_rank, CFG.qk_rope_head_dim
 KINDS = ("fp8_e4m3", "fp8_ds_mla")
 FP8_BOUND = 2.0**-4   # half an e4m3 step, relative: the most one stored value moves
 SCENARIO = ([20, 0, 13], [12, 30, 1], [1, 1, 1], [1, 0, 1], [3, 8, 2], [1, 1, 1])
-
-
-def rel(actual, expected):
-    return float((actual.double() - expected.double()).norm() / expected.double().norm())
 
 
 def weights(dtype=torch.float32, device="cpu"):

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import mla
+from assertions import rel
 from mla import parallel
 from mla.paged import PagedLatentCache
 
@@ -46,10 +47,6 @@ CALLS = [
     (3, [0, 0, 0]),      # nobody takes part
     (5, [2, 5, 1]),      # extend, extend, decode
 ]
-
-
-def rel(actual, expected):
-    return float((actual.double() - expected.double()).norm() / expected.double().norm())
 
 
 # ---- sharding, one process ----------------------------------------------------------------
