@@ -65,8 +65,8 @@ C, R, PAGE = 512, 64, 64  # DeepSeek-V3: kv_lora_rank, rope dim, page size
 D = C + R
 SCALE = 192**-0.5  # (qk_nope_head_dim + qk_rope_head_dim)^-0.5; the value does not change the time
 
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_ds_mla")  # the cache layouts, in the order a shape runs them
-SHAPES = [  # (b, t, h): issue 25's table
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_ds_mla")  # the cache layouts (mla.kernels.fp8.LAYOUTS), in the order a shape runs them
+SHAPES = [  # (b, t, h): the shapes mla_decode is compared with FlashMLA on
     *[(b, t, 16) for b, t in [(1, 32768), (4, 131072), (64, 4096), (128, 8192), (64, 16384)]],
     *[(b, t, 128) for b, t in [(1, 32768), (4, 131072), (16, 4096), (64, 4096), (128, 8192), (64, 16384)]],
 ]

@@ -461,8 +461,9 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
 using DecodeShape = Shape<32, 2, 4, 2>;
 static_assert(DecodeShape::kSmemBytes == 105088,
               "mla/kernels/backends.py's CUDA_SMEM_BYTES[\"cuda-sm80\"] must equal DecodeShape::kSmemBytes");
-// One wave of CTAs (b x splits <= SMs), one CTA an SM: 4 tiles of 32, ~176 KiB (on an H200 5-9%
-// faster at one sequence of 32k-128k tokens, 0.6 us slower at 4k, where a split has 4 tiles).
+// One wave of CTAs (b x splits <= SMs), one CTA an SM: 4 tiles of 32, ~176 KiB. Three tiles in
+// flight keep DRAM busy for a CTA alone on its SM; a split of only a few tiles pays for the deeper
+// prologue instead (docs/derivations/split-kv.md has the times).
 using WaveShape = Shape<32, 4, 4, 1>;
 static_assert(WaveShape::kSmemBytes == 179840, "the one-wave shape's shared memory");
 // On an fp8 cache the same shapes hold kStages tiles of stored bytes and one tile in q's dtype:

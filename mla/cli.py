@@ -37,7 +37,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 # The paged tier's cache layouts the demo runs (mla.kernels.fp8), and the error an fp8 cache is
 # held to against the naive tier: half an e4m3 step, relative (docs/derivations/fp8-cache.md).
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_ds_mla")
+KV_CACHE_DTYPES = fp8.LAYOUTS
 FP8_TOLERANCE = 2.0**-4
 
 

@@ -168,6 +168,13 @@ def test_floor_grows_with_the_query_tokens():
     assert bound == "memory" and one < two < 1.01 * one
 
 
+def test_bench_runs_the_librarys_layouts():
+    from mla.kernels import fp8
+
+    assert bd.KV_CACHE_DTYPES == fp8.LAYOUTS
+    assert {fp8.canonical_kv_cache_dtype(k) for k in fp8.KV_CACHE_DTYPES} == set(fp8.LAYOUTS)
+
+
 def test_floor_reads_each_layouts_bytes():
     assert [bd.bytes_per_token(k) for k in bd.KV_CACHE_DTYPES] == [1152, 576, 656]
     b, t, h = 64, 4096, 16

@@ -41,13 +41,14 @@ import numbers
 import torch
 
 __all__ = [
-    "KV_CACHE_DTYPES", "DS_MLA_GROUP", "E4M3_MAX", "MIN_SCALE", "canonical_kv_cache_dtype",
+    "KV_CACHE_DTYPES", "LAYOUTS", "DS_MLA_GROUP", "E4M3_MAX", "MIN_SCALE", "canonical_kv_cache_dtype",
     "fp8_available", "bytes_per_token", "ds_mla_layout", "quantize_e4m3", "dequantize_e4m3",
     "calibrate_e4m3_scale", "quantize_ds_mla", "dequantize_ds_mla", "dequantize_rows",
     "require_fp8", "cache_row", "check_e4m3_scale",
 ]
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")  # what kv_cache_dtype accepts
+LAYOUTS = ("auto", "fp8_e4m3", "fp8_ds_mla")  # their canonical names, in the order tables list them
 DS_MLA_GROUP = 128  # latent values sharing one float32 scale in fp8_ds_mla
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn: 2^8 · 1.75
 MIN_SCALE = 2.0**-126  # the smallest normal float32: the floor of every computed scale
