@@ -13,7 +13,7 @@ echo "$(wc -l <"$out/gpu-tests-ids.txt") gpu tests in ${SHARDS:-4} shards"
 split -n "r/${SHARDS:-4}" -d "$out/gpu-tests-ids.txt" "$out/gpu-tests-shard-"
 for shard in "$out"/gpu-tests-shard-*; do
   mapfile -t ids <"$shard"
-  python3 -m pytest -q -p no:cacheprovider -m gpu "${ids[@]}" >"$shard.log" 2>&1 &
+  python3 -m pytest -v -p no:cacheprovider -m gpu "${ids[@]}" >"$shard.log" 2>&1 &  # a line a test: a log cut short still says what passed
 done
 wait
 for log in "$out"/gpu-tests-shard-*.log; do
