@@ -16,9 +16,10 @@
 // e4m3 bytes a row and one float32 scale in a 1-element device tensor; "fp8_ds_mla": 656 bytes,
 // 512 e4m3 values, 4 float32 scales one per 128 values, 64 bf16 rope values). The copies then
 // bring a tile's stored bytes into shared memory, and once they land the CTA dequantises them
-// into the tile in q's dtype that the products read: e4m3 x scale in float32, rounded once to
-// q's dtype (the bf16 rope values converted to it), the values the Triton kernel computes in
-// registers. The products, the softmax and the launch shapes are the same for every layout.
+// into the tile in q's dtype that the products read, as the Triton kernel does in registers.
+// fp8_e4m3: the e4m3 values themselves, exact in bf16 and fp16; the cache's one scale multiplies
+// the scores (folded into the softmax scale) and the output instead of every value. fp8_ds_mla:
+// e4m3 x its group's scale in float32, rounded once to q's dtype; the bf16 rope values converted. The products, the softmax and the launch shapes are the same for every layout.
 //
 // Why a second kernel: at 16 heads the Triton program holds 255 registers and spills (each warp
 // keeps the whole (16, 576) query and a full tile's operand fragments) and keeps one tile in
@@ -175,13 +176,12 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
 
 // The stored rows of one tile (raw: TILE rows of kStoredRowBytes<F>) -> the tile in q's dtype that
 // the products read (TILE rows of kRowStride values), 8 values (16 bytes of the tile) a thread at a
-// time. fp8_e4m3: every value e4m3 * kv_scale. fp8_ds_mla: the latent e4m3 * the float32 scale of
-// its 128-value group (stored in the row), the rope part bf16. Rows at and past `valid` (past the
-// split's end: their copies read nothing) are zeros, as in a tile of a cache in q's dtype, whatever
-// the scale.
+// time. fp8_e4m3: every value e4m3 as it is (the kernel applies the cache's scale to the scores
+// and the output). fp8_ds_mla: the latent e4m3 * the float32 scale of its 128-value group (stored
+// in the row), the rope part bf16. Rows at and past `valid` (past the split's end: their copies
+// read nothing) are zeros, as in a tile of a cache in q's dtype.
 template <typename T, CacheFormat F, int TILE, int THREADS>
-__device__ __forceinline__ void dequantize_tile(const unsigned char* raw, T* tile, int valid, float kv_scale,
-                                                int tid) {
+__device__ __forceinline__ void dequantize_tile(const unsigned char* raw, T* tile, int valid, int tid) {
   constexpr int kRowBytes = kStoredRowBytes<F>;
   static_assert(TILE * kVecsPerRow % THREADS == 0, "the tile's 16-byte pieces split evenly over the threads");
 #pragma unroll 2
@@ -195,7 +195,7 @@ __device__ __forceinline__ void dequantize_tile(const unsigned char* raw, T* til
         out = bf16x8_to<T>(*reinterpret_cast<const uint4*>(src + kDsMlaRope + 2 * (col - kC)));
       } else {
         const float scale =
-            F == CacheFormat::kFp8E4M3 ? kv_scale
+            F == CacheFormat::kFp8E4M3 ? 1.f
                                        : *reinterpret_cast<const float*>(src + kDsMlaScales + 4 * (col / kDsMlaGroup));
         out = e4m3x8_to<T>(*reinterpret_cast<const uint2*>(src + col), scale);
       }
@@ -286,8 +286,9 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
 
   // ---- this warp's query fragments: dims [dq * 144, dq * 144 + 144), 9 k-steps of 16
   const int tq = warp >> 2, dq = warp & 3;
-  float scale_e4m3 = 1.f;  // fp8_e4m3: the cache's one scale
+  float scale_e4m3 = 1.f;  // fp8_e4m3: the cache's one scale, on the scores and the output
   if constexpr (F == CacheFormat::kFp8E4M3) scale_e4m3 = *kv_scale;
+  scale_log2 *= scale_e4m3;
   cp_async_wait<kStages - 1>();  // the q group (the oldest) has landed
   __syncthreads();
   uint32_t qf[kQKSteps][4];
@@ -318,7 +319,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
       // the landed stored bytes -> the tile in q's dtype (every read of the last one is done:
       // the barrier above), whole before any warp reads it
       dequantize_tile<T, F, kTile, kThreads>(raw_s + (t % kStages) * kTile * kStoredRowBytes<F>, kv_s, valid,
-                                             scale_e4m3, tid);
+                                             tid);
       __syncthreads();
     }
 
@@ -434,7 +435,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
   __syncthreads();
   const int r = lane >> 2;
   const float l_lo = l_s[r], l_hi = l_s[r + 8];
-  const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f, inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
+  const float inv_lo = l_lo > 0.f ? scale_e4m3 / l_lo : 0.f, inv_hi = l_hi > 0.f ? scale_e4m3 / l_hi : 0.f;
   const int64_t out_at = b * sob + static_cast<int64_t>(split) * sos;
   auto write = [&](int64_t at, float x, float y) {
     if (final_out) {

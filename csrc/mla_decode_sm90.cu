@@ -35,8 +35,10 @@
 // values, 4 float32 scales one per 128 values, 64 bf16 rope values), with the same schedule. Their
 // block groups are copied by cp.async instead of TMA, the stored bytes staged inside the group's
 // own blocks, and the warpgroup that copies a group turns it into the swizzled layout in q's dtype
-// there (e4m3 x scale in float32 rounded once to q's dtype, the bf16 rope values converted: the
-// values of the Triton kernel) before it completes the group's mbarrier (load_fp8_blocks). The
+// there before it completes the group's mbarrier (load_fp8_blocks), with the values of the Triton
+// kernel: fp8_e4m3's e4m3 values as they are (exact in bf16 and fp16; the cache's one scale is
+// folded into the softmax scale and the output), fp8_ds_mla's e4m3 x its group's scale in float32
+// rounded once to q's dtype and its bf16 rope values converted. The
 // warpgroup waits for the copy's latency there; the products and the softmax do not change.
 //
 // Several new tokens a sequence (s_q = 2..8, speculative decoding): q is (b, s_q·h, 576), its rows
@@ -310,7 +312,7 @@ __device__ __forceinline__ uint32_t pack(float x, float y, __half) {
 // nothing but its own copies: it adds no dependence between the warpgroups.
 template <typename T, CacheFormat F, int J0>
 __device__ __forceinline__ void load_fp8_blocks(unsigned char* blocks, const uint8_t* rows, int64_t skn, int valid,
-                                                float e4m3_scale, int wtid, int wg, uint32_t bar) {
+                                                int wtid, int wg, uint32_t bar) {
   constexpr bool ds_mla = F == CacheFormat::kFp8DsMla, with_rope = J0 == kLoBlocks;  // block 8: the second group
   auto sync_warpgroup = [wg] {
     if (wg == 0) bar_sync_wg<5>(); else bar_sync_wg<6>();
@@ -375,7 +377,7 @@ __device__ __forceinline__ void load_fp8_blocks(unsigned char* blocks, const uin
   float lat_scale[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    lat_scale[i] = e4m3_scale;
+    lat_scale[i] = 1.f;  // fp8_e4m3: the values as they are
     if (ds_mla && lat_row + 8 * i < valid) {
       lat_scale[i] = *reinterpret_cast<const float*>(blocks + scale_at + 1024 * i);
     }
@@ -395,7 +397,7 @@ __device__ __forceinline__ void load_fp8_blocks(unsigned char* blocks, const uin
     }
   } else if constexpr (with_rope) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) convert(e_at + 4096 * i, e_row + 32 * i < valid, e4m3_scale);
+    for (int i = 0; i < 2; ++i) convert(e_at + 4096 * i, e_row + 32 * i < valid, 1.f);
   }
   fence_async_shared();  // the converted blocks, visible to wgmma ...
   sync_warpgroup();      // ... everyone's
@@ -464,8 +466,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     end1 = min(end, seq_len - (q_tokens - 1 - (h0 + row0 + 8) / heads));
   }
   const int n_pairs = (n_tiles + 1) / 2;
-  float e4m3_scale = 1.f;  // fp8_e4m3: the cache's one scale
+  float e4m3_scale = 1.f;  // fp8_e4m3: the cache's one scale, on the scores and the output
   if constexpr (F == CacheFormat::kFp8E4M3) e4m3_scale = *kv_scale;
+  scale_log2 *= e4m3_scale;
 
   // ---- blocks [J0, J1) of tile t -> buffer buf, by this warpgroup, completing the group's
   // mbarrier. A whole tile: one thread has the TMA unit copy the group (the swizzle done in
@@ -487,7 +490,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     if constexpr (F != CacheFormat::kAuto) {
       const KV* rows = kv;  // the tile's first stored row (not read when valid <= 0)
       if (valid > 0) rows += int64_t(bt_row[tok0 / page_size]) * skp + int64_t(tok0 % page_size) * skn;
-      load_fp8_blocks<T, F, j0>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes, rows, skn, valid, e4m3_scale, wtid,
+      load_fp8_blocks<T, F, j0>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes, rows, skn, valid, wtid,
                                 wg, bar(buf, j0));
     } else {
       if (valid >= kN) {
@@ -826,7 +829,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   for (int half = 0; half < 2; ++half) {
     const int r = row0 + 8 * half, h = h0 + r;
     const float l = l_s[r] + l_s[kM + r];
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = l > 0.f ? e4m3_scale / l : 0.f;
     if (wg == 0 && c == 0 && h < num_rows) {
       part_lse[b * slb + h * slh + split * sls] =
           l > 0.f ? (m_s[r] + log2f(l)) * 0.6931471805599453f : -INFINITY;

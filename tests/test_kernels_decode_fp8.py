@@ -66,9 +66,10 @@ def make_fp8_case(kind, seq_lens, *, heads, c=256, r=16, block_size=16, s_q=None
         cache = cache.view(torch.float8_e4m3fn)
         scale = fp8.calibrate_e4m3_scale(kv_c, k_pe)  # the largest |value| maps to 448: nothing clips
     concat_and_cache(kv_c, k_pe, cache, slot_mapping, kv_cache_dtype=kind, scale=scale, backend="reference")
-    if row_pad:
+    cache = cache.to(device)
+    if row_pad:  # built on the device: copying a strided view there would make it contiguous
         wide = torch.full((num_blocks, block_size, width + row_pad), POISON[kind] if poison is None else poison,
-                          dtype=torch.uint8).view(cache.dtype)
+                          dtype=torch.uint8, device=device).view(cache.dtype)
         wide[..., :width] = cache
         cache = wide[..., :width]
     exact = torch.full((num_blocks, block_size, d), float("nan"))
@@ -76,7 +77,7 @@ def make_fp8_case(kind, seq_lens, *, heads, c=256, r=16, block_size=16, s_q=None
 
     q_shape = (b, heads, d) if s_q is None else (b, s_q, heads, d)
     q = torch.randn(q_shape, generator=gen) * q_scale
-    args = dict(q=q.to(device), kv_cache=cache.to(device), block_table=block_table.to(device),
+    args = dict(q=q.to(device), kv_cache=cache, block_table=block_table.to(device),
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), kv_lora_rank=c,
                 softmax_scale=d**-0.5, kv_cache_dtype=kind,
                 kv_scale=None if scale is None else scale.to(device))
@@ -487,17 +488,20 @@ def _cuda_case(kind, dtype, heads, block_size, seed, seq_lens=SM80_LENGTHS, row_
 
 
 def _reference_in_q_dtype(args):
-    """The float32 reference on the values the CUDA kernels' products read: the fp8 cache
-    dequantised by mla.kernels.fp8 (value * scale in float32) and rounded once to q's dtype (a
-    cache in q's dtype as it is)."""
-    auto = args["kv_cache_dtype"] == "auto"
-    cache = args["kv_cache"] if auto else dequantised(args).to(args["q"].dtype)
+    """The float32 reference on the values the kernels' products read: a cache in q's dtype as it
+    is; fp8_ds_mla dequantised by mla.kernels.fp8 (value * group scale in float32) and rounded once
+    to q's dtype; fp8_e4m3 dequantised in float32 and not rounded (the kernels read its e4m3
+    values exactly and apply the one scale to the scores and the output in float32)."""
+    kind = args["kv_cache_dtype"]
+    cache = {"auto": lambda: args["kv_cache"], "fp8_e4m3": lambda: dequantised(args),
+             "fp8_ds_mla": lambda: dequantised(args).to(args["q"].dtype)}[kind]()
     return mla_decode_reference(**as_auto(args, cache), compute_dtype=torch.float32)
 
 
 def _assert_same_kernel_values(out, lse, out_t, lse_t):
-    """A CUDA stage 1 against triton on the same fp8 cache: the same dequantised values in q's dtype
-    and the same rounding of p, only the order of the float32 sums differs (as for a bf16 cache)."""
+    """A CUDA stage 1 against triton on the same fp8 cache: the same values in q's dtype (fp8_e4m3's
+    scale applied in float32 by both) and the same rounding of p, only the order of the float32
+    sums differs (as for a bf16 cache)."""
     assert torch.equal(lse.isinf(), lse_t.isinf()) and not lse.isnan().any()
     seen = ~lse_t.isinf()
     if seen.any():

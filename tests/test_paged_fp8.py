@@ -506,7 +506,13 @@ def test_every_door_holds_a_bad_e4m3_scale_to_one_rule(door):
 def test_gpu_bf16_fp8_tier_over_the_dequantised_cache_and_within_the_bound(kind, monkeypatch):
     """V2-Lite sizes in bf16, the CUDA writer, contexts of several workspace chunks: the fp8 tier
     against the same tier on a bf16 cache of the rounded values (the same bf16 values reach the
-    kernels), and against the float32 naive tier within FP8_BOUND."""
+    kernels), and against the float32 naive tier within FP8_BOUND. The decode reads fp8_e4m3's
+    values exactly and scales the scores in float32, so the scale is calibrated to a power of two
+    here, where e4m3 x scale is exact in bf16 too."""
+    if kind == "fp8_e4m3":
+        calibrate = fp8.calibrate_e4m3_scale
+        monkeypatch.setattr(fp8, "calibrate_e4m3_scale",
+                            lambda *a, **k: torch.exp2(torch.ceil(torch.log2(calibrate(*a, **k)))))
     cfg = mla.MLAConfig.from_preset("deepseek-v2-lite")
     w32 = mla.MLAWeights(cfg, dtype=torch.float32, device="cuda", seed=0)
     w = mla.MLAWeights(cfg, dtype=torch.bfloat16, device="cuda", seed=0)
