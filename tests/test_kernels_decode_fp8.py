@@ -399,13 +399,13 @@ def test_cuda_stage1_takes_fp8(kind, backend):
 @pytest.mark.parametrize("heads, kernel, switch", [(16, "cuda-sm80", "SM80_READS_FP8_BY_DEFAULT"),
                                                    (128, "cuda-sm90", "SM90_READS_FP8_BY_DEFAULT")])
 @pytest.mark.parametrize("kind", KINDS)
-def test_fp8_cache_runs_on_triton_by_default(kind, heads, kernel, switch, monkeypatch):
+def test_fp8_cache_runs_on_the_cuda_kernel_of_its_heads_by_default(kind, heads, kernel, switch, monkeypatch):
     """The backend policy alone, so without a GPU: a stand-in q that says it is on one and CUDA
     kernels that say they can run. A call on a cache in q's dtype picks "cuda-sm80" at 16 heads,
-    "cuda-sm90" at 128; on an fp8 cache it picks "triton" while that kernel's switch
-    (``backends.SM80_READS_FP8_BY_DEFAULT`` / ``SM90_READS_FP8_BY_DEFAULT``) is False (its fp8
-    path has not yet run on a GPU) and the kernel once it is True, the other kernel's switch
-    changing nothing; forced, the kernel takes it either way."""
+    "cuda-sm90" at 128, and so does a call on an fp8 cache while that kernel's switch
+    (``backends.SM80_READS_FP8_BY_DEFAULT`` / ``SM90_READS_FP8_BY_DEFAULT``) is on, as it is by
+    default; with it off the fp8 cache goes to "triton", the other kernel's switch changing
+    nothing; forced, the kernel takes it either way."""
     from types import SimpleNamespace
 
     from mla.kernels import backends
@@ -425,14 +425,14 @@ def test_fp8_cache_runs_on_triton_by_default(kind, heads, kernel, switch, monkey
                                               kv_lora_rank=512, **options)
 
     assert pick(kv_cache_dtype="auto") == kernel  # the stand-in reaches the CUDA choice
-    # True once the GPU tests below pass for this kernel
-    assert not getattr(backends, switch)
+    assert getattr(backends, switch)
+    assert pick(kv_cache_dtype=kind) == kernel
+    assert asked[-1] == kind  # the kernel is judged on the cache's layout
+    monkeypatch.setattr(backends, switch, False)
     assert pick(kv_cache_dtype=kind) == "triton"
     assert pick(kv_cache_dtype=kind, backend=kernel) == kernel
-    assert asked[-1] == kind  # the kernel is judged on the cache's layout
     other = "SM90_READS_FP8_BY_DEFAULT" if switch == "SM80_READS_FP8_BY_DEFAULT" else "SM80_READS_FP8_BY_DEFAULT"
-    monkeypatch.setattr(backends, other, True)
-    assert pick(kv_cache_dtype=kind) == "triton"
+    monkeypatch.setattr(backends, other, False)
     monkeypatch.setattr(backends, switch, True)
     assert pick(kv_cache_dtype=kind) == kernel
 
@@ -493,8 +493,10 @@ def _reference_in_q_dtype(args):
     to q's dtype; fp8_e4m3 dequantised in float32 and not rounded (the kernels read its e4m3
     values exactly and apply the one scale to the scores and the output in float32)."""
     kind = args["kv_cache_dtype"]
-    cache = {"auto": lambda: args["kv_cache"], "fp8_e4m3": lambda: dequantised(args),
-             "fp8_ds_mla": lambda: dequantised(args).to(args["q"].dtype)}[kind]()
+    if kind == "fp8_e4m3":  # q in float32 beside the float32 cache: the same values
+        return mla_decode_reference(**as_auto(dict(args, q=args["q"].float()), dequantised(args)),
+                                    compute_dtype=torch.float32)
+    cache = args["kv_cache"] if kind == "auto" else dequantised(args).to(args["q"].dtype)
     return mla_decode_reference(**as_auto(args, cache), compute_dtype=torch.float32)
 
 
