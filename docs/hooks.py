@@ -83,6 +83,7 @@ def _namespace() -> dict:
         "row": row,
         "decode_tflops": decode_tflops,
         "flashmla_table": flashmla_table,
+        "query_tokens_table": query_tokens_table,
         "layer_table": layer_table,
         "prefill_table": prefill_table,
         "generate_table": generate_table,
@@ -566,6 +567,23 @@ def flashmla_table(name: str = "h200-decode.json") -> str:
         ("FlashMLA (µs, x floor)",
          lambda r: f"{r['flashmla_us']:,.1f} ({r['flashmla_us'] / r['floor_us']:.2f})"),
         ("FlashMLA / mla", lambda r: f"**{r['flashmla_over_mla']:.2f}**"),
+    ])
+
+
+def query_tokens_table(name: str = "h200-decode-sq.json") -> str:
+    """Markdown: s_q = 2 and 4 new tokens a sequence, the wgmma stage 1 (``sm90_sq_time_us``,
+    the default on an H200) and the Triton kernel (``time_us``, the run's default) beside
+    FlashMLA, times in µs."""
+    rows = [r for r in result(name)["rows"] if r.get("s_q", 1) > 1]
+    rows.sort(key=lambda r: (r["s_q"], r["h"], r["b"] * r["t"], r["b"]))
+    return _table(rows, [
+        ("s_q", lambda r: str(r["s_q"])),
+        ("b", lambda r: f"{r['b']:,}"), ("t", lambda r: f"{r['t']:,}"), ("h", lambda r: str(r["h"])),
+        ("floor (µs)", lambda r: f"{r['floor_us']:,.1f}"),
+        ("mla, wgmma (µs)", lambda r: f"{r['sm90_sq_time_us']:,.1f}"),
+        ("Triton (µs)", lambda r: f"{r['time_us']:,.1f}"),
+        ("FlashMLA (µs)", lambda r: f"{r['flashmla_us']:,.1f}"),
+        ("FlashMLA / mla", lambda r: f"**{r['flashmla_us'] / r['sm90_sq_time_us']:.2f}**"),
     ])
 
 

@@ -419,12 +419,11 @@ def test_multi_token_sm90_backend_wants_only_a_gpu():
 
 
 @pytest.mark.parametrize("heads", [16, 128])
-def test_multi_token_default_stays_triton(heads, monkeypatch):
+def test_multi_token_default_is_the_wgmma_kernel(heads, monkeypatch):
     """The backend policy alone, so without a GPU: a stand-in q that says it is on one and CUDA
-    kernels that say they can run. s_q > 1 picks "triton" while
-    ``backends.SM90_TAKES_QUERY_TOKENS_BY_DEFAULT`` is False (the path has not yet run on a GPU)
-    and "cuda-sm90" once it is True, at any heads; forced, "cuda-sm90" takes it either way; s_q = 1
-    picks as the 3-d q does."""
+    kernels that say they can run. s_q > 1 picks "cuda-sm90" at any heads while
+    ``backends.SM90_TAKES_QUERY_TOKENS_BY_DEFAULT`` is on, as it is by default, and "triton" with
+    it off; forced, "cuda-sm90" takes it either way; s_q = 1 picks as the 3-d q does."""
     from types import SimpleNamespace
 
     from mla.kernels import backends
@@ -439,12 +438,12 @@ def test_multi_token_default_stays_triton(heads, monkeypatch):
 
     one_token = "cuda-sm80" if heads <= backends.SM80_MAX_HEADS else "cuda-sm90"
     assert pick((2, heads, 576)) == pick((2, 1, heads, 576)) == one_token  # the stand-in reaches the CUDA choice
-    assert not backends.SM90_TAKES_QUERY_TOKENS_BY_DEFAULT  # True once the GPU tests of the path pass
+    assert backends.SM90_TAKES_QUERY_TOKENS_BY_DEFAULT
+    assert pick((2, 4, heads, 576)) == "cuda-sm90"
+    monkeypatch.setattr(backends, "SM90_TAKES_QUERY_TOKENS_BY_DEFAULT", False)
     for s_q in (2, 8):
         assert pick((2, s_q, heads, 576)) == "triton"
         assert pick((2, s_q, heads, 576), backend="cuda-sm90") == "cuda-sm90"
-    monkeypatch.setattr(backends, "SM90_TAKES_QUERY_TOKENS_BY_DEFAULT", True)
-    assert pick((2, 4, heads, 576)) == "cuda-sm90"
     assert pick((2, 1, heads, 576)) == one_token
 
 
@@ -913,14 +912,15 @@ def test_gpu_one_token_4d_is_3d(heads):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [16, 128])
-def test_gpu_multi_token_runs_on_triton(heads):
-    # s_q > 1 picks Triton by default (SM90_TAKES_QUERY_TOKENS_BY_DEFAULT is False); the sm_80
-    # stage 1 takes one new token, the wgmma one s_q > 1 when forced; s_q = 1 is judged as the 3-d q
+def test_gpu_multi_token_runs_on_the_wgmma_kernel_on_hopper(heads):
+    # s_q > 1 picks the wgmma stage 1 by default on compute capability 9.0, Triton elsewhere; the
+    # sm_80 stage 1 takes one new token; s_q = 1 is judged as the 3-d q
     from mla.kernels.backends import why_backend_cannot_run
 
     case = _gpu_case([70, 300], heads, s_q=2)
     args = (case["kv_cache"], case["block_table"], case["seq_lens"])
-    assert choose_decode_backend(case["q"], *args, kv_lora_rank=512) == "triton"
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert choose_decode_backend(case["q"], *args, kv_lora_rank=512) == ("cuda-sm90" if hopper else "triton")
     one = case["q"][:, :1]
     assert choose_decode_backend(one, *args, kv_lora_rank=512) == choose_decode_backend(one[:, 0], *args,
                                                                                         kv_lora_rank=512)
@@ -930,13 +930,13 @@ def test_gpu_multi_token_runs_on_triton(heads):
     assert "s_q = 2 new tokens" in why_backend_cannot_run("cuda-sm80", case["q"], *args, 512)
     with pytest.raises(ValueError, match=r"_backend='cuda-sm80' cannot run .*s_q = 2 new tokens"):
         mla_decode(**case, _backend="cuda-sm80")
-    hopper = torch.cuda.get_device_capability() == (9, 0)
     sm90_why = why_backend_cannot_run("cuda-sm90", case["q"], *args, 512)
     assert (sm90_why is None) if hopper else "not 9.0" in sm90_why
     out, lse = mla_decode(**case)
-    out_t, lse_t = mla_decode(**case, _backend="triton")
-    torch.testing.assert_close(out, out_t, rtol=0, atol=0)
-    torch.testing.assert_close(lse, lse_t, rtol=0, atol=0)
+    backend = "cuda-sm90" if hopper else "triton"
+    out_b, lse_b = mla_decode(**case, _backend=backend)
+    torch.testing.assert_close(out, out_b, rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse_b, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
@@ -1014,7 +1014,7 @@ def test_gpu_backends_take_any_softmax_scale(backend, scale):
 
 # ---------------------------------------------------------------------------------------------
 # GPU: the wgmma stage 1 on several new tokens a sequence (_backend="cuda-sm90"; the default for
-# s_q > 1 once these pass: backends.SM90_TAKES_QUERY_TOKENS_BY_DEFAULT)
+# s_q > 1 on compute capability 9.0: backends.SM90_TAKES_QUERY_TOKENS_BY_DEFAULT)
 # ---------------------------------------------------------------------------------------------
 
 

@@ -405,8 +405,11 @@ else:
 # `python -m mla bench decode --kv-cache-dtype auto,fp8_e4m3,fp8_ds_mla` times each layout on
 # the same latents in the same run and keeps the fp8 rows apart (`fp8_rows`), each with its
 # time over the bf16 row's (`over_bf16`). At 16 heads a step is memory bound and
-# `"fp8_ds_mla"` reads 656 of 1152 bytes a token, so it can approach 0.57x; at 128 heads it is
-# compute bound and the dequantisation is extra work.
+# `"fp8_ds_mla"` reads 656 of 1152 bytes a token, so it could approach 0.57x; at 128 heads it is
+# compute bound and the dequantisation is extra work. Measured on an H200 it is slower, not
+# faster: 1.3-2.3x the bf16 time, because the kernels convert each tile in shared memory with
+# no products running meanwhile (the documentation's fp8 page says more). Today an fp8 cache buys
+# memory, not speed.
 
 # %%
 fp8_runs = {name: data for name, data in results.items() if data.get("fp8_rows")}
