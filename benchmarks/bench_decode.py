@@ -18,11 +18,11 @@ them, ``fp8_ds_mla`` with its per-128-value scales. An fp8 row times mla_decode 
 (FlashMLA's dense decode reads bf16 caches only: ``flashmla_skipped`` says so) and checks it:
 ``max_abs_diff`` against ``mla_decode_reference`` on the same fp8 cache (dequantised, float64),
 ``max_abs_err_vs_bf16_cache`` against the reference on the bf16 rows it was written from (what
-quantising costs). ``over_bf16`` = time_us / the bf16 row's time_us (the kernel mla_decode picks
-for each: a CUDA stage 1 for bf16 where one applies, Triton for fp8), ``over_bf16_triton`` the
-same against the bf16 cache on the Triton kernel. While mla_decode runs an fp8 cache on Triton
-(``mla.kernels.backends``' switches off), a one-token fp8 row also times the CUDA stage 1 of its
-heads forced on it (``cuda_fp8_kernel``: "cuda-sm80" at <= 16 heads, "cuda-sm90" above;
+quantising costs). ``over_bf16`` = time_us / the bf16 row's time_us (each on the kernel
+mla_decode picks for it: a CUDA stage 1 where one applies, for bf16 and fp8 alike),
+``over_bf16_triton`` the same against the bf16 cache on the Triton kernel. While mla_decode runs
+an fp8 cache on Triton (``mla.kernels.backends``' switches off), a one-token fp8 row also times
+the CUDA stage 1 of its heads forced on it (``cuda_fp8_kernel``: "cuda-sm80" at <= 16 heads, "cuda-sm90" above;
 ``cuda_fp8_time_us``, ``cuda_fp8_over_bf16``, ``cuda_fp8_max_rel_err_vs_reference``, or
 ``cuda_fp8_error``). ``TARGETS`` are the speeds the fp8_ds_mla cache is held to; the table ends
 with each against its row, as information, not an assertion.
@@ -65,7 +65,8 @@ C, R, PAGE = 512, 64, 64  # DeepSeek-V3: kv_lora_rank, rope dim, page size
 D = C + R
 SCALE = 192**-0.5  # (qk_nope_head_dim + qk_rope_head_dim)^-0.5; the value does not change the time
 
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_ds_mla")  # the cache layouts (mla.kernels.fp8.LAYOUTS), in the order a shape runs them
+# the cache layouts in the order a shape runs them: mla.kernels.fp8.LAYOUTS (a test keeps them equal)
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_ds_mla")
 SHAPES = [  # (b, t, h): the shapes mla_decode is compared with FlashMLA on
     *[(b, t, 16) for b, t in [(1, 32768), (4, 131072), (64, 4096), (128, 8192), (64, 16384)]],
     *[(b, t, 128) for b, t in [(1, 32768), (4, 131072), (16, 4096), (64, 4096), (128, 8192), (64, 16384)]],

@@ -19,7 +19,8 @@
 // into the tile in q's dtype that the products read, as the Triton kernel does in registers.
 // fp8_e4m3: the e4m3 values themselves, exact in bf16 and fp16; the cache's one scale multiplies
 // the scores (folded into the softmax scale) and the output instead of every value. fp8_ds_mla:
-// e4m3 x its group's scale in float32, rounded once to q's dtype; the bf16 rope values converted. The products, the softmax and the launch shapes are the same for every layout.
+// e4m3 x its group's scale in float32, rounded once to q's dtype; the bf16 rope values converted.
+// The products, the softmax and the launch shapes are the same for every layout.
 //
 // Why a second kernel: at 16 heads the Triton program holds 255 registers and spills (each warp
 // keeps the whole (16, 576) query and a full tile's operand fragments) and keeps one tile in

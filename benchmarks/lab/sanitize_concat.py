@@ -31,9 +31,7 @@ def main() -> int:
                 T, block_size, num_blocks = 33, 16, 4
                 proj = torch.randn(T, c + r + extra, device="cuda", dtype=dtype, generator=g)
                 kv_c, k_pe = proj[:, :c], proj[:, c : c + r]  # row views, as in the layer
-                cache_dtype = {"auto": dtype, "fp8": torch.float8_e4m3fn,
-                               "fp8_ds_mla": torch.uint8}[kv_cache_dtype]
-                width = c + r if kv_cache_dtype == "auto" else fp8.bytes_per_token(kv_cache_dtype, c, r)
+                cache_dtype, width = fp8.cache_row(kv_cache_dtype, c, r, dtype)
                 cache = torch.zeros(num_blocks, block_size, width, device="cuda").to(cache_dtype)
                 # distinct slots: two tokens writing one slot would race (which one lands is undefined)
                 slots = torch.randperm(num_blocks * block_size - 1, device="cuda", generator=g)[:T]

@@ -19,8 +19,9 @@ same partials, which the Triton merge combines (with one split, each writes the 
 
 All three are validated on an H200 on caches in q's dtype and on both fp8 layouts (the GPU tests
 of ``tests/test_kernels_decode*.py``, compute-sanitizer memcheck). On an fp8 cache the CUDA kernel
-of the heads is the default, as on a cache in q's dtype: it was faster than the Triton kernel's
-best fp8 tiles at every shape timed (``benchmarks/results/h200-decode.json``).
+of the heads is the default, as on a cache in q's dtype: it is faster than the Triton kernel's
+best fp8 tiles at every shape timed (``benchmarks/lab/results/h200-decode-fp8-triton-v0.json``,
+``h200-decode-variants-fp8_*.json``).
 ``SM80_READS_FP8_BY_DEFAULT`` / ``SM90_READS_FP8_BY_DEFAULT`` set to False send fp8 caches back to
 ``"triton"``.
 
