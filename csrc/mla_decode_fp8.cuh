@@ -37,7 +37,7 @@ __device__ __forceinline__ void store_pair(__half* dst, float x, float y) {
 // A float8_e4m3fn byte (in the low 8 bits) -> its float value, exactly, with integer operations
 // and one exact multiply: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 holds
 // the subnormals m * 2^-9 and the zeros, 0x7F / 0xFF are NaN (no infinities), as in
-// mla/kernels/triton_decode.py's _e4m3_to_float32. GPUs before sm_89 use it (they have no e4m3
+// mla/kernels/triton_decode.py's _e4m3_to_float32_by_integer_ops. GPUs before sm_89 use it (they have no e4m3
 // conversion instruction).
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 890
 __host__ __device__ __forceinline__ float e4m3_to_float(uint32_t byte) {

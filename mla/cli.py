@@ -35,9 +35,8 @@ from .weights import MLAWeights
 # The dtypes every tier runs in: the paged tier's kernels take these three (not float64).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# The paged tier's cache layouts the demo runs (mla.kernels.fp8), and the error an fp8 cache is
-# held to against the naive tier: half an e4m3 step, relative (docs/derivations/fp8-cache.md).
-KV_CACHE_DTYPES = fp8.LAYOUTS
+# The error an fp8 cache is held to against the naive tier: half an e4m3 step, relative
+# (docs/derivations/fp8-cache.md).
 FP8_TOLERANCE = 2.0**-4
 
 
@@ -406,7 +405,7 @@ def _cache_dtypes(text: str) -> list[str]:
             kind = fp8.canonical_kv_cache_dtype(kind)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"expected some of {', '.join(KV_CACHE_DTYPES)} (fp8 = fp8_e4m3), comma-separated, "
+                f"expected some of {', '.join(fp8.LAYOUTS)} (fp8 = fp8_e4m3), comma-separated, "
                 f"got {text!r}") from None
         if kind != "auto" and kind not in kinds:
             kinds.append(kind)
@@ -462,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tp", type=_at_least(1), default=1,
                    help="tensor parallel ranks, heads split over them (gloo on the CPU; with "
                         "--device cuda NCCL, one GPU a rank)")
-    p.add_argument("--kv-cache-dtype", type=_cache_dtypes, default=",".join(KV_CACHE_DTYPES),
+    p.add_argument("--kv-cache-dtype", type=_cache_dtypes, default=",".join(fp8.LAYOUTS),
                    help="the paged tier's cache layouts, comma-separated: auto (the weights' "
                         "dtype, always run), fp8_e4m3 (or fp8), fp8_ds_mla; each fp8 one adds "
                         "a paged row")

@@ -450,7 +450,7 @@ def test_gpu_bf16_deepseek_v3(kind, heads, s_q):
     args, _, _, _ = make_fp8_case(kind, seq_lens, heads=heads, c=512, r=64, block_size=64, s_q=s_q, seed=6,
                                   device="cuda")
     args["q"] = args["q"].bfloat16()
-    out, lse = mla_decode(**args)  # the default backend choice must route fp8 to Triton
+    out, lse = mla_decode(**args)  # the default backend choice: the CUDA kernel of its heads
     ref_out, ref_lse = mla_decode_reference(**args, compute_dtype=torch.float32)
     assert out.dtype == torch.bfloat16
     # the kernel rounds the dequantised values and p to bf16 for the dots (2^-9 relative each)
@@ -460,7 +460,7 @@ def test_gpu_bf16_deepseek_v3(kind, heads, s_q):
 
 # ---------------------------------------------------------------------------------------------
 # GPU: the CUDA stage-1 kernels on fp8 caches (_backend="cuda-sm80" for <= 16 heads, "cuda-sm90"
-# on compute capability 9.0 for any; each the default for its heads once these pass)
+# on compute capability 9.0 for any; each the default for its heads)
 # ---------------------------------------------------------------------------------------------
 
 # lengths around the 32-token tile and the pages of 32 and 64, an empty row, two long ones

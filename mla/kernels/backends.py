@@ -163,12 +163,12 @@ def choose_decode_backend(
     run the arguments); None picks ``"cuda-sm80"`` for <= 16 heads and ``"cuda-sm90"`` for more
     where each applies, else ``"triton"`` (with one warning when only the missing extension
     stands in the way). ``tuned``: a Triton launch configuration was given, so Triton runs.
-    q is (b, h, c + r) or (b, s_q, h, c + r): s_q > 1 new tokens run on ``"triton"``, or on
-    ``"cuda-sm90"`` when forced or once ``SM90_TAKES_QUERY_TOKENS_BY_DEFAULT`` is True
-    (``"cuda-sm80"`` takes one token a sequence; forcing it with s_q > 1 is a ValueError).
-    ``kv_cache_dtype``: the cache's layout; an fp8 one runs on ``"triton"`` unless forced, or
-    on the CUDA kernel that applies once its ``SM80_READS_FP8_BY_DEFAULT`` /
-    ``SM90_READS_FP8_BY_DEFAULT`` is True.
+    q is (b, h, c + r) or (b, s_q, h, c + r): s_q > 1 new tokens run on ``"cuda-sm90"`` where
+    it applies while ``SM90_TAKES_QUERY_TOKENS_BY_DEFAULT`` is True (the default), else on
+    ``"triton"`` (``"cuda-sm80"`` takes one token a sequence; forcing it with s_q > 1 is a
+    ValueError). ``kv_cache_dtype``: the cache's layout; an fp8 one runs on the CUDA kernel that
+    applies while its ``SM80_READS_FP8_BY_DEFAULT`` / ``SM90_READS_FP8_BY_DEFAULT`` is True (the
+    default), else on ``"triton"``.
     """
     global _warned_cuda_fallback
     if backend is not None and backend not in DECODE_BACKENDS:

@@ -109,9 +109,8 @@ def mla_decode(
             in registers for the dots: e4m3 values exactly, with ``kv_scale`` applied to the
             scores and the output; ds_mla values times their group's scale in float32, rounded
             once (exact for float32 q). The CUDA stage-1 kernels (``"cuda-sm80"``,
-            ``"cuda-sm90"``) compute the same values into a tile in q's dtype in shared memory;
-            they run fp8 caches when ``_backend`` asks for them (``mla.kernels.backends`` says
-            when they are the default).
+            ``"cuda-sm90"``) compute the same values into a tile in q's dtype in shared memory,
+            and run fp8 caches by default where they apply (``mla.kernels.backends``).
         kv_scale: ``"fp8_e4m3"`` only (None otherwise): the cache's one scale, a float or a
             1-element float32 tensor on q's device or the CPU, finite and at least 2^-126
             (``mla.kernels.fp8.check_e4m3_scale``). A GPU tensor's value is checked where seq_lens
@@ -127,9 +126,9 @@ def mla_decode(
             a query that sees no row.
 
     The Triton kernel runs every s_q, packing the s_q x h (token, head) pairs of a sequence into
-    its tile of query rows. ``"cuda-sm90"`` packs them the same way into its 64-row tiles; it
-    runs s_q > 1 when ``_backend`` asks for it (``mla.kernels.backends`` says when it is the
-    default), and s_q > 1 runs on Triton otherwise. ``"cuda-sm80"`` takes one new token only:
+    its tile of query rows. ``"cuda-sm90"`` packs them the same way into its 64-row tiles and is
+    the default for s_q > 1 where it applies (``mla.kernels.backends``); s_q > 1 runs on Triton
+    otherwise. ``"cuda-sm80"`` takes one new token only:
     ``_backend`` forcing it with s_q > 1 is a ValueError. On the CPU the Triton kernel runs in its interpreter; bf16 there runs in
     float32 on copies of q and the pages the rows use (the interpreter's bf16 dot is wrong), out
     cast back to bf16. On a GPU every kernel runs on q's, whichever device is current.
@@ -418,7 +417,7 @@ def default_config(num_heads: int, kv_cache_dtype: str = "auto") -> dict:
     cache takes the same tiles but at 16 rows, where half the tokens a step on 4 warps and 2
     stages are the fastest of the fp8 tiles timed on an H200: an fp8 tile is converted in
     registers beside the accumulator, and at 64 rows, where the bf16 tile spills, it is still
-    3x faster than the spill-free 32-row tiles, which use ``mma.sync`` rather than ``wgmma``.
+    3-5x faster than the spill-free 32-row tiles, which use ``mma.sync`` rather than ``wgmma``.
     """
     block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
     if block_h == 16 and fp8.canonical_kv_cache_dtype(kv_cache_dtype) != "auto":
