@@ -115,6 +115,11 @@ class MLAWeights(nn.Module):
         return proj.weight.view(cfg.num_heads, cfg.qk_head_dim, -1)  # (h, d+r, q or hidden)
 
     @property
+    def W_Q(self) -> torch.Tensor:
+        """(h, d+r, q): [W^{UQ}; W^{QR}] per head, both query up-projections as one matrix."""
+        return self._q_heads
+
+    @property
     def W_UQ(self) -> torch.Tensor:
         """(h, d, q): query latent -> per-head query without position (W^{Q}: (h, d, hidden) without q_lora)."""
         return self._q_heads[:, : self.config.qk_nope_head_dim]

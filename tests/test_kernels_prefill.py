@@ -28,6 +28,7 @@ from mla.kernels.prefill import (
     PREFILL_BACKENDS,
     choose_prefill_backend,
     chunked_context_prefill,
+    head_group,
     merge_attention_states,
     mla_prefill,
     mla_prefill_reference,
@@ -474,6 +475,58 @@ def test_chunked_context_with_context_stays_on_the_kernel(monkeypatch):
         out, lse = chunked_context_prefill(**case, workspace_tokens=5, backend=backend)
         assert rel_err(out, ref_out) < 1e-5
         assert_lse_close(lse, ref_lse, 1e-5)
+
+
+def test_sdpa_joins_adjacent_query_parts_without_a_copy():
+    """q_nope and q_pe as views of one (t, h, d + r) buffer join as a view of it; parts that do
+    not follow each other in one buffer are copied. Both equal torch.cat."""
+    from mla.kernels.prefill import _joined
+    q = torch.randn(6, 3, 10)
+    whole = _joined(q[..., :7], q[..., 7:])
+    assert whole.data_ptr() == q.data_ptr() and torch.equal(whole, q)
+    part = _joined(q[:, 1:, :7], q[:, 1:, 7:])                        # a head group's views
+    assert part.data_ptr() == q[:, 1:].data_ptr() and torch.equal(part, q[:, 1:])
+    for a, b in ((q[..., :7].clone(), q[..., 7:].clone()),           # two buffers
+                 (q[..., 3:], q[..., :3]),                           # b before a
+                 (q[..., :5], q[..., 7:]),                           # a gap between them
+                 (q[..., :7], torch.randn(3, 6, 3).transpose(0, 1))):        # other strides
+        joined = _joined(a, b)
+        assert torch.equal(joined, torch.cat([a, b], -1))
+    assert _joined(q[..., :7], q[..., 7:]).shape == (6, 3, 10)
+
+
+def test_head_group_rule():
+    assert head_group(100, 8, 16384) == 8              # a short prompt: every head at once
+    assert head_group(32768, 128, 16384) == 64         # twice the workspace: half the heads
+    assert head_group(131072, 128, 16384) == 16
+    assert head_group(10**6, 4, 10) == 1               # at least one head
+    assert head_group(0, 4, 10) == 4
+
+
+@pytest.mark.parametrize("backend, contexts", [("sdpa", [0, 0]), ("triton", [0, 0]), ("triton", [7, 0])])
+def test_chunked_context_in_head_groups(backend, contexts, monkeypatch):
+    """A budget below total_q x h token-heads cuts step 1 into head groups (5 heads: 2, 2, 1):
+    the same out and lse as the reference, each group's keys and values only its heads'."""
+    seen = []
+    name = "sdpa_prefill" if backend == "sdpa" else "mla_prefill"
+    real = getattr(prefill_module, name)
+    monkeypatch.setattr(prefill_module, name,
+                        lambda *a, **k: seen.append((a[0].shape[1], a[2].shape[0])) or real(*a, **k))
+    news = [9, 14]
+    case, context_rows = make_context_case(news, contexts, page=4, h=5)
+    before = {k: t.clone() for k, t in case.items() if isinstance(t, torch.Tensor)}
+    workspace = 10                                     # 23 new tokens x 2 heads <= 10 x 5
+    assert head_group(sum(news), 5, workspace) == 2
+    out, lse = chunked_context_prefill(**case, workspace_tokens=workspace, backend=backend)
+    ref_out, ref_lse = context_reference(case, context_rows)
+    assert [heads for heads, keys in seen if keys == sum(news)] == [2, 2, 1]
+    assert rel_err(out, ref_out) < 1e-5
+    if backend == "sdpa":
+        assert lse is None
+    else:
+        assert_lse_close(lse, ref_lse, 1e-5)
+    for k, t in before.items():
+        torch.testing.assert_close(case[k], t, rtol=0, atol=0, equal_nan=True)
 
 
 def test_chunked_context_bad_backend_raises_and_writes_nothing():

@@ -856,6 +856,29 @@ def test_absorbed_rows_go_through_the_decode_kernel_in_queries_of_up_to_8(monkey
         assert shapes == expected, lengths
 
 
+def test_a_call_of_one_prefill_batch_passes_its_queries_whole():
+    """Where one prefill batch holds every token of the call, in order (a prompt, padded rows
+    included), the layer hands it q as it is and takes its output as o; any decode row or a
+    second path means gathering the batch's tokens. Outputs match the absorbed tier either way."""
+    absorbed, paged = pair(16, prefill="auto", prefill_crossover=6)
+    seen, original = [], paged.attend_prefill
+
+    def spy(path, q_nope, q_pe, cache, rows):
+        seen.append((path, rows.every_token, q_nope.shape[0] == rows.tokens.numel()))
+        return original(path, q_nope, q_pe, cache, rows)
+
+    paged.attend_prefill = spy
+    a_cache, p_cache = absorbed.new_cache(3, 64), poisoned(paged, 3, 64)
+    for lengths, expected in (([9, 7, 12], [("up-project", True, True)]),     # prompts
+                              ([1, 1, 1], []),                                  # decode only
+                              ([3, 0, 10], [("absorbed", False, True),          # two paths
+                                            ("up-project", False, True)]),
+                              ([1, 3, 2], [("absorbed", False, True)])):        # and a decode row
+        seen.clear()
+        check_step(absorbed, paged, a_cache, p_cache, padded_batch(lengths, max(lengths)), lengths)
+        assert sorted(seen) == expected, lengths
+
+
 def test_query_pieces_see_exactly_their_causal_prefix():
     """Under FlashMLA's convention (query j of s_q sees seq_len - (s_q - 1 - j) rows), token j of
     a row with t cached tokens sees t + j + 1 rows, in the row's own pieces."""

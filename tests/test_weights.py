@@ -19,6 +19,7 @@ def test_names_and_view_shapes():
                      "o_proj.weight"}
     h, d, r, v, c, q = 4, 16, 8, 16, 32, 24
     assert w.W_UQ.shape == (h, d, q) and w.W_QR.shape == (h, r, q)
+    assert w.W_Q.shape == (h, d + r, q) and torch.equal(w.W_Q, torch.cat([w.W_UQ, w.W_QR], 1))
     assert w.W_DKV.shape == (c, 64) and w.W_KR.shape == (r, 64)
     assert w.W_UK.shape == (h, d, c) and w.W_UV.shape == (h, v, c)
     assert w.W_O.shape == (64, h, v)

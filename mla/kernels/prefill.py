@@ -51,6 +51,7 @@ __all__ = [
     "choose_prefill_backend",
     "PREFILL_BACKENDS",
     "DEFAULT_WORKSPACE_TOKENS",
+    "head_group",
 ]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -416,6 +417,19 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[..., :dv]
 
 
+def _joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[a | b] on the last dim: a view where b's values follow a's in one buffer with a's strides
+    (q_nope and q_pe as views of one query), else a copy."""
+    e = a.shape[-1]
+    if (a.shape[:-1] == b.shape[:-1] and a.stride() == b.stride() and a.dtype == b.dtype
+            and a.device == b.device and a.stride(-1) == 1 and a.numel() > 0
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and b.storage_offset() == a.storage_offset() + e
+            and all(st >= e + b.shape[-1] for st, n in zip(a.stride()[:-1], a.shape[:-1]) if n > 1)):
+        return a.as_strided((*a.shape[:-1], e + b.shape[-1]), a.stride(), a.storage_offset())
+    return torch.cat([a, b], dim=-1)
+
+
 def sdpa_prefill(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -452,25 +466,25 @@ def sdpa_prefill(
     )
     total_q, h, _ = q_nope.shape
     b = cu_seqlens_q.shape[0] - 1
-    out = torch.empty((total_q, h, v.shape[2]), dtype=q_nope.dtype, device=q_nope.device)
     if total_q == 0 or h == 0:
-        return out
-    q = torch.cat([q_nope, q_pe], dim=-1)                                       # (total_q, h, d + r)
+        return q_nope.new_empty(total_q, h, v.shape[2])
+    q = _joined(q_nope, q_pe)                                                   # (total_q, h, d + r)
     k = torch.cat([k_nope, k_pe[:, None].expand(-1, h, -1)], dim=-1)            # (total_q, h, d + r)
 
-    def attend(lo: int, hi: int, m: int) -> None:
-        """Tokens lo .. hi - 1, m rows of (hi - lo) / m tokens each, in one call."""
+    def attend(lo: int, hi: int, m: int) -> torch.Tensor:
+        """Tokens lo .. hi - 1, m rows of (hi - lo) / m tokens each, in one call: (hi - lo, h, v)."""
         q_m, k_m, v_m = (t[lo:hi].unflatten(0, (m, -1)).transpose(1, 2) for t in (q, k, v))  # (m, h, s, ·)
         o = _causal_sdpa(q_m, k_m, v_m, float(softmax_scale))                   # (m, h, s, v)
-        out[lo:hi] = o.transpose(1, 2).flatten(0, 1)                             # (m·s, h, v)
+        return o.transpose(1, 2).flatten(0, 1)                                  # (m·s, h, v)
 
     if b * max_seqlen_q == total_q:   # b rows of at most max_seqlen_q tokens: all of that length
-        attend(0, total_q, b)
-    else:
-        cu = cu_seqlens_q.tolist()
-        for lo, hi in zip(cu, cu[1:]):
-            if hi > lo:
-                attend(lo, hi, 1)
+        # SDPA's output is token-major, as q is: the answer itself unless v was padded
+        return attend(0, total_q, b).contiguous()
+    out = q_nope.new_empty(total_q, h, v.shape[2])
+    cu = cu_seqlens_q.tolist()
+    for lo, hi in zip(cu, cu[1:]):
+        if hi > lo:
+            out[lo:hi] = attend(lo, hi, 1)
     return out
 
 
@@ -607,6 +621,13 @@ def _check_context_inputs(fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, 
     return lens, kv_scale
 
 
+def head_group(total_q: int, h: int, workspace_tokens: int) -> int:
+    """Heads whose new-token keys and values ``chunked_context_prefill`` up-projects at once:
+    as many as keep total_q x g within workspace_tokens x h token-heads (a context chunk's
+    size), at least one, at most h."""
+    return max(1, min(h, workspace_tokens * h // max(total_q, 1)))
+
+
 def chunked_context_prefill(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -642,9 +663,10 @@ def chunked_context_prefill(
        non-causally (every context token lies before every new token);
     3. each piece's (out, lse) merged into the running one by ``merge_attention_states``.
 
-    Memory beyond the inputs: O(total_q * h * v) for the output and the merge, O(total_q * h *
-    (d + v)) for the new tokens' keys and values, and ``workspace_tokens * h * (d + v)`` for a
-    chunk; nothing of size new tokens x context.
+    Step 1 runs on a group of heads at a time (``head_group``), so the new tokens' keys and
+    values, like a context chunk, take at most ``max(workspace_tokens * h, total_q) * (d + v)``
+    values. Memory beyond the inputs: O(total_q * h * v) for the output and the merge, and that
+    workspace for keys and values; nothing of size new tokens x context.
 
     Args:
         q_nope: (total_q, h, d), q_pe: (total_q, h, r): the new tokens' queries, packed.
@@ -701,21 +723,45 @@ def chunked_context_prefill(
     # into every head's key and value; k_nope and v are views into its output
     W_kv = torch.cat([W_UK, W_UV], dim=1).reshape(h * (d + dv), c)             # (h·(d+v), c)
 
-    def up_project(latent_c):                                                   # (t, c)
-        kv = (latent_c @ W_kv.T).view(-1, h, d + dv)                            # (t, h, d + v)
-        return kv[..., :d], kv[..., d:]                                         # (t, h, d), (t, h, v)
+    def up_project(latent_c, h0=0, h1=h):                                      # (t, c)
+        """Heads h0 .. h1 - 1's keys and values of the latent rows (one matmul)."""
+        w = W_kv[h0 * (d + dv): h1 * (d + dv)]                                  # (g·(d+v), c)
+        kv = (latent_c @ w.T).view(-1, h1 - h0, d + dv)                         # (t, g, d + v)
+        return kv[..., :d], kv[..., d:]                                         # (t, g, d), (t, g, v)
 
-    # ---- 1. the new tokens over themselves, causal (bottom-right: s_i keys for s_i queries)
-    k_nope_new, v_new = up_project(kv_c)
+    # ---- 1. the new tokens over themselves, causal (bottom-right: s_i keys for s_i queries),
+    # g heads at a time: their keys and values, up-projected, hold at most workspace_tokens x h
+    # token-heads (a context chunk's worth; one head a group at the least), so a long prompt's
+    # keys and values never exist for every head at once. Heads are independent: each group's
+    # out and lse are those heads' columns of the whole.
+    total_q = q_nope.shape[0]
     total_context = sum(lens)
-    equal_rows = (cu_seqlens_q.shape[0] - 1) * max_seqlen_q == q_nope.shape[0]
-    if total_context == 0 and choose_prefill_backend(backend, device, equal_rows=equal_rows) == "sdpa":
-        return sdpa_prefill(q_nope, q_pe, k_nope_new, k_pe, v_new, cu_seqlens_q, softmax_scale=softmax_scale,
-                            max_seqlen_q=max_seqlen_q), None
-    out, lse = mla_prefill(q_nope, q_pe, k_nope_new, k_pe, v_new, cu_seqlens_q, cu_seqlens_q,
+    equal_rows = (cu_seqlens_q.shape[0] - 1) * max_seqlen_q == total_q
+    on_sdpa = total_context == 0 and choose_prefill_backend(backend, device, equal_rows=equal_rows) == "sdpa"
+    g = head_group(total_q, h, workspace_tokens)
+
+    def attend_new(h0: int, h1: int):
+        """Heads h0 .. h1 - 1 of the new tokens over themselves: out (total_q, g, v), lse or None."""
+        k_nope_new, v_new = up_project(kv_c, h0, h1)
+        q_n, q_r = q_nope[:, h0:h1], q_pe[:, h0:h1]
+        if on_sdpa:
+            return sdpa_prefill(q_n, q_r, k_nope_new, k_pe, v_new, cu_seqlens_q, softmax_scale=softmax_scale,
+                                max_seqlen_q=max_seqlen_q), None
+        return mla_prefill(q_n, q_r, k_nope_new, k_pe, v_new, cu_seqlens_q, cu_seqlens_q,
                            softmax_scale=softmax_scale, causal=True, max_seqlen_q=max_seqlen_q,
                            max_seqlen_k=max_seqlen_q)
-    del k_nope_new, v_new
+
+    if g == h:
+        out, lse = attend_new(0, h)
+    else:
+        out = q_nope.new_empty(total_q, h, dv)                                  # (total_q, h, v)
+        lse = None if on_sdpa else torch.empty(total_q, h, dtype=torch.float32, device=device)
+        for h0 in range(0, h, g):
+            out_g, lse_g = attend_new(h0, min(h, h0 + g))
+            out[:, h0:h0 + g] = out_g
+            if lse is not None:
+                lse[:, h0:h0 + g] = lse_g
+            del out_g, lse_g
     if total_context == 0:
         return out, lse
     out = out.float()

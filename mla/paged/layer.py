@@ -62,9 +62,8 @@ from ..absorbed import attend_absorbed
 from ..base import MLAAttention
 from ..kernels import chunked_context_prefill, mla_decode
 from ..kernels.prefill import DEFAULT_WORKSPACE_TOKENS, PREFILL_BACKENDS
-from ..naive import (attend_up_projected, causal_mask, latent, query_latent, query_nope,
-                     query_rope)
-from ..rope import rope_cos_sin
+from ..naive import attend_up_projected, causal_mask, latent, query_latent
+from ..rope import apply_rope, rope_cos_sin
 from ..weights import MLAWeights
 from .cache import (VALUE_DTYPES, PagedLatentCache, as_int, as_int_tensor, check_kv_cache_dtype,
                     check_kv_scale, gather_pages, positive_int, write_slots)
@@ -83,6 +82,20 @@ PREFILL_MODES = ("auto", *PREFILL_PATHS)
 # s = 64), taken with both paths in plain torch. benchmarks/lab/prefill_crossover.py measures it
 # with the kernels both modes run on.
 PREFILL_CROSSOVER = 64
+
+
+def joint_query(w: MLAWeights, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> torch.Tensor:
+    """Eqs. (38)-(40) as one product: q = [W^{UQ}; W^{QR}] c_Q, then RoPE on each head's last r
+    dims in place. c_q (N, q), cos / sin (N, r/2) -> q (N, h, d + r) = [q_C | q_R].
+
+    The naive tier's query_nope and query_rope compute the two parts apart; here they share one
+    buffer, so q_nope and q_pe are views of it and MHA mode's SDPA path takes q without a copy.
+    """
+    q = torch.einsum("nq,hkq->nhk", c_q, w.W_Q)                                # (N, h, d + r)
+    d = w.config.qk_nope_head_dim
+    q[..., d:] = apply_rope(q[..., d:], cos[:, None], sin[:, None])            # (39) q_R
+    return q
 
 
 def decode_attention(q: torch.Tensor, cache: PagedLatentCache, block_table: torch.Tensor,
@@ -345,8 +358,8 @@ class PagedMLA(MLAAttention):
         x1 = x_real[None]                                          # (1, N, hidden)
         cos, sin = rope_cos_sin(cfg, plan.positions[None], x.dtype)  # (1, N, r/2)
         c_q = query_latent(w, x1)                                  # (37) (1, N, q)
-        q_nope = query_nope(w, c_q)[0]                             # (38) (N, h, d)
-        q_pe = query_rope(w, c_q, cos, sin)[0]                     # (39) (N, h, r)
+        q = joint_query(w, c_q[0], cos[0], sin[0])                  # (38)-(40) (N, h, d + r)
+        q_nope, q_pe = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]  # views
         kv_c_normed, k_pe = latent(w, x1, cos, sin)                # (41), (43) (1, N, c), (1, N, r)
 
         # Append: each token's [kv_c | k_pe] row into its slot, in the cache's layout; the
@@ -361,6 +374,8 @@ class PagedMLA(MLAAttention):
         dec = plan.decode
         if dec is not None and dec.tokens is None:                 # every token decodes
             o = self.attend_decode(q_nope, q_pe, cache, dec)                   # (N, h, v)
+        elif dec is None and len(plan.prefill) == 1 and plan.prefill[0][1].every_token:
+            o = None                                               # one prefill batch holds them all
         else:
             o = q_nope.new_zeros(N, cfg.num_heads, cfg.v_head_dim)            # (N, h, v)
             if dec is not None:
@@ -370,8 +385,11 @@ class PagedMLA(MLAAttention):
         # Prefill rows, eqs. (42), (44)-(46) absorbed or up-projected: their packed new tokens
         # over their context, one batch a path.
         for path, rows in plan.prefill:
-            o[rows.tokens] = self.attend_prefill(path, q_nope[rows.tokens], q_pe[rows.tokens],
-                                                 cache, rows)
+            if o is None:                                          # no gather, no scatter
+                o = self.attend_prefill(path, q_nope, q_pe, cache, rows)      # (N, h, v)
+            else:
+                o[rows.tokens] = self.attend_prefill(path, q_nope[rows.tokens], q_pe[rows.tokens],
+                                                     cache, rows)
 
         # Eq. (47), once for every token (one all-reduce under TP); padding rows stay zero.
         y = self.output_projection(o[None])[0]                     # (N, hidden)

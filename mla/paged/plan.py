@@ -87,6 +87,8 @@ class PrefillRows:
     context_lens_host: context_lens as host ints (the MHA mode's chunks are planned from them).
     pieces: MQA mode's queries (path "absorbed"): the rows cut into pieces of at most
         MAX_QUERY_TOKENS new tokens; None on the "up-project" path.
+    every_token: the rows hold all N tokens of the call, in order (tokens = 0 .. N - 1): the
+        layer then passes its queries and takes the output as they are, with no gather.
     All tensors on the cache's device.
     """
 
@@ -99,6 +101,7 @@ class PrefillRows:
     max_seq_len: int
     context_lens_host: list[int]
     pieces: DecodeRows | None = None
+    every_token: bool = False
 
 
 @dataclass
@@ -200,7 +203,8 @@ def plan_call(cache: PagedLatentCache, seq_ids: torch.Tensor, new_lens: torch.Te
             context_lens=dev[path + "/context_lens"],
             block_table=cache.block_table[dev[path + "/rows"]],
             max_new_len=int(new_lens[ks].max()), max_seq_len=int(total.max()),
-            context_lens_host=context_lens[ks].tolist())
+            context_lens_host=context_lens[ks].tolist(),
+            every_token=bool(torch.equal(host[path + "/tokens"], torch.arange(N))))
         if path in pieces:
             rows.pieces = DecodeRows(
                 tokens=None, block_table=cache.block_table[dev[path + "/piece_rows"]],
