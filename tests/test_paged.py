@@ -1004,3 +1004,38 @@ def test_gpu_long_prompt_and_extend_memory():
         torch.cuda.synchronize()
         assert torch.cuda.max_memory_allocated() - before < 2 * 2**30, s
         assert torch.isfinite(y).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefill_backend", ["sdpa", "triton"])
+def test_gpu_v3_prompt_peak_within_1_5x_of_sdpa_alone(prefill_backend):
+    """DeepSeek-V3 sizes, bf16, a 32k-token prompt: the layer's whole call (projections, cache
+    write and attention, its new tokens' keys and values up-projected in head groups) peaks at
+    most 1.5x what cuDNN / memory-efficient SDPA alone takes on ready-made up-projected q, k and
+    v of the same prompt (inputs counted)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    cfg = mla.MLAConfig.from_preset("deepseek-v3")
+    s, h, dk, dv = 32768, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    q, k = (torch.randn(1, h, s, dk, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    v = torch.randn(1, h, s, dv, dtype=torch.bfloat16, device="cuda")
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.cuda.synchronize()
+    sdpa_peak = torch.cuda.max_memory_allocated() - base
+    del q, k, v
+    weights = mla.MLAWeights(cfg, dtype=torch.bfloat16, device="cuda", seed=0)
+    paged = mla.build(weights, "paged", prefill="up-project", prefill_backend=prefill_backend)
+    cache = paged.new_cache(1, s)
+    x = torch.randn(1, s, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        y = paged(x, cache)
+    torch.cuda.synchronize()
+    layer_peak = torch.cuda.max_memory_allocated() - base
+    assert torch.isfinite(y).all()
+    assert layer_peak <= 1.5 * sdpa_peak, (layer_peak / 2**20, sdpa_peak / 2**20)
