@@ -86,6 +86,8 @@ def _namespace() -> dict:
         "query_tokens_table": query_tokens_table,
         "layer_table": layer_table,
         "prefill_table": prefill_table,
+        "prefill_row": prefill_row,
+        "prefill_rows": prefill_rows,
         "generate_table": generate_table,
         "capacity_table": capacity_table,
         "fp8_accuracy_table": fp8_accuracy_table,
@@ -479,12 +481,20 @@ def _crossover_sentences(path: Path, data: dict) -> str:
 
 
 def _contenders_sentence(path: Path, data: dict) -> str:
-    """bench_prefill.py's result in one sentence: the layer's time over the fastest SDPA
-    backend's at the shapes where both ran."""
-    ratios = [r["layer_over_best_sdpa"] for r in data["rows"] if r.get("layer_over_best_sdpa")]
-    span = ("" if not ratios else
-            f": the layer's whole call (projections included) took {min(ratios):.2f}x to "
-            f"{max(ratios):.2f}x the time of the fastest SDPA backend's attention alone")
+    """bench_prefill.py's result in one sentence: the layer's whole call over the SDPA layer's
+    (whole call against whole call) at the shapes where both ran; in a result without the SDPA
+    layer, the layer's whole call over the fastest SDPA backend's attention alone."""
+    like = [r["layer_over_sdpa_layer"] for r in data["rows"] if r.get("layer_over_sdpa_layer")]
+    mixed = [r["layer_over_best_sdpa"] for r in data["rows"] if r.get("layer_over_best_sdpa")]
+    if like:
+        span = (f": the layer's whole call took {min(like):.2f}x to {max(like):.2f}x the time of "
+                "the same layer with its attention done by SDPA over the whole up-projected "
+                "sequence (projections included on both sides)")
+    elif mixed:
+        span = (f": the layer's whole call (projections included) took {min(mixed):.2f}x to "
+                f"{max(mixed):.2f}x the time of the fastest SDPA backend's attention alone")
+    else:
+        span = ""
     return (f"The prefill benchmark, `{path.relative_to(ROOT).as_posix()}` "
             f"({data.get('device', 'GPU')}, {data.get('config', 'deepseek-v3')} sizes, "
             f"{data.get('dtype', '')}), times the paged layer against torch's SDPA and "
@@ -608,31 +618,87 @@ def layer_table(name: str = "h200-layer.json") -> str:
     ])
 
 
-_PREFILL_CONTENDERS = (("layer_attention", "ours"), ("sdpa_cudnn", "SDPA cuDNN"),
-                       ("sdpa_efficient", "SDPA efficient"), ("sdpa_flash", "SDPA flash"),
-                       ("flex", "FlexAttention"))
+def prefill_row(b: int, s: int, t: int = 0, name: str = PREFILL_RESULTS) -> dict:
+    """The row of the committed prefill result for b sequences of s new tokens over t cached."""
+    return row(name, b=b, s=s, t=t)
+
+
+def prefill_rows(*, t: int = 0, min_s: int = 0, max_s: int | None = None,
+                 name: str = PREFILL_RESULTS) -> list[dict]:
+    """The committed prefill result's rows over t cached tokens (0: the prompts) with
+    min_s <= s <= max_s new tokens a sequence, for a page's min(...) / max(...) over them."""
+    rows = [r for r in result(name)["rows"]
+            if r.get("t", 0) == t and r["s"] >= min_s and (max_s is None or r["s"] <= max_s)]
+    if not rows:
+        raise PluginError(f"prefill_rows(t={t}, min_s={min_s}, max_s={max_s}): no row in {name}")
+    return rows
+
+
+# bench_prefill.py's contenders as the prefill tables show them: (key, header). The layer's
+# whole call under its default prefill_backend ("auto") and forced to the kernel, the layer
+# with SDPA attention; then attention alone, the layer's under both choices, SDPA's backends
+# and FlexAttention. A result file written before a contender existed shows "-" in its column.
+_PREFILL_WHOLE = (("layer", "layer, auto"), ("layer_triton", "layer, triton"),
+                  ("sdpa_layer", "SDPA layer"))
+_PREFILL_ATTENTION = (("layer_attention", "ours, auto"), ("layer_attention_triton", "ours, triton"),
+                      ("sdpa_cudnn", "cuDNN"), ("sdpa_efficient", "efficient"),
+                      ("sdpa_flash", "flash"), ("flex", "FlexAttention"))
+
+
+def _prefill_missing(r: dict, key: str) -> str:
+    """The cell of a contender with no figure in row r: "out of memory" or "n/a" where it ran
+    and failed (its ``*_error``), "-" where it did not run at that shape."""
+    error = r.get(key + "_error")
+    if error is None:
+        return "-"
+    return "out of memory" if "memory" in str(error) else "n/a"
+
+
+def _prefill_ratio(r: dict, top: str, bottom: str, field: str = "_ms") -> str:
+    """r[top + field] / r[bottom + field] to two places, "-" where either is missing."""
+    a, b = r.get(top + field), r.get(bottom + field)
+    return f"{a / b:.2f}" if a and b else "-"
+
+
+def _attention_headers(columns: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    """The attention-alone columns, the first header saying where the group starts."""
+    return [(("attention: " if i == 0 else "") + header, cell) for i, (header, cell) in enumerate(columns)]
 
 
 def prefill_table(name: str = "h200-prefill.json", what: str = "ms") -> str:
-    """Markdown: bench_prefill.py's rows, one line a shape. what="ms": the layer's whole call
-    and each contender's attention in ms (TFLOP/s); what="memory": their peak memory in MiB."""
+    """Markdown: bench_prefill.py's rows, one line a shape. what="ms": the whole calls (the
+    layer under "auto" and "triton", the SDPA layer) and attention alone (the layer's under
+    both, each SDPA backend, FlexAttention) in ms (TFLOP/s), with the like-for-like ratios;
+    what="memory": the same contenders' peak memory in MiB, and the layer's over cuDNN's."""
     rows = result(name)["rows"]
     shape = [("b x s (+ t cached)",
               lambda r: f"{r['b']} x {r['s']:,}" + (f" + {r['t']:,}" if r.get("t") else ""))]
     if what == "memory":
-        cols = [("layer", "layer")] + list(_PREFILL_CONTENDERS)
-        return _table(rows, shape + [(f"{label} (MiB)", lambda r, k=key: f"{r[k + '_peak_mib']:,.0f}")
-                                     for key, label in cols])
+        def peak(key):
+            def cell(r):
+                mib = r.get(key + "_peak_mib")
+                return f"{mib:,.0f}" if mib is not None else _prefill_missing(r, key)
+            return cell
+        return _table(rows, shape
+                      + [(label, peak(key)) for key, label in _PREFILL_WHOLE]
+                      + _attention_headers([(label, peak(key)) for key, label in _PREFILL_ATTENTION])
+                      + [("layer, auto / cuDNN", lambda r: _prefill_ratio(r, "layer", "sdpa_cudnn", "_peak_mib")),
+                         ("layer, triton / cuDNN",
+                          lambda r: _prefill_ratio(r, "layer_triton", "sdpa_cudnn", "_peak_mib"))])
 
     def timed(key):
         def cell(r):
-            if r.get(key + "_ms") is None:
-                return "out of memory" if "memory" in str(r.get(key + "_error", "")) else "n/a"
-            return f"{r[key + '_ms']:,.2f} ({r[key + '_TFLOPs']:,.0f})"
+            ms = r.get(key + "_ms")
+            if ms is None:
+                return _prefill_missing(r, key)
+            rate = r.get(key + "_TFLOPs")
+            return f"{ms:,.2f}" + (f" ({rate:,.0f})" if rate else "")
         return cell
-    return _table(rows, shape + [("layer, whole call", timed("layer"))]
-                  + [(f"{label} attention", timed(key)) for key, label in _PREFILL_CONTENDERS]
-                  + [("ours / cuDNN", lambda r: f"{r['layer_attention_ms'] / r['sdpa_cudnn_ms']:.2f}")])
+    return _table(rows, shape
+                  + [(label, timed(key)) for key, label in _PREFILL_WHOLE]
+                  + [("layer / SDPA layer", lambda r: _prefill_ratio(r, "layer", "sdpa_layer"))]
+                  + _attention_headers([(label, timed(key)) for key, label in _PREFILL_ATTENTION])
+                  + [("ours, auto / cuDNN", lambda r: _prefill_ratio(r, "layer_attention", "sdpa_cudnn"))])
 
 
 def generate_table(name: str = "h200-generate.json") -> str:
@@ -822,7 +888,13 @@ def _plot_prefill_contenders(data: dict):
     """bench_prefill.py's result: each contender's time at each (b, s, t) shape, and its
     attention TFLOP/s against the matmul rate of the same run."""
     rows = data["rows"]
-    names = list(dict.fromkeys(k[:-3] for r in rows for k in r if k.endswith("_ms")))
+    # the tables' contenders, in their order; the forced "sdpa" runs are left out (on a GPU
+    # they time what "auto" runs on these rows, and the tables leave them out too)
+    shown = [key for key, _ in _PREFILL_WHOLE + _PREFILL_ATTENTION]
+    present = {k[:-3] for r in rows for k in r if k.endswith("_ms")}
+    names = [key for key in shown if key in present]
+    labels = {**{key: f"{label} (whole call)" for key, label in _PREFILL_WHOLE},
+              **{key: f"{label} (attention)" for key, label in _PREFILL_ATTENTION}}
     if not names:
         raise ValueError("no *_ms columns")
     fig, (ax_time, ax_rate) = _figure(2)
@@ -830,24 +902,24 @@ def _plot_prefill_contenders(data: dict):
     for k, name in enumerate(names):
         timed = [(i, r) for i, r in enumerate(rows) if r.get(f"{name}_ms")]
         xs = [i + (k - (len(names) - 1) / 2) * width for i, _ in timed]
-        label = name.replace("_", " ")
+        label = labels.get(name, name)
         ax_time.bar(xs, [r[f"{name}_ms"] for _, r in timed], width, color=f"C{k}", label=label)
         rated = [(x, r[f"{name}_TFLOPs"]) for x, (_, r) in zip(xs, timed) if r.get(f"{name}_TFLOPs")]
         ax_rate.bar([x for x, _ in rated], [v for _, v in rated], width, color=f"C{k}", label=label)
     if data.get("matmul_TFLOPs"):
         ax_rate.axhline(data["matmul_TFLOPs"], color="black", linestyle="--", label="bf16 matmul")
-    labels = [f"b {r['b']}\ns {_tokens(r['s'])}" + (f"\n+{_tokens(r['t'])}" if r.get("t") else "")
-              for r in rows]
+    ticks = [f"b {r['b']}\ns {_tokens(r['s'])}" + (f"\n+{_tokens(r['t'])}" if r.get("t") else "")
+             for r in rows]
     for ax in (ax_time, ax_rate):
-        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set_xticks(range(len(rows)), ticks, fontsize=7)
         ax.set_xlabel("batch b, new tokens s (+ cached tokens t)")
     ax_time.set_yscale("log")
     ax_time.set_ylabel("prefill (ms), log scale")
-    ax_time.set_title("the layer's whole call; attention alone for the others")
+    ax_time.set_title("the whole calls, and attention alone")
     ax_rate.set_ylabel("attention TFLOP/s")
     ax_rate.set_title("attention FLOPs over the time (the layer's projections left out)")
-    ax_time.legend(fontsize=7)
-    ax_rate.legend(fontsize=7)
+    # one legend for both panels, below them: inside, it would hide the bars
+    fig.legend(*ax_rate.get_legend_handles_labels(), loc="outside lower center", ncol=3, fontsize=7)
     return fig
 
 
@@ -941,11 +1013,13 @@ def _prefill_plot_text() -> tuple[str, str]:
                 "is faster. Dotted lines: where up-projection became faster for good in this run; "
                 "dashed: where the FLOP model puts the crossover.")
     return ("Prefill: the layer against SDPA and FlexAttention",
-            "For each shape (b sequences of s new tokens over t cached ones): top, the paged "
-            "layer's whole call (projections included) and attention alone in each SDPA backend "
-            "and FlexAttention (log scale); bottom, their attention FLOPs over the time, against "
-            "the bf16 matmul rate of the same run (dashed). A contender missing at a shape did "
-            "not run there (its error is in the table).")
+            "For each shape (b sequences of s new tokens over t cached ones): top, the whole "
+            "calls (projections included) of the paged layer under `prefill_backend=\"auto\"` "
+            "and `\"triton\"` and of the layer with SDPA attention, then attention alone: the "
+            "paged layer's under both choices, each SDPA backend and FlexAttention (log scale); "
+            "bottom, their attention FLOPs over the time, against the bf16 matmul rate of the "
+            "same run (dashed). A contender missing at a shape did not run there: over a cached "
+            "context the backend is not forced, and one that failed has its error in the tables.")
 
 
 def _plot_specs() -> list[tuple[str, Path, object, str, str]]:

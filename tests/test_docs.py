@@ -193,6 +193,50 @@ def test_benchmark_page_is_honest(site):
         assert "has not been timed" in absorption
 
 
+def test_prefill_tables_read_every_result_schema(monkeypatch):
+    """The prefill tables of the benchmarks page read bench_prefill.py's rows whatever they hold:
+    a prompt with every contender (one out of memory), an extend with "auto" alone, and a row
+    of a file written before the forced backends and the SDPA layer existed. A contender that
+    did not run reads "-", one that failed says so, and nothing stops the build."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    full = {f"{k}_{f}": v for k in ("layer", "layer_triton", "sdpa_layer", "layer_attention",
+                                    "layer_attention_triton", "sdpa_cudnn", "sdpa_efficient",
+                                    "sdpa_flash") for f, v in (("ms", 2.0), ("TFLOPs", 300.0),
+                                                               ("peak_mib", 1000.0))}
+    rows = [dict(b=1, s=8192, t=0, **full, flex_error="OutOfMemoryError: CUDA out of memory"),
+            dict(b=1, s=4096, t=32768, layer_ms=3.0, layer_peak_mib=500.0, sdpa_layer_ms=6.0,
+                 sdpa_layer_peak_mib=900.0, sdpa_cudnn_ms=4.0, sdpa_cudnn_peak_mib=250.0,
+                 layer_triton_TFLOPs=None, flex_error="RuntimeError: no kernel"),
+            dict(b=4, s=2048, t=0, layer_ms=5.0, layer_attention_ms=2.5, sdpa_cudnn_ms=1.25)]
+    monkeypatch.setattr(hooks, "result", lambda name: {"rows": rows})
+
+    def cells(table: str) -> list[list[str]]:
+        return [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()]
+
+    ms = cells(hooks.prefill_table())
+    head, prompt, extend, old = ms[0], ms[2], ms[3], ms[4]
+    col = {h: i for i, h in enumerate(head)}
+    assert len(head) == 12 and all(len(r) == 12 for r in ms[2:])
+    assert prompt[col["layer, triton"]] == "2.00 (300)" and prompt[col["layer / SDPA layer"]] == "1.00"
+    assert prompt[col["FlexAttention"]] == "out of memory"
+    assert extend[col["layer, triton"]] == "-" and extend[col["ours, triton"]] == "-"
+    assert extend[col["layer / SDPA layer"]] == "0.50" and extend[col["FlexAttention"]] == "n/a"
+    assert old[col["SDPA layer"]] == "-" and old[col["layer / SDPA layer"]] == "-"
+    assert old[col["layer, auto"]] == "5.00" and old[col["ours, auto / cuDNN"]] == "2.00"
+    memory = cells(hooks.prefill_table(what="memory"))
+    col = {h: i for i, h in enumerate(memory[0])}
+    assert memory[2][col["layer, triton / cuDNN"]] == "1.00" and memory[2][col["FlexAttention"]] == "out of memory"
+    assert memory[3][col["layer, auto / cuDNN"]] == "2.00" and memory[3][col["layer, triton"]] == "-"
+    assert memory[4][col["layer, auto"]] == "-"
+    assert [r["s"] for r in hooks.prefill_rows()] == [8192, 2048]
+    assert [r["s"] for r in hooks.prefill_rows(min_s=4096)] == [8192]
+    assert hooks.prefill_row(1, 4096, 32768) is rows[1]
+
+
 # ---- the browser --------------------------------------------------------------------------------
 
 
