@@ -460,8 +460,10 @@ for name, data in concat.items():
 # ### Prefill: the flash kernels against torch's attention
 #
 # The prefill benchmark times, at DeepSeek-V3 sizes in bf16, $b$ prompts of $s$ new tokens over
-# $t$ cached ones: the paged tier's whole layer call, its attention alone (the Triton flash
-# prefill over the new tokens and the context chunks, merged by log-sum-exp), and torch's
+# $t$ cached ones: the paged tier's whole layer call, its attention alone (under the default
+# `prefill_backend="auto"`: on a prompt of rows of one length, SDPA over the new tokens; over a
+# cached context, the Triton flash prefill over the new tokens and the context chunks, merged by
+# log-sum-exp), the same attention forced onto the Triton kernel on the prompts, and torch's
 # `scaled_dot_product_attention` (cuDNN, efficient, flash) and FlexAttention on up-projected keys
 # and values. The rate is the attention's FLOPs (causal pairs x h x 2 x (d + r + v)) over the
 # time, against the bf16 matmul rate of the same run. The plain-torch crossover between the two
@@ -471,13 +473,15 @@ for name, data in concat.items():
 prefill = rows_with("s", "t", "layer_attention_ms")
 if not prefill:
     print("No prefill results committed yet (benchmarks/results/*prefill*.json).")
-contenders = ("layer_attention", "sdpa_cudnn", "sdpa_efficient", "sdpa_flash", "flex")
+contenders = ("layer_attention", "layer_attention_triton", "sdpa_cudnn", "sdpa_efficient", "sdpa_flash",
+              "flex")
+labels = {"layer_attention": "paged tier's attention", "layer_attention_triton": "its Triton kernel"}
 for name, data in prefill.items():
     shapes = [f"{row['b']}x{row['s']}" + (f"+{row['t']}" if row["t"] else "") for row in data["rows"]]
     fig, ax = plt.subplots(figsize=(8.5, 4))
     for key in contenders:
         ax.plot(range(len(shapes)), [row.get(f"{key}_TFLOPs") for row in data["rows"]], "o-",
-                ms=3, label=key.replace("layer_attention", "paged tier's attention"))
+                ms=3, label=labels.get(key, key))
     if "matmul_TFLOPs" in data:
         ax.axhline(data["matmul_TFLOPs"], color="grey", ls="--", lw=0.8,
                    label=f"bf16 matmul {data['matmul_TFLOPs']:.0f} TFLOP/s")

@@ -8,8 +8,8 @@ Four things live here, each a function or two:
   ``mla_prefill_reference`` computes the same in plain torch, one sequence at a time.
 - ``sdpa_prefill``: the new tokens' causal attention over themselves through torch's
   ``scaled_dot_product_attention`` (cuDNN on a GPU, faster there than the Triton kernel on
-  prompts over an empty cache); ``choose_prefill_backend`` says which of the two a call without
-  cached context runs on.
+  long prompts over an empty cache); ``choose_prefill_backend`` says which of the two a call
+  without cached context runs on.
 - ``merge_attention_states``: two attentions of the same queries over disjoint key sets, merged
   into the attention over their union by their log-sum-exps.
 - ``chunked_context_prefill``: new tokens over a cached context in bounded memory. They attend
@@ -378,9 +378,9 @@ def choose_prefill_backend(backend: str, device: torch.device | str, *, equal_ro
         equal_rows: whether every row has the same number of new tokens (one batched SDPA call).
 
     Returns "triton" (``mla_prefill``) or "sdpa" (``sdpa_prefill``). "auto" is "sdpa" on a CUDA
-    device with equal rows, where torch's cuDNN attention is faster than the kernel at every
-    empty-cache prompt timed (the figures: ``docs/derivations/prefill.md``, from
-    ``benchmarks/results/h200-prefill.json``).
+    device with equal rows: there the layer's SDPA path is faster than the kernel on prompts of
+    8k tokens and more, and within the timing spread of a host-bound call below (the figures:
+    ``docs/derivations/prefill.md``, from ``benchmarks/results/h200-prefill.json``).
     Else "triton": ragged rows would take one SDPA call a row and a host read of their offsets,
     where the kernel takes them in one launch; and on the CPU the paged tier is the kernels'
     test bench (Triton's interpreter runs the code the GPU runs), where SDPA would stand in for
