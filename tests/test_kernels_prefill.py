@@ -499,8 +499,29 @@ def test_head_group_rule():
     assert head_group(100, 8, 16384) == 8              # a short prompt: every head at once
     assert head_group(32768, 128, 16384) == 64         # twice the workspace: half the heads
     assert head_group(131072, 128, 16384) == 16
+    assert head_group(16385, 128, 16384) == 64         # even groups: 64 + 64, not 127 + 1
+    assert head_group(23, 5, 10) == 2                  # 2 at most: 2 + 2 + 1
     assert head_group(10**6, 4, 10) == 1               # at least one head
     assert head_group(0, 4, 10) == 4
+
+
+def test_sdpa_prefill_reads_a_joined_query_in_place(monkeypatch):
+    """Given q_nope and q_pe as views of one query buffer, SDPA's q is that buffer (no copy);
+    given two tensors, a new one."""
+    seen = []
+    real = prefill_module._causal_sdpa
+    monkeypatch.setattr(prefill_module, "_causal_sdpa",
+                        lambda q, k, v, scale: seen.append(q.untyped_storage().data_ptr()) or real(q, k, v, scale))
+    gen = torch.Generator().manual_seed(0)
+    t, h, d, r, dv = 12, 3, 16, 8, 16
+    q = torch.randn(t, h, d + r, generator=gen)
+    k_nope, v = torch.randn(t, h, d, generator=gen), torch.randn(t, h, dv, generator=gen)
+    k_pe = torch.randn(t, r, generator=gen)
+    cu = offsets([6, 6])
+    joined = sdpa_prefill(q[..., :d], q[..., d:], k_nope, k_pe, v, cu, softmax_scale=0.3)
+    apart = sdpa_prefill(q[..., :d].clone(), q[..., d:].clone(), k_nope, k_pe, v, cu, softmax_scale=0.3)
+    assert seen == [q.untyped_storage().data_ptr(), seen[1]] and seen[1] != seen[0]
+    torch.testing.assert_close(joined, apart, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("backend, contexts", [("sdpa", [0, 0]), ("triton", [0, 0]), ("triton", [7, 0])])
@@ -748,9 +769,11 @@ def test_gpu_sdpa_prefill_stores_no_score():
 
 
 @pytest.mark.gpu
-def test_gpu_layer_prefill_backends_agree(monkeypatch):
+@pytest.mark.parametrize("workspace", [None, 300])
+def test_gpu_layer_prefill_backends_agree(workspace, monkeypatch):
     """V2-Lite in bf16: prompts of one length (auto takes SDPA on the GPU), then ragged prompts
-    (auto keeps the kernel), each prefill_backend against the absorbed tier."""
+    (auto keeps the kernel), each prefill_backend against the absorbed tier; with a 300-token
+    workspace step 1 runs in head groups (cuDNN and the kernel on strided head views)."""
     import mla
     import mla.kernels.prefill as prefill_module
 
@@ -767,12 +790,14 @@ def test_gpu_layer_prefill_backends_agree(monkeypatch):
         with torch.no_grad():
             ref = absorbed(x, absorbed.new_cache(2, 700), lengths)
             for backend in PREFILL_BACKENDS:
-                layer = mla.build(weights, "paged", prefill_backend=backend)
+                layer = mla.build(weights, "paged", prefill_backend=backend, workspace_tokens=workspace)
                 ran.clear()
                 out = layer(x, layer.new_cache(2, 700), lengths)
                 assert torch.isfinite(out).all() and rel_err(out, ref) < 2e-2, (backend, lengths)
                 took_sdpa = backend == "sdpa" or (backend == "auto" and lengths[0] == lengths[1])
                 assert bool(ran) == took_sdpa, (backend, lengths, ran)
+                if workspace and took_sdpa:                        # 1400 or 790 tokens, 16 heads
+                    assert len(ran) == -(-cfg.num_heads // head_group(sum(lengths), cfg.num_heads, workspace)) > 1
 
 
 @pytest.mark.gpu

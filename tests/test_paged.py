@@ -858,22 +858,23 @@ def test_absorbed_rows_go_through_the_decode_kernel_in_queries_of_up_to_8(monkey
 
 def test_a_call_of_one_prefill_batch_passes_its_queries_whole():
     """Where one prefill batch holds every token of the call, in order (a prompt, padded rows
-    included), the layer hands it q as it is and takes its output as o; any decode row or a
-    second path means gathering the batch's tokens. Outputs match the absorbed tier either way."""
+    included), the layer hands it q as it is (views of its one query buffer) and takes its
+    output as o; any decode row or a second path means gathering the batch's tokens (a copy). Outputs match the absorbed tier either way."""
     absorbed, paged = pair(16, prefill="auto", prefill_crossover=6)
     seen, original = [], paged.attend_prefill
 
     def spy(path, q_nope, q_pe, cache, rows):
-        seen.append((path, rows.every_token, q_nope.shape[0] == rows.tokens.numel()))
+        whole = q_nope.stride(1) == q_nope.shape[-1] + q_pe.shape[-1]   # views of the layer's q
+        seen.append((path, rows.every_token, whole))
         return original(path, q_nope, q_pe, cache, rows)
 
     paged.attend_prefill = spy
     a_cache, p_cache = absorbed.new_cache(3, 64), poisoned(paged, 3, 64)
     for lengths, expected in (([9, 7, 12], [("up-project", True, True)]),     # prompts
                               ([1, 1, 1], []),                                  # decode only
-                              ([3, 0, 10], [("absorbed", False, True),          # two paths
-                                            ("up-project", False, True)]),
-                              ([1, 3, 2], [("absorbed", False, True)])):        # and a decode row
+                              ([3, 0, 10], [("absorbed", False, False),         # two paths
+                                            ("up-project", False, False)]),
+                              ([1, 3, 2], [("absorbed", False, False)])):       # and a decode row
         seen.clear()
         check_step(absorbed, paged, a_cache, p_cache, padded_batch(lengths, max(lengths)), lengths)
         assert sorted(seen) == expected, lengths

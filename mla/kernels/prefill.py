@@ -13,14 +13,15 @@ Four things live here, each a function or two:
 - ``merge_attention_states``: two attentions of the same queries over disjoint key sets, merged
   into the attention over their union by their log-sum-exps.
 - ``chunked_context_prefill``: new tokens over a cached context in bounded memory. They attend
-  to themselves causally (one ``mla_prefill``; ``sdpa_prefill`` instead where no sequence has
-  context and its ``backend`` says so), and to their context, gathered from the paged latent
+  to themselves causally (one ``mla_prefill`` a group of heads, ``head_group``; ``sdpa_prefill``
+  instead where no sequence has context and its ``backend`` says so), and to their context, gathered from the paged latent
   cache and up-projected by W_UK and W_UV a chunk of at most ``workspace_tokens`` tokens at a
   time, non-causally (one ``mla_prefill`` a chunk); the pieces are merged by log-sum-exp.
   Peak memory grows with the new tokens and the workspace, never with new tokens x context.
 
-Shape letters: b sequences, h heads, d nope dim, r rope dim, v value dim, c latent dim, n tokens
-a page; ``total_q`` / ``total_k`` are the packed rows of all sequences' queries / keys.
+Shape letters: b sequences, h heads, g heads of a group, d nope dim, r rope dim, v value dim,
+c latent dim, n tokens a page; ``total_q`` / ``total_k`` are the packed rows of all sequences'
+queries / keys.
 """
 
 from __future__ import annotations
@@ -421,9 +422,10 @@ def _joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[a | b] on the last dim: a view where b's values follow a's in one buffer with a's strides
     (q_nope and q_pe as views of one query), else a copy."""
     e = a.shape[-1]
+    sa, sb = a.untyped_storage(), b.untyped_storage()
     if (a.shape[:-1] == b.shape[:-1] and a.stride() == b.stride() and a.dtype == b.dtype
             and a.device == b.device and a.stride(-1) == 1 and a.numel() > 0
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and sa.data_ptr() == sb.data_ptr() and sa.nbytes() == sb.nbytes()
             and b.storage_offset() == a.storage_offset() + e
             and all(st >= e + b.shape[-1] for st, n in zip(a.stride()[:-1], a.shape[:-1]) if n > 1)):
         return a.as_strided((*a.shape[:-1], e + b.shape[-1]), a.stride(), a.storage_offset())
@@ -446,12 +448,15 @@ def sdpa_prefill(
     The arguments of ``mla_prefill`` for a call whose keys are the new tokens themselves
     (``cu_seqlens_k = cu_seqlens_q``, ``causal=True``): q_nope (total_q, h, d), q_pe (total_q, h,
     r), k_nope (total_q, h, d), k_pe (total_q, r), v (total_q, h, v). SDPA takes one key of
-    d + r dims a head, so the rope key is broadcast over the heads: q = [q_nope | q_pe] and
-    k = [k_nope | k_pe] are built, (total_q, h, d + r) each. Rows of equal length (known on the
+    d + r dims a head, so the rope key is broadcast over the heads: k = [k_nope | k_pe] is built,
+    (total_q, h, d + r), and so is q = [q_nope | q_pe] unless q_pe's values follow q_nope's in one
+    buffer (views of one query, as the paged layer makes them), which SDPA then reads as they
+    are. Rows of equal length (known on the
     host from the shapes: ``total_q == b * max_seqlen_q``) go in one batched call; ragged rows in
     one call a row, their offsets read on the host (one sync on a GPU).
 
-    Returns out (total_q, h, v) in q's dtype; no log-sum-exp (SDPA's public call returns none),
+    Returns out (total_q, h, v) in q's dtype (for rows of one length SDPA's own output, which is
+    token-major); no log-sum-exp (SDPA's public call returns none),
     so this serves only calls with nothing to merge: no cached context.
     """
     fn = "sdpa_prefill"
@@ -624,8 +629,11 @@ def _check_context_inputs(fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, 
 def head_group(total_q: int, h: int, workspace_tokens: int) -> int:
     """Heads whose new-token keys and values ``chunked_context_prefill`` up-projects at once:
     as many as keep total_q x g within workspace_tokens x h token-heads (a context chunk's
-    size), at least one, at most h."""
-    return max(1, min(h, workspace_tokens * h // max(total_q, 1)))
+    size), at least one, at most h, and the groups as even as that allows (16385 tokens over
+    128 heads with a 16384-token workspace: two groups of 64, not 127 and 1)."""
+    most = max(1, min(h, workspace_tokens * h // max(total_q, 1)))
+    groups = -(-h // most) if h else 1
+    return -(-h // groups) if h else 1
 
 
 def chunked_context_prefill(

@@ -7,7 +7,7 @@ computes. One call, for the new tokens of b sequences packed into N rows:
     plan (host)   positions, slot mapping, seq_lens, block-table growth, query offsets: built on
                   the host from the lengths, moved to the device in one packed copy
                   (mla/paged/plan.py)
-    x (N, hidden) -> q_nope (N, h, d), q_pe (N, h, r)             naive.query_* (eqs. 37-40)
+    x (N, hidden) -> q_nope (N, h, d), q_pe (N, h, r)             joint_query (eqs. 37-40)
                   -> [kv_c_normed | k_pe] (N, c + r)               naive.latent (eqs. 41, 43)
     append        each row into its slot of the pages, in the        concat_and_cache
                   cache's layout (bf16 or fp8: kv_cache_dtype)
@@ -20,7 +20,8 @@ computes. One call, for the new tokens of b sequences packed into N rows:
         "absorbed", MQA mode: as a decode row, with up to 8 new tokens a query
                   (b, s_q, h, c + r), causal among them; longer rows in pieces of 8
         "up-project", MHA mode (eqs. 42, 44-46): keys and values up-projected from the latent;
-                  the new tokens over themselves, causal (mla_prefill), and over their cached
+                  the new tokens over themselves, causal (mla_prefill, a group of heads at a
+                  time), and over their cached
                   context a workspace of `workspace_tokens` tokens at a time, merged by
                   log-sum-exp (chunked_context_prefill)
     y = W_O o (N, hidden)                                          eq. (47), all-reduced under TP
@@ -433,7 +434,8 @@ class PagedMLA(MLAAttention):
         `path` "absorbed" is MQA mode: `attend_decode` over the rows' pieces of up to 8 new
         tokens. "up-project" is MHA mode (eqs. 42, 44-46), by `chunked_context_prefill`:
             the new tokens over themselves, causal: keys and values up-projected from their
-                latent rows (read back from their slots and dequantised), one mla_prefill
+                latent rows (read back from their slots and dequantised), a group of heads
+                at a time (`head_group`: at most a workspace's worth), one mla_prefill a group
                 (or, where no row has context, torch SDPA as `prefill_backend` chooses);
             the new tokens over their context, non-causal: the contexts gathered from their
                 pages and up-projected `workspace_tokens` tokens at a time, one mla_prefill a
