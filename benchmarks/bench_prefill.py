@@ -31,7 +31,10 @@ before the call: for SDPA its up-projected inputs included, for the layer its ca
 not); a contender that fails (out of memory, no kernel for these shapes) records ``*_error``.
 
 The ratios. The issue's target, the paged layer at least as fast as SDPA (<= 1.0), is checked on
-``layer_over_sdpa_layer``: whole call over whole call, projections on both sides. Attention
+``layer_over_sdpa_layer``: whole call over whole call, projections on both sides; and on
+``layer_over_sdpa_layer_paired``, the same pair timed in turn (layer, SDPA layer, layer, ...;
+``paired_calls`` has every call), the median of the pairs' ratios: two near-equal host-bound
+calls timed minutes apart can differ by 10% from drift alone, and taken in turn they do not. Attention
 against attention is ``layer_attention_over_best_sdpa`` (over the fastest SDPA backend's
 attention). ``layer_over_best_sdpa`` (the whole call over SDPA's attention alone) mixes the two
 and is kept for the results it appears in. The bf16 matmul rate of the same run is
@@ -265,6 +268,39 @@ def measure(fn, reset=lambda: None, budget_ms=2000.0, most=10) -> dict:
                            host_ms=statistics.median(host), triton_compiles=compiles["n"]))
 
 
+def _event_ms(fn) -> float:
+    """fn() timed by CUDA events, from an idle GPU (synchronised before and after)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def measure_pair(fn_a, fn_b, reset_a=lambda: None, reset_b=lambda: None, budget_ms=4000.0, most=20,
+                 timer=_event_ms) -> dict:
+    """fn_a and fn_b timed in turn (A, B, A, B, ...) after two untimed calls of each: {"a_ms",
+    "b_ms": each one's median, "ratio": the median over the pairs of a / b, "a_calls", "b_calls":
+    every timed call}. Taken in turn, what drifts between two measurements made apart (clocks,
+    the allocator's state, the host's load) weighs on both sides of each pair alike, so the ratio
+    of two near-equal calls keeps its sign. As many pairs as fit ``budget_ms``, 5 to ``most``."""
+    for _ in range(2):
+        reset_a()
+        timer(fn_a)
+        reset_b()
+        timer(fn_b)
+    a, b = [], []
+    while len(a) < most and (len(a) < 5 or sum(a) + sum(b) < budget_ms):
+        reset_a()
+        a.append(timer(fn_a))
+        reset_b()
+        b.append(timer(fn_b))
+    return dict(a_ms=statistics.median(a), b_ms=statistics.median(b),
+                ratio=statistics.median(x / y for x, y in zip(a, b)), a_calls=a, b_calls=b)
+
+
 def _try(row: dict, name: str, run) -> None:
     """row[name_ms], row[name_peak_mib], row[name_calls] from run() -> measure's dict, or
     row[name_error]. Only the times end in _ms at the row's top level (the docs plot those)."""
@@ -388,6 +424,20 @@ def bench_sdpa_layer(paged, backend: str, b: int, s: int, t: int) -> dict:
         del paged.attend_prefill
 
 
+def bench_layer_against_sdpa_layer(paged, sdpa_paged, backend: str, b: int, s: int, t: int) -> dict:
+    """The goal's pair timed in turn (``measure_pair``): ``paged``'s whole call against
+    ``sdpa_paged`` (another layer on the same weights) with ``sdpa_attend_prefill`` as its
+    attention, each on a cache of its own holding the same tokens, the same x."""
+    cache_a, x, reset_a = _layer_inputs(paged, b, s, t)
+    cache_b, _, reset_b = _layer_inputs(sdpa_paged, b, s, t)
+    sdpa_paged.attend_prefill = sdpa_attend_prefill(sdpa_paged, backend)
+    try:
+        with torch.no_grad():
+            return measure_pair(lambda: paged(x, cache_a), lambda: sdpa_paged(x, cache_b), reset_a, reset_b)
+    finally:
+        del sdpa_paged.attend_prefill
+
+
 def _up_projected(cfg, b: int, s: int, t: int, pad_v: bool = False):
     """(memory allocated before, q, k, v): random up-projected inputs in bf16, q (b, h, s, d + r),
     k (b, h, t + s, d + r), v (b, h, t + s, v) or, with pad_v, v padded to d + r. The peak
@@ -447,6 +497,7 @@ def run(args) -> dict:
     weights = mla.MLAWeights(cfg, dtype=torch.bfloat16, device="cuda", seed=0)
     layers = {backend: mla.build(weights, "paged", block_size=64, prefill_backend=backend)
               for backend in LAYER_BACKENDS}
+    sdpa_layer = mla.build(weights, "paged", block_size=64)  # the other side of the paired timing
     print(HEADER)
     rows = []
     for b, s, t in args.shapes:
@@ -464,6 +515,12 @@ def run(args) -> dict:
         if fastest:
             row["sdpa_layer_backend"] = fastest
             _try(row, "sdpa_layer", lambda: bench_sdpa_layer(layers["auto"], fastest, b, s, t))
+            try:
+                pair = bench_layer_against_sdpa_layer(layers["auto"], sdpa_layer, fastest, b, s, t)
+                row["layer_over_sdpa_layer_paired"], row["paired_calls"] = pair["ratio"], pair
+            except Exception as err:  # noqa: BLE001  (out of memory: a result)
+                row["paired_error"] = f"{type(err).__name__}: {err}"[:300]
+            torch.cuda.empty_cache()
         if args.flex:
             _try(row, "flex", lambda: bench_flex(cfg, b, s, t))
         rows.append(add_rates(row, attention_flops(cfg, b, s, t)))

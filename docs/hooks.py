@@ -697,6 +697,9 @@ def prefill_table(name: str = "h200-prefill.json", what: str = "ms") -> str:
     return _table(rows, shape
                   + [(label, timed(key)) for key, label in _PREFILL_WHOLE]
                   + [("layer / SDPA layer", lambda r: _prefill_ratio(r, "layer", "sdpa_layer"))]
+                  + ([("in turn", lambda r: f"{r['layer_over_sdpa_layer_paired']:.2f}"
+                       if r.get("layer_over_sdpa_layer_paired") else "-")]
+                     if any(r.get("layer_over_sdpa_layer_paired") for r in rows) else [])
                   + _attention_headers([(label, timed(key)) for key, label in _PREFILL_ATTENTION])
                   + [("ours, auto / cuDNN", lambda r: _prefill_ratio(r, "layer_attention", "sdpa_cudnn"))])
 

@@ -608,6 +608,29 @@ def test_prefill_sdpa_layer_is_the_layer_with_sdpa_attention(monkeypatch):
             paged(torch.randn(2, 8, weights.config.hidden_size), p_cache, [8, 5])
 
 
+def test_prefill_measure_pair_takes_turns_and_reads_the_ratio_pair_by_pair():
+    """A drift that slows every later call: timed apart, two equal calls would differ; in turns
+    the pairs' ratios sit at 1 and the A call is always the earlier one of its pair."""
+    from benchmarks import bench_prefill as bp
+
+    order, clock = [], [0.0]
+
+    def timer(fn):
+        fn()
+        clock[0] += 1.0
+        return 10.0 + clock[0]                          # each call 1 ms slower than the last
+
+    got = bp.measure_pair(lambda: order.append("a"), lambda: order.append("b"),
+                          reset_a=lambda: order.append("ra"), reset_b=lambda: order.append("rb"),
+                          budget_ms=1000.0, most=7, timer=timer)
+    assert order[:8] == ["ra", "a", "rb", "b"] * 2      # two untimed pairs first
+    assert order[8:] == ["ra", "a", "rb", "b"] * 7 and len(got["a_calls"]) == len(got["b_calls"]) == 7
+    assert all(x < y for x, y in zip(got["a_calls"], got["b_calls"]))
+    assert 0.9 < got["ratio"] < 1.0 and got["a_ms"] < got["b_ms"]
+    few = bp.measure_pair(lambda: None, lambda: None, budget_ms=0.0, most=20, timer=lambda fn: 1.0)
+    assert len(few["a_calls"]) == 5 and few["ratio"] == 1.0  # at least 5 pairs
+
+
 def test_prefill_host_diagnostics():
     """What bench_prefill records beside the times, checked where it does not need a GPU."""
     import subprocess

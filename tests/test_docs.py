@@ -234,6 +234,11 @@ def test_prefill_tables_read_every_result_schema(monkeypatch):
     assert memory[4][col["layer, auto"]] == "-"
     assert [r["s"] for r in hooks.prefill_rows()] == [8192, 2048]
     assert [r["s"] for r in hooks.prefill_rows(min_s=4096)] == [8192]
+    assert "in turn" not in ms[0]                      # no paired timing in these rows
+    rows[0]["layer_over_sdpa_layer_paired"] = 0.97     # a file with the pair timed in turn
+    paired = cells(hooks.prefill_table())
+    col = {h: i for i, h in enumerate(paired[0])}
+    assert paired[2][col["in turn"]] == "0.97" and paired[3][col["in turn"]] == "-"
     assert hooks.prefill_row(1, 4096, 32768) is rows[1]
 
 
