@@ -32,9 +32,11 @@ not); a contender that fails (out of memory, no kernel for these shapes) records
 
 The ratios. The issue's target, the paged layer at least as fast as SDPA (<= 1.0), is checked on
 ``layer_over_sdpa_layer``: whole call over whole call, projections on both sides; and on
-``layer_over_sdpa_layer_paired``, the same pair timed in turn (layer, SDPA layer, layer, ...;
-``paired_calls`` has every call), the median of the pairs' ratios: two near-equal host-bound
-calls timed minutes apart can differ by 10% from drift alone, and taken in turn they do not. Attention
+``layer_over_sdpa_layer_paired``, the same pair timed in turn (which of the two goes first
+alternating from pair to pair; ``paired_calls`` has every call; a failure records
+``layer_over_sdpa_layer_paired_error``), the median of the pairs' ratios: two timings of one
+host-bound computation made apart have differed by a quarter at 1k tokens (the H200 run of
+2026-12-05), and timing them in turn puts whatever drifts on both sides of each pair. Attention
 against attention is ``layer_attention_over_best_sdpa`` (over the fastest SDPA backend's
 attention). ``layer_over_best_sdpa`` (the whole call over SDPA's attention alone) mixes the two
 and is kept for the results it appears in. The bf16 matmul rate of the same run is
@@ -281,11 +283,13 @@ def _event_ms(fn) -> float:
 
 def measure_pair(fn_a, fn_b, reset_a=lambda: None, reset_b=lambda: None, budget_ms=4000.0, most=20,
                  timer=_event_ms) -> dict:
-    """fn_a and fn_b timed in turn (A, B, A, B, ...) after two untimed calls of each: {"a_ms",
-    "b_ms": each one's median, "ratio": the median over the pairs of a / b, "a_calls", "b_calls":
-    every timed call}. Taken in turn, what drifts between two measurements made apart (clocks,
-    the allocator's state, the host's load) weighs on both sides of each pair alike, so the ratio
-    of two near-equal calls keeps its sign. As many pairs as fit ``budget_ms``, 5 to ``most``."""
+    """fn_a and fn_b timed in turn after two untimed calls of each, which of the two goes first
+    alternating from pair to pair (A B, B A, A B, ...): {"a_ms", "b_ms": each one's median,
+    "ratio": the median over the pairs of a / b, "a_calls", "b_calls": every timed call}. Taken
+    in turn, what drifts between two measurements made apart (clocks, the allocator's state, the
+    host's load) weighs on both sides of each pair alike, and the alternation cancels what the
+    first of a pair leaves to the second (caches, the allocator). As many pairs as fit
+    ``budget_ms``, 5 to ``most``."""
     for _ in range(2):
         reset_a()
         timer(fn_a)
@@ -293,10 +297,16 @@ def measure_pair(fn_a, fn_b, reset_a=lambda: None, reset_b=lambda: None, budget_
         timer(fn_b)
     a, b = [], []
     while len(a) < most and (len(a) < 5 or sum(a) + sum(b) < budget_ms):
-        reset_a()
-        a.append(timer(fn_a))
-        reset_b()
-        b.append(timer(fn_b))
+        if len(a) % 2 == 0:
+            reset_a()
+            a.append(timer(fn_a))
+            reset_b()
+            b.append(timer(fn_b))
+        else:
+            reset_b()
+            b.append(timer(fn_b))
+            reset_a()
+            a.append(timer(fn_a))
     return dict(a_ms=statistics.median(a), b_ms=statistics.median(b),
                 ratio=statistics.median(x / y for x, y in zip(a, b)), a_calls=a, b_calls=b)
 
@@ -519,7 +529,7 @@ def run(args) -> dict:
                 pair = bench_layer_against_sdpa_layer(layers["auto"], sdpa_layer, fastest, b, s, t)
                 row["layer_over_sdpa_layer_paired"], row["paired_calls"] = pair["ratio"], pair
             except Exception as err:  # noqa: BLE001  (out of memory: a result)
-                row["paired_error"] = f"{type(err).__name__}: {err}"[:300]
+                row["layer_over_sdpa_layer_paired_error"] = f"{type(err).__name__}: {err}"[:300]
             torch.cuda.empty_cache()
         if args.flex:
             _try(row, "flex", lambda: bench_flex(cfg, b, s, t))

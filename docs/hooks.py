@@ -482,14 +482,17 @@ def _crossover_sentences(path: Path, data: dict) -> str:
 
 def _contenders_sentence(path: Path, data: dict) -> str:
     """bench_prefill.py's result in one sentence: the layer's whole call over the SDPA layer's
-    (whole call against whole call) at the shapes where both ran; in a result without the SDPA
-    layer, the layer's whole call over the fastest SDPA backend's attention alone."""
-    like = [r["layer_over_sdpa_layer"] for r in data["rows"] if r.get("layer_over_sdpa_layer")]
+    (whole call against whole call; timed in turn where the file has that) at the shapes where
+    both ran; in a result without the SDPA layer, the layer's whole call over the fastest SDPA
+    backend's attention alone."""
+    paired = [r["layer_over_sdpa_layer_paired"] for r in data["rows"] if r.get("layer_over_sdpa_layer_paired")]
+    like = paired or [r["layer_over_sdpa_layer"] for r in data["rows"] if r.get("layer_over_sdpa_layer")]
     mixed = [r["layer_over_best_sdpa"] for r in data["rows"] if r.get("layer_over_best_sdpa")]
     if like:
         span = (f": the layer's whole call took {min(like):.2f}x to {max(like):.2f}x the time of "
                 "the same layer with its attention done by SDPA over the whole up-projected "
-                "sequence (projections included on both sides)")
+                "sequence (projections included on both sides"
+                + ("; the two timed in turn)" if paired else ")"))
     elif mixed:
         span = (f": the layer's whole call (projections included) took {min(mixed):.2f}x to "
                 f"{max(mixed):.2f}x the time of the fastest SDPA backend's attention alone")
@@ -698,7 +701,8 @@ def prefill_table(name: str = "h200-prefill.json", what: str = "ms") -> str:
                   + [(label, timed(key)) for key, label in _PREFILL_WHOLE]
                   + [("layer / SDPA layer", lambda r: _prefill_ratio(r, "layer", "sdpa_layer"))]
                   + ([("in turn", lambda r: f"{r['layer_over_sdpa_layer_paired']:.2f}"
-                       if r.get("layer_over_sdpa_layer_paired") else "-")]
+                       if r.get("layer_over_sdpa_layer_paired")
+                       else _prefill_missing(r, "layer_over_sdpa_layer_paired"))]
                      if any(r.get("layer_over_sdpa_layer_paired") for r in rows) else [])
                   + _attention_headers([(label, timed(key)) for key, label in _PREFILL_ATTENTION])
                   + [("ours, auto / cuDNN", lambda r: _prefill_ratio(r, "layer_attention", "sdpa_cudnn"))])

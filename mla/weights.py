@@ -116,7 +116,8 @@ class MLAWeights(nn.Module):
 
     @property
     def W_Q(self) -> torch.Tensor:
-        """(h, d+r, q): [W^{UQ}; W^{QR}] per head, both query up-projections as one matrix."""
+        """(h, d+r, q): [W^{UQ}; W^{QR}] per head, both query up-projections as one matrix (input
+        hidden without q_lora)."""
         return self._q_heads
 
     @property

@@ -690,7 +690,8 @@ def chunked_context_prefill(
         context_lens: (b,) int32: cached tokens before each sequence's new ones (0: none).
         W_UK: (h, d, c), W_UV: (h, v, c): kv_b_proj's per-head factors (``MLAWeights.W_UK``, ``.W_UV``).
         softmax_scale: multiplies q . k before the softmax.
-        workspace_tokens: the most cached tokens up-projected at once (>= 1).
+        workspace_tokens: the most cached tokens up-projected at once (>= 1); step 1's head groups
+            hold at most workspace_tokens x h token-heads (``head_group``).
         max_seqlen_q: the most new tokens of a sequence; None: read from cu_seqlens_q.
         context_lens_host: context_lens as host ints, where the caller holds them (a layer's host
             plan does); None: read from context_lens. Give it and max_seqlen_q to launch without

@@ -7,7 +7,8 @@ computes. One call, for the new tokens of b sequences packed into N rows:
     plan (host)   positions, slot mapping, seq_lens, block-table growth, query offsets: built on
                   the host from the lengths, moved to the device in one packed copy
                   (mla/paged/plan.py)
-    x (N, hidden) -> q_nope (N, h, d), q_pe (N, h, r)             joint_query (eqs. 37-40)
+    x (N, hidden) -> q_nope (N, h, d), q_pe (N, h, r)             query_latent, joint_query
+                                                                   (eqs. 37-40)
                   -> [kv_c_normed | k_pe] (N, c + r)               naive.latent (eqs. 41, 43)
     append        each row into its slot of the pages, in the        concat_and_cache
                   cache's layout (bf16 or fp8: kv_cache_dtype)
@@ -134,7 +135,9 @@ class PagedMLA(MLAAttention):
             are `mla.absorbed.AbsorbedMLA`'s option values.
         prefill_crossover: the "auto" threshold in new tokens a row; None = PREFILL_CROSSOVER
             (this module's measured constant).
-        workspace_tokens: the most cached tokens MHA mode up-projects at once, an int >= 1;
+        workspace_tokens: the most cached tokens MHA mode up-projects at once, an int >= 1; it
+            also bounds the new tokens' keys and values, up-projected `head_group` heads at a
+            time (at most workspace_tokens x h token-heads);
             None = DEFAULT_WORKSPACE_TOKENS (16384). The workspace holds h·(d+v) values a token:
             16384 tokens are 1 GiB at DeepSeek-V3's 128 heads in bf16, 128 MiB at the 16 a GPU
             holds under tensor parallelism 8, the size of a 4k-token call's own activations,
