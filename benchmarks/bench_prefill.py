@@ -35,8 +35,9 @@ The ratios. The issue's target, the paged layer at least as fast as SDPA (<= 1.0
 ``layer_over_sdpa_layer_paired``, the same pair timed in turn (which of the two goes first
 alternating from pair to pair; ``paired_calls`` has every call; a failure records
 ``layer_over_sdpa_layer_paired_error``), the median of the pairs' ratios: two timings of one
-host-bound computation made apart have differed by a quarter at 1k tokens (the H200 run of
-2026-12-05), and timing them in turn puts whatever drifts on both sides of each pair. Attention
+host-bound computation made apart have differed by a quarter at 1k tokens (``layer`` and
+``layer_sdpa`` in ``benchmarks/results/h200-prefill.json``), and timing them in turn puts
+whatever drifts on both sides of each pair. Attention
 against attention is ``layer_attention_over_best_sdpa`` (over the fastest SDPA backend's
 attention). ``layer_over_best_sdpa`` (the whole call over SDPA's attention alone) mixes the two
 and is kept for the results it appears in. The bf16 matmul rate of the same run is

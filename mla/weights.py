@@ -109,26 +109,22 @@ class MLAWeights(nn.Module):
     # ---- per-head views, the paper's matrices -------------------------------------------
     # Shapes in the legend of mla/config.py; the last axis is always the input of the map.
     @property
-    def _q_heads(self) -> torch.Tensor:
-        proj = self.q_proj if self.config.q_lora_rank is None else self.q_b_proj
-        cfg = self.config
-        return proj.weight.view(cfg.num_heads, cfg.qk_head_dim, -1)  # (h, d+r, q or hidden)
-
-    @property
     def W_Q(self) -> torch.Tensor:
         """(h, d+r, q): [W^{UQ}; W^{QR}] per head, both query up-projections as one matrix (input
         hidden without q_lora)."""
-        return self._q_heads
+        proj = self.q_proj if self.config.q_lora_rank is None else self.q_b_proj
+        cfg = self.config
+        return proj.weight.view(cfg.num_heads, cfg.qk_head_dim, -1)
 
     @property
     def W_UQ(self) -> torch.Tensor:
         """(h, d, q): query latent -> per-head query without position (W^{Q}: (h, d, hidden) without q_lora)."""
-        return self._q_heads[:, : self.config.qk_nope_head_dim]
+        return self.W_Q[:, : self.config.qk_nope_head_dim]
 
     @property
     def W_QR(self) -> torch.Tensor:
         """(h, r, q): query latent -> per-head rotary query, before RoPE (input hidden without q_lora)."""
-        return self._q_heads[:, self.config.qk_nope_head_dim:]
+        return self.W_Q[:, self.config.qk_nope_head_dim:]
 
     @property
     def W_DKV(self) -> torch.Tensor:

@@ -14,9 +14,10 @@ Four things live here, each a function or two:
   into the attention over their union by their log-sum-exps.
 - ``chunked_context_prefill``: new tokens over a cached context in bounded memory. They attend
   to themselves causally (one ``mla_prefill`` a group of heads, ``head_group``; ``sdpa_prefill``
-  instead where no sequence has context and its ``backend`` says so), and to their context, gathered from the paged latent
-  cache and up-projected by W_UK and W_UV a chunk of at most ``workspace_tokens`` tokens at a
-  time, non-causally (one ``mla_prefill`` a chunk); the pieces are merged by log-sum-exp.
+  instead where no sequence has context and its ``backend`` says so), and to their context,
+  gathered from the paged latent cache and up-projected by W_UK and W_UV a chunk of at most
+  ``workspace_tokens`` tokens at a time, non-causally (one ``mla_prefill`` a chunk); the pieces
+  are merged by log-sum-exp.
   Peak memory grows with the new tokens and the workspace, never with new tokens x context.
 
 Shape letters: b sequences, h heads, g heads of a group, d nope dim, r rope dim, v value dim,
@@ -451,13 +452,13 @@ def sdpa_prefill(
     d + r dims a head, so the rope key is broadcast over the heads: k = [k_nope | k_pe] is built,
     (total_q, h, d + r), and so is q = [q_nope | q_pe] unless q_pe's values follow q_nope's in one
     buffer (views of one query, as the paged layer makes them), which SDPA then reads as they
-    are. Rows of equal length (known on the
-    host from the shapes: ``total_q == b * max_seqlen_q``) go in one batched call; ragged rows in
-    one call a row, their offsets read on the host (one sync on a GPU).
+    are. Rows of equal length (known on the host from the shapes: ``total_q == b *
+    max_seqlen_q``) go in one batched call; ragged rows in one call a row, their offsets read on
+    the host (one sync on a GPU).
 
     Returns out (total_q, h, v) in q's dtype (for rows of one length SDPA's own output, which is
-    token-major); no log-sum-exp (SDPA's public call returns none),
-    so this serves only calls with nothing to merge: no cached context.
+    token-major); no log-sum-exp (SDPA's public call returns none), so this serves only calls
+    with nothing to merge: no cached context.
     """
     fn = "sdpa_prefill"
     for name, t in (("k_nope", k_nope), ("k_pe", k_pe), ("v", v)):  # the new tokens are the keys
@@ -632,8 +633,8 @@ def head_group(total_q: int, h: int, workspace_tokens: int) -> int:
     size), at least one, at most h, and the groups as even as that allows (16385 tokens over
     128 heads with a 16384-token workspace: two groups of 64, not 127 and 1)."""
     most = max(1, min(h, workspace_tokens * h // max(total_q, 1)))
-    groups = -(-h // most) if h else 1
-    return -(-h // groups) if h else 1
+    groups = -(-h // most)
+    return -(-h // groups) if groups else 1
 
 
 def chunked_context_prefill(
