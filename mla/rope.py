@@ -70,12 +70,30 @@ def rope_cos_sin(config: MLAConfig, positions: torch.Tensor, dtype: torch.dtype
 
     Both carry YaRN's attention factor, as in HF's implementation.
     """
-    inv_freq = rope_inv_freq(config, device=positions.device)  # (r/2,)
+    inv_freq, factor = _rope_tables(config, positions.device)  # (r/2,), float
     angles = positions[..., None].to(torch.float32) * inv_freq  # (..., r/2), float32
-    factor = rope_attention_factor(config)
     cos = angles.cos() * factor
     sin = angles.sin() * factor
     return cos.to(dtype), sin.to(dtype)
+
+
+# θ_i and the attention factor of each RoPE setting on each device, built once: every call of a
+# layer needs them, and building θ_i takes a dozen small operations (kernel launches on a GPU).
+_TABLES: dict[tuple, tuple[torch.Tensor, float]] = {}
+
+
+def _rope_tables(config: MLAConfig, device: torch.device) -> tuple[torch.Tensor, float]:
+    """(rope_inv_freq, rope_attention_factor) of `config` on `device`, from `_TABLES`. A table
+    built while a CUDA graph is being captured is not kept: its memory belongs to the graph."""
+    yarn = config.yarn
+    key = (config.qk_rope_head_dim, config.rope_theta,
+           None if yarn is None else tuple(sorted(yarn.items())), device)
+    tables = _TABLES.get(key)
+    if tables is None:
+        tables = rope_inv_freq(config, device=device), rope_attention_factor(config)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _TABLES[key] = tables
+    return tables
 
 
 # --8<-- [start:apply_rope]

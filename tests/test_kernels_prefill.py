@@ -478,8 +478,9 @@ def test_chunked_context_with_context_stays_on_the_kernel(monkeypatch):
 
 
 def test_sdpa_joins_adjacent_query_parts_without_a_copy():
-    """q_nope and q_pe as views of one (t, h, d + r) buffer join as a view of it; parts that do
-    not follow each other in one buffer are copied. Both equal torch.cat."""
+    """q_nope and q_pe as views of one (t, h, d + r) buffer join as a view of it, and so do W_UK
+    and W_UV along their second dim; parts that do not follow each other in one buffer are
+    copied. Both equal torch.cat."""
     from mla.kernels.prefill import _joined
     q = torch.randn(6, 3, 10)
     whole = _joined(q[..., :7], q[..., 7:])
@@ -493,6 +494,11 @@ def test_sdpa_joins_adjacent_query_parts_without_a_copy():
         joined = _joined(a, b)
         assert torch.equal(joined, torch.cat([a, b], -1))
     assert _joined(q[..., :7], q[..., 7:]).shape == (6, 3, 10)
+    w = torch.randn(4, 12, 5)                                         # kv_b_proj's (h, d + v, c)
+    kv = _joined(w[:, :8], w[:, 8:], dim=1)                           # W_UK and W_UV
+    assert kv.data_ptr() == w.data_ptr() and torch.equal(kv, w)
+    for a, b in ((w[:, :8], w[:, 9:]), (w[:, 8:], w[:, :8]), (w[:2, :8], w[2:, 8:])):
+        assert torch.equal(_joined(a, b, dim=1), torch.cat([a, b], 1))
 
 
 def test_head_group_rule():

@@ -18,6 +18,7 @@ import mla
 from assertions import check_graphed_decode_steps, rel
 from mla.cache import LatentCache
 from mla.paged import UNUSED, OutOfBlocksError, PagedLatentCache, PagedMLA
+from mla.paged.cache import slots_of
 
 TINY = mla.MLAConfig.from_preset("tiny")
 NAN = float("nan")
@@ -204,6 +205,7 @@ def test_slot_mapping_against_an_independent_computation(block_size):
         slots = cache.slot_mapping(torch.full((t,), i), pos)
         expected = [tables[i][p // block_size] * block_size + p % block_size for p in range(t)]
         assert slots.dtype == torch.int64 and slots.tolist() == expected
+        assert slots_of(cache, torch.full((t,), i), pos).tolist() == expected  # the plan's, unchecked
         kv_c, k_pe = cache.gather(i)
         assert torch.equal(torch.cat([kv_c, k_pe], -1), torch.tensor(written[i]))
 

@@ -113,3 +113,21 @@ def test_cos_sin_and_softmax_scale_match_transformers(mscale, mscale_all_dim):
     assert rope_attention_factor(cfg) == pytest.approx(hf_rope.attention_scaling, rel=1e-12)
     hf_attn = hf.DeepseekV3Attention(hf_cfg, layer_idx=0)
     assert cfg.softmax_scale == pytest.approx(hf_attn.scaling, rel=1e-12)
+
+
+def test_rope_tables_are_built_once_per_setting_and_device(monkeypatch):
+    """rope_cos_sin builds θ_i once for each RoPE setting (and device), not at every call."""
+    import mla.rope as rope
+
+    built = []
+    real = rope.rope_inv_freq
+    monkeypatch.setattr(rope, "rope_inv_freq", lambda *a, **k: built.append(a[0]) or real(*a, **k))
+    monkeypatch.setattr(rope, "_TABLES", {})
+    v3 = MLAConfig.from_preset("deepseek-v3")
+    first = rope_cos_sin(v3, torch.arange(5), torch.float32)
+    again = rope_cos_sin(v3.replace(name="other", num_heads=8), torch.arange(5), torch.float32)
+    assert len(built) == 1 and all(torch.equal(a, b) for a, b in zip(first, again))
+    rope_cos_sin(v3.replace(rope_theta=20000.0), torch.arange(5), torch.float32)
+    rope_cos_sin(MLAConfig.from_preset("tiny"), torch.arange(5), torch.float32)
+    assert len(built) == 3
+

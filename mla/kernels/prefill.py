@@ -419,18 +419,21 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[..., :dv]
 
 
-def _joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[a | b] on the last dim: a view where b's values follow a's in one buffer with a's strides
-    (q_nope and q_pe as views of one query), else a copy."""
-    e = a.shape[-1]
-    sa, sb = a.untyped_storage(), b.untyped_storage()
-    if (a.shape[:-1] == b.shape[:-1] and a.stride() == b.stride() and a.dtype == b.dtype
-            and a.device == b.device and a.stride(-1) == 1 and a.numel() > 0
-            and sa.data_ptr() == sb.data_ptr() and sa.nbytes() == sb.nbytes()
-            and b.storage_offset() == a.storage_offset() + e
-            and all(st >= e + b.shape[-1] for st, n in zip(a.stride()[:-1], a.shape[:-1]) if n > 1)):
-        return a.as_strided((*a.shape[:-1], e + b.shape[-1]), a.stride(), a.storage_offset())
-    return torch.cat([a, b], dim=-1)
+def _joined(a: torch.Tensor, b: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """[a | b] along ``dim``: a view where b's values follow a's along ``dim`` in one buffer with
+    a's strides (q_nope and q_pe as views of one query; W_UK and W_UV as views of kv_b_proj's
+    weight), else a copy. The view reads exactly the copy's values: past a's end along ``dim``,
+    its elements are b's."""
+    dim = dim % a.dim()
+    e = a.shape[dim]
+    shape = (*a.shape[:dim], e + b.shape[dim], *a.shape[dim + 1:])
+    if (a.dim() == b.dim() and (*b.shape[:dim], e, *b.shape[dim + 1:]) == a.shape
+            and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
+            and a.numel() > 0 and b.numel() > 0
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and b.storage_offset() == a.storage_offset() + e * a.stride(dim)):
+        return a.as_strided(shape, a.stride(), a.storage_offset())
+    return torch.cat([a, b], dim=dim)
 
 
 def sdpa_prefill(
@@ -729,9 +732,10 @@ def chunked_context_prefill(
     c, r, dv = kv_c.shape[1], k_pe.shape[1], W_UV.shape[1]
     page = kv_cache.shape[1]
     device = q_nope.device
-    # kv_b_proj's two factors as one (h * (d + v), c) matrix: one matmul up-projects a latent row
-    # into every head's key and value; k_nope and v are views into its output
-    W_kv = torch.cat([W_UK, W_UV], dim=1).reshape(h * (d + dv), c)             # (h·(d+v), c)
+    # kv_b_proj's two factors as one (h * (d + v), c) matrix (its weight itself, when W_UK and
+    # W_UV are views of it): one matmul up-projects a latent row into every head's key and
+    # value; k_nope and v are views into its output
+    W_kv = _joined(W_UK, W_UV, dim=1).reshape(h * (d + dv), c)                 # (h·(d+v), c)
 
     def up_project(latent_c, h0=0, h1=h):                                      # (t, c)
         """Heads h0 .. h1 - 1's keys and values of the latent rows (one matmul)."""

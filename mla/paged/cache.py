@@ -567,6 +567,15 @@ def ragged_index(new_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return token_seq, offsets
 
 
+def slots_of(cache: PagedLatentCache, rows: torch.Tensor, positions: torch.Tensor
+             ) -> torch.Tensor:
+    """(T,) int64 slots, block_table[row, pos // n] · n + pos % n, of tokens at `positions` (T,)
+    of `rows` (T,), CPU int64, on the host. `slot_mapping` without its checks: for a host plan
+    whose rows and positions come from the allocator, every one with its page."""
+    n = cache.block_size
+    return cache.block_table_cpu[rows, positions // n].to(torch.int64) * n + positions % n
+
+
 def gather_pages(cache: PagedLatentCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  t: int) -> torch.Tensor:
     """(m, t, c + r) in cache.dtype: the first t cached rows of m sequences, pages put back in

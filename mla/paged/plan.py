@@ -34,7 +34,7 @@ import torch
 from .. import absorbed
 from ..kernels.constants import MAX_GRID_YZ
 from ..kernels.decode import MAX_QUERY_TOKENS
-from .cache import PagedLatentCache, ragged_index
+from .cache import PagedLatentCache, ragged_index, slots_of
 
 # The two ways a row of several new tokens attends, "up-project" (MHA mode) and "absorbed" (MQA
 # mode): the absorbed tier's prefill modes.
@@ -54,8 +54,10 @@ class DecodeRows:
 
     tokens: (b,) int64, the one-token rows' tokens among the call's N; None = all N tokens, in
         order (or, for pieces, unused: their tokens are the PrefillRows' ones).
-    block_table: (b, max_blocks) int32.  seq_lens: (b,) int32, cached tokens a query sees, its
-        new tokens included (a piece: its row's context and new tokens up to the piece's last).
+    block_table: (b, max_blocks) int32, each query's row of the cache's table (the table itself
+        when the queries are the cache's rows in order).
+    seq_lens: (b,) int32, cached tokens a query sees, its new tokens included (a piece: its
+        row's context and new tokens up to the piece's last).
     num_kv_splits: mla_decode's split count; None lets it choose, from `max_seq_len` where
         given (no sync), else from a read of seq_lens (one host sync).
     max_seq_len: host int, the largest of seq_lens (the host plan knows it), or None.
@@ -82,7 +84,8 @@ class PrefillRows:
     slots: (T_p,) int64, the new tokens' cache slots (MHA mode reads their latent rows there).
     query_start_loc: (m + 1,) int64, row k's tokens are tokens[query_start_loc[k]:...[k+1]].
     context_lens: (m,) int64, tokens each row held before this call.
-    block_table: (m, max_blocks) int32, each row's pages (the new tokens already written).
+    block_table: (m, max_blocks) int32, each row's pages (the new tokens already written); the
+        cache's table itself when the rows are all of its rows, in order.
     max_new_len, max_seq_len: host ints, max(new tokens) and max(context + new tokens).
     context_lens_host: context_lens as host ints (the MHA mode's chunks are planned from them).
     pieces: MQA mode's queries (path "absorbed"): the rows cut into pieces of at most
@@ -136,78 +139,87 @@ def plan_call(cache: PagedLatentCache, seq_ids: torch.Tensor, new_lens: torch.Te
     grows the block table; `cache.seq_lens` is the caller's to advance.
     """
     context_lens = cache.seq_lens[seq_ids]                     # (b,) before this call
+    lens, contexts = new_lens.tolist(), context_lens.tolist()  # the same as host ints
+    by_path: dict[str, list[int]] = {}                         # path -> its rows k
+    for k, (new_len, context_len) in enumerate(zip(lens, contexts)):
+        if new_len > 1:
+            path = prefill_path(new_len, context_len)
+            if path not in PREFILL_PATHS:
+                raise ValueError(f"prefill_path returned {path!r}; expected one of "
+                                 f"{PREFILL_PATHS}")
+            by_path.setdefault(path, []).append(k)
+    decode_ks = [k for k, new_len in enumerate(lens) if new_len == 1]
+
+    grown = cache.allocate_on_host(seq_ids, new_lens)          # (g,) rows whose table grew
     token_seq, offsets = ragged_index(new_lens)                # (N,) each, packed order
     N = token_seq.numel()
     packed_starts = torch.cumsum(new_lens, 0) - new_lens       # (b,) first packed token
-    decode = new_lens == 1
-    by_path: dict[str, list[int]] = {}
-    for k in torch.nonzero(~decode).flatten().tolist():
-        path = prefill_path(int(new_lens[k]), int(context_lens[k]))
-        if path not in PREFILL_PATHS:
-            raise ValueError(f"prefill_path returned {path!r}; expected one of "
-                             f"{PREFILL_PATHS}")
-        by_path.setdefault(path, []).append(k)
-
-    grown = cache.allocate_on_host(seq_ids, new_lens)          # (g,) rows whose table grew
     positions = context_lens[token_seq] + offsets              # (N,) seq_lens + j
     host = dict(positions=positions,
-                slot_mapping=cache.slot_mapping(seq_ids[token_seq], positions),
+                slot_mapping=slots_of(cache, seq_ids[token_seq], positions),
                 grown=grown, grown_table=cache.block_table_cpu[grown])
-    token_rows = starts[token_seq] + offsets                   # (N,) rows of x
-    in_order = bool((token_rows == torch.arange(N)).all())
-    if not in_order:
-        host["token_rows"] = token_rows
-    decode_ks = torch.nonzero(decode).flatten()
-    decode_rows = seq_ids[decode_ks]
-    every_row = bool(torch.equal(decode_rows, torch.arange(cache.batch_size)))
-    if decode_ks.numel():
-        host["decode_seq_lens"] = context_lens[decode_ks] + 1
-        if decode_ks.numel() < N:
-            host["decode_tokens"] = packed_starts[decode_ks]
-        if not every_row:
-            host["decode_rows"] = decode_rows
+    if not torch.equal(starts, packed_starts):                 # x's rows are not 0 .. N - 1
+        host["token_rows"] = starts[token_seq] + offsets       # (N,) rows of x
+    if decode_ks:
+        ks = torch.tensor(decode_ks)
+        host["decode_seq_lens"] = context_lens[ks] + 1
+        host["decode_rows"] = seq_ids[ks]
+        if len(decode_ks) < N:
+            host["decode_tokens"] = packed_starts[ks]
     pieces = {}
     for path, ks in by_path.items():
-        ks = torch.tensor(ks)
-        p_seq, p_off = ragged_index(new_lens[ks])
-        host[path + "/tokens"] = packed_starts[ks][p_seq] + p_off
+        if len(ks) == len(lens):                # every row of the call: tokens 0 .. N - 1
+            host[path + "/tokens"] = torch.arange(N)
+            path_lens, path_contexts, path_rows = new_lens, context_lens, seq_ids
+        else:
+            ks = torch.tensor(ks)
+            path_lens, path_contexts, path_rows = new_lens[ks], context_lens[ks], seq_ids[ks]
+            p_seq, p_off = ragged_index(path_lens)
+            host[path + "/tokens"] = packed_starts[ks][p_seq] + p_off
         host[path + "/query_start_loc"] = torch.cat([torch.zeros(1, dtype=torch.int64),
-                                                     torch.cumsum(new_lens[ks], 0)])
-        host[path + "/context_lens"] = context_lens[ks]
-        host[path + "/rows"] = seq_ids[ks]
+                                                     torch.cumsum(path_lens, 0)])
+        host[path + "/context_lens"] = path_contexts
+        host[path + "/rows"] = path_rows
         if path == "absorbed":                  # MQA mode: queries of <= 8 new tokens
-            s_q, piece_row, piece_seq_lens, query_slots = query_pieces(new_lens[ks],
-                                                                       context_lens[ks])
+            s_q, piece_row, piece_seq_lens, query_slots = query_pieces(path_lens, path_contexts)
             pieces[path] = s_q
-            host[path + "/piece_rows"] = seq_ids[ks][piece_row]
+            host[path + "/piece_rows"] = path_rows[piece_row]
             host[path + "/piece_seq_lens"] = piece_seq_lens
             host[path + "/query_slots"] = query_slots
 
     dev = to_device(host, cache.device)
     if grown.numel():
         cache.block_table[dev["grown"]] = dev["grown_table"].to(torch.int32)
+
+    def block_table(key: str) -> torch.Tensor:
+        """The block-table rows of host[key]'s cache rows: the table itself when they are all of
+        its rows in order."""
+        if torch.equal(host[key], torch.arange(cache.batch_size)):
+            return cache.block_table
+        return cache.block_table[dev[key]]
+
     plan = CallPlan(positions=dev["positions"], slot_mapping=dev["slot_mapping"],
                     token_rows=dev.get("token_rows"), decode=None)
-    if decode_ks.numel():
-        table = cache.block_table if every_row else cache.block_table[dev["decode_rows"]]
-        plan.decode = DecodeRows(tokens=dev.get("decode_tokens"), block_table=table,
+    if decode_ks:
+        plan.decode = DecodeRows(tokens=dev.get("decode_tokens"),
+                                 block_table=block_table("decode_rows"),
                                  seq_lens=dev["decode_seq_lens"].to(torch.int32),
                                  num_kv_splits=num_kv_splits,
-                                 max_seq_len=int(host["decode_seq_lens"].max()))
+                                 max_seq_len=max(contexts[k] for k in decode_ks) + 1)
     for path, ks in by_path.items():
-        total = context_lens[ks] + new_lens[ks]
+        every_token = len(ks) == len(lens)
         tokens = dev[path + "/tokens"]
         rows = PrefillRows(
-            tokens=tokens, slots=plan.slot_mapping[tokens],
+            tokens=tokens, slots=plan.slot_mapping if every_token else plan.slot_mapping[tokens],
             query_start_loc=dev[path + "/query_start_loc"],
             context_lens=dev[path + "/context_lens"],
-            block_table=cache.block_table[dev[path + "/rows"]],
-            max_new_len=int(new_lens[ks].max()), max_seq_len=int(total.max()),
-            context_lens_host=context_lens[ks].tolist(),
-            every_token=bool(torch.equal(host[path + "/tokens"], torch.arange(N))))
+            block_table=block_table(path + "/rows"),
+            max_new_len=max(lens[k] for k in ks),
+            max_seq_len=max(contexts[k] + lens[k] for k in ks),
+            context_lens_host=[contexts[k] for k in ks], every_token=every_token)
         if path in pieces:
             rows.pieces = DecodeRows(
-                tokens=None, block_table=cache.block_table[dev[path + "/piece_rows"]],
+                tokens=None, block_table=block_table(path + "/piece_rows"),
                 seq_lens=dev[path + "/piece_seq_lens"].to(torch.int32),
                 num_kv_splits=num_kv_splits, s_q=pieces[path],
                 max_seq_len=int(host[path + "/piece_seq_lens"].max()),
@@ -268,7 +280,7 @@ def decode_step_inputs(cache: PagedLatentCache, out: dict | None = None
     rows, ones = cache.check_rows(torch.arange(b), torch.ones(b, dtype=torch.int64))
     grown = cache.allocate_on_host(rows, ones)
     positions = cache.seq_lens.clone()                           # (b,) before the step
-    dev = to_device(dict(slot_mapping=cache.slot_mapping(rows, positions),
+    dev = to_device(dict(slot_mapping=slots_of(cache, rows, positions),
                          positions=positions, grown=grown,
                          grown_table=cache.block_table_cpu[grown]), cache.device)
     if grown.numel():

@@ -1,0 +1,175 @@
+"""What one paged-layer prompt costs the host: wall time and operator count on tiny sizes, beside
+the layer written in a few lines of torch (projections, SDPA, o_proj; no cache).
+
+    PYTHONPATH=. python benchmarks/lab/probe_layer_host.py                 # the CPU
+    PYTHONPATH=. python3 benchmarks/lab/probe_layer_host.py --device cuda  # a GPU
+
+At 1k-4k tokens the layer's GPU time is its host time (``host_ms`` in
+``benchmarks/results/h200-prefill.json``: 3.3 of 3.6 ms at 1 x 1024), so what the host does per
+call decides the prompt rows. Here the sizes are DeepSeek-V3's structure shrunk until the
+arithmetic costs nothing (hidden 64, 2 heads, c 32, d 16, r 8, v 16), float32, so a call's wall
+time is the host's: Python, torch's dispatch of every operator, and on a GPU the launches. Keep
+the prompts short on the CPU, where SDPA's own arithmetic grows with them.
+
+Contenders, each on prompts of `--shapes` (b x s, an empty cache):
+- ``layer``: the paged tier's call, ``prefill="up-project"`` and ``prefill_backend="sdpa"`` (a
+  GPU's default for long prompts; on the CPU the Triton kernels would run in their interpreter
+  and time that instead), so short prompts take the same path as long ones;
+- ``torch_layer``: the same weights in a few lines of torch: the query and latent as the
+  paged tier computes them, k and v up-projected, one SDPA call, o_proj. No cache, no plan: the
+  issue's "torch SDPA on up-projected k, v" whole-layer baseline.
+
+Each gets ``us`` (median wall time of a call, ``--calls`` calls after warm-up; on a GPU with a
+synchronize after each), ``ops`` and ``compute_ops`` (aten operators one call dispatches, and
+those that are not views or metadata: on a GPU the ones that launch a kernel or copy), and for
+the layer ``sections_us``: the median time of the plan, RoPE's cos / sin, the cache write and the
+attention. Prints one line a row and writes ``--out`` (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mla
+import mla.paged.layer as paged_layer
+from mla.naive import latent, query_latent
+from mla.rope import rope_cos_sin
+
+# aten operators that make no kernel: views, metadata, host scalars.
+NOT_COMPUTE = {"view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze", "permute",
+               "transpose", "t", "expand", "alias", "as_strided", "lift_fresh", "detach",
+               "_local_scalar_dense", "promote_types", "unflatten", "split", "unbind"}
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten operators dispatched while active, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def compute(self) -> int:
+        return sum(n for name, n in self.counts.items() if name not in NOT_COMPUTE)
+
+
+def torch_layer(layer, x: torch.Tensor) -> torch.Tensor:
+    """x (b, s, hidden) -> y: the layer over its own prompt, causal, in a few lines of torch."""
+    w, cfg = layer.weights, layer.config
+    b, s, _ = x.shape
+    d, h = cfg.qk_nope_head_dim, cfg.num_heads
+    cos, sin = rope_cos_sin(cfg, torch.arange(s, device=x.device)[None], x.dtype)   # (1, s, r/2)
+    c_q = query_latent(w, x)                                                        # (b, s, q)
+    q = torch.stack([paged_layer.joint_query(w, c_q[i], cos[0], sin[0]) for i in range(b)])
+    kv_c, k_pe = latent(w, x, cos.expand(b, -1, -1), sin.expand(b, -1, -1))         # (b, s, c), (b, s, r)
+    kv = torch.einsum("bsc,hkc->bshk", kv_c, torch.cat([w.W_UK, w.W_UV], 1))        # (b, s, h, d + v)
+    k = torch.cat([kv[..., :d], k_pe[:, :, None].expand(-1, -1, h, -1)], -1)        # (b, s, h, d + r)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), kv[..., d:].transpose(1, 2), is_causal=True,
+        scale=layer.softmax_scale)                                                  # (b, h, s, v)
+    return layer.output_projection(o.transpose(1, 2))                               # (b, s, hidden)
+
+
+def wall_us(fn, calls: int, sync) -> float:
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
+
+
+def sections(layer, call, calls: int, sync) -> dict:
+    """Median host time of the layer's plan, RoPE tables, cache write and attention in a call."""
+    spent = collections.defaultdict(list)
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[name].append(time.perf_counter() - start)
+            return out
+        return wrapper
+
+    saved = {name: getattr(paged_layer, name) for name in ("rope_cos_sin", "write_slots")}
+    layer._plan = timed("plan", layer._plan)
+    layer.attend_prefill = timed("attend", layer.attend_prefill)
+    for name, fn in saved.items():
+        setattr(paged_layer, name, timed(name, fn))
+    try:
+        for _ in range(calls):
+            call()
+            sync()
+    finally:
+        del layer._plan, layer.attend_prefill
+        for name, fn in saved.items():
+            setattr(paged_layer, name, fn)
+    return {name: 1e6 * statistics.median(ts) for name, ts in spent.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shapes", default="1x64,4x64,1x256")
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.set_num_threads(1)
+    cfg = mla.MLAConfig.from_preset("deepseek-v3").replace(
+        hidden_size=64, num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16)
+    weights = mla.MLAWeights(cfg, dtype=torch.float32, device=device, seed=0)
+    layer = mla.build(weights, "paged", block_size=64, prefill="up-project", prefill_backend="sdpa")
+    rows = []
+    for item in args.shapes.split(","):
+        b, s = (int(v) for v in item.lower().split("x"))
+        x = torch.randn(b, s, cfg.hidden_size, device=device)
+        cache = layer.new_cache(b, s)
+        cache.allocate(torch.arange(b), torch.full((b,), s))
+
+        def call():
+            cache.seq_lens[:] = 0
+            return layer(x, cache)
+
+        row = dict(b=b, s=s)
+        with torch.no_grad():
+            for name, fn in (("layer", call), ("torch_layer", lambda: torch_layer(layer, x))):
+                for _ in range(10):
+                    fn()
+                sync()
+                row[f"{name}_us"] = wall_us(fn, args.calls, sync)
+                with CountOps() as counter:
+                    fn()
+                row[f"{name}_ops"] = sum(counter.counts.values())
+                row[f"{name}_compute_ops"] = counter.compute()
+            row["layer_sections_us"] = sections(layer, call, args.calls, sync)
+            y, y_ref = call(), torch_layer(layer, x)
+            row["max_abs_diff"] = (y - y_ref).abs().max().item()
+        row["layer_over_torch_layer"] = row["layer_us"] / row["torch_layer_us"]
+        rows.append(row)
+        print(f"{b}x{s}: layer {row['layer_us']:.0f} us ({row['layer_compute_ops']} compute ops of "
+              f"{row['layer_ops']}), torch layer {row['torch_layer_us']:.0f} us "
+              f"({row['torch_layer_compute_ops']} of {row['torch_layer_ops']}), ratio "
+              f"{row['layer_over_torch_layer']:.2f}; sections "
+              + ", ".join(f"{k} {v:.0f}" for k, v in row["layer_sections_us"].items()))
+    result = dict(device=str(device), torch=torch.__version__, rows=rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
