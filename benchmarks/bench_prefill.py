@@ -499,7 +499,7 @@ def run(args) -> dict:
 
     import mla
     from benchmarks.timing import matmul_TFLOPs
-    from mla.kernels.prefill import choose_prefill_backend
+    from mla.kernels.sdpa import choose_prefill_backend
 
     t0 = time.time()
     cfg = mla.MLAConfig.from_preset(args.preset)

@@ -1,4 +1,5 @@
-"""Tests of mla.kernels.prefill: the tiled varlen prefill kernel, the merge, chunked context prefill.
+"""Tests of the prefill kernels: the tiled varlen op (mla.kernels.prefill), the SDPA path
+(mla.kernels.sdpa), the merge and chunked context prefill (mla.kernels.chunked_context).
 
 On a machine without a GPU the kernel runs in Triton's interpreter, whose tl.dot is slow (numpy),
 so the CPU tests keep heads and dims small (h <= 3, d, r, v <= 16, except one V3-sized head) and
@@ -23,17 +24,11 @@ import torch.nn.functional as F
 
 import mla.kernels  # noqa: F401  (sets TRITON_INTERPRET before triton is imported on a CPU machine)
 from mla import MLAConfig, MLAWeights
-from mla.kernels import prefill as prefill_module
-from mla.kernels.prefill import (
-    PREFILL_BACKENDS,
-    choose_prefill_backend,
-    chunked_context_prefill,
-    head_group,
-    merge_attention_states,
-    mla_prefill,
-    mla_prefill_reference,
-    sdpa_prefill,
-)
+from mla.kernels import chunked_context as context_module
+from mla.kernels import sdpa as sdpa_module
+from mla.kernels.chunked_context import chunked_context_prefill, head_group, merge_attention_states
+from mla.kernels.prefill import mla_prefill, mla_prefill_reference
+from mla.kernels.sdpa import PREFILL_BACKENDS, choose_prefill_backend, sdpa_prefill
 from mla.naive import attend_up_projected
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -451,8 +446,8 @@ def test_chunked_context_without_context_on_each_backend(news, monkeypatch):
     this device; the same output."""
     ran = []
     for name in ("sdpa_prefill", "mla_prefill"):
-        real = getattr(prefill_module, name)
-        monkeypatch.setattr(prefill_module, name,
+        real = getattr(context_module, name)
+        monkeypatch.setattr(context_module, name,
                             lambda *a, _real=real, _name=name, **k: ran.append(_name) or _real(*a, **k))
     case, context_rows = make_context_case(news, [0, 0], page=16)
     ref_out, _ = context_reference(case, context_rows)
@@ -468,7 +463,7 @@ def test_chunked_context_without_context_on_each_backend(news, monkeypatch):
 
 def test_chunked_context_with_context_stays_on_the_kernel(monkeypatch):
     """One row with context is enough: every row needs the lse for the merge."""
-    monkeypatch.setattr(prefill_module, "sdpa_prefill", lambda *a, **k: pytest.fail("SDPA ran with context"))
+    monkeypatch.setattr(context_module, "sdpa_prefill", lambda *a, **k: pytest.fail("SDPA ran with context"))
     case, context_rows = make_context_case([6, 6], [0, 9], page=4)
     ref_out, ref_lse = context_reference(case, context_rows)
     for backend in PREFILL_BACKENDS:
@@ -481,7 +476,7 @@ def test_sdpa_joins_adjacent_query_parts_without_a_copy():
     """q_nope and q_pe as views of one (t, h, d + r) buffer join as a view of it, and so do W_UK
     and W_UV along their second dim; parts that do not follow each other in one buffer are
     copied. Both equal torch.cat."""
-    from mla.kernels.prefill import _joined
+    from mla.kernels.sdpa import _joined
     q = torch.randn(6, 3, 10)
     whole = _joined(q[..., :7], q[..., 7:])
     assert whole.data_ptr() == q.data_ptr() and torch.equal(whole, q)
@@ -515,8 +510,8 @@ def test_sdpa_prefill_reads_a_joined_query_in_place(monkeypatch):
     """Given q_nope and q_pe as views of one query buffer, SDPA's q is that buffer (no copy);
     given two tensors, a new one."""
     seen = []
-    real = prefill_module._causal_sdpa
-    monkeypatch.setattr(prefill_module, "_causal_sdpa",
+    real = sdpa_module._causal_sdpa
+    monkeypatch.setattr(sdpa_module, "_causal_sdpa",
                         lambda q, k, v, scale: seen.append(q.untyped_storage().data_ptr()) or real(q, k, v, scale))
     gen = torch.Generator().manual_seed(0)
     t, h, d, r, dv = 12, 3, 16, 8, 16
@@ -536,8 +531,8 @@ def test_chunked_context_in_head_groups(backend, contexts, monkeypatch):
     the same out and lse as the reference, each group's keys and values only its heads'."""
     seen = []
     name = "sdpa_prefill" if backend == "sdpa" else "mla_prefill"
-    real = getattr(prefill_module, name)
-    monkeypatch.setattr(prefill_module, name,
+    real = getattr(context_module, name)
+    monkeypatch.setattr(context_module, name,
                         lambda *a, **k: seen.append((a[0].shape[1], a[2].shape[0])) or real(*a, **k))
     news = [9, 14]
     case, context_rows = make_context_case(news, contexts, page=4, h=5)
@@ -574,8 +569,8 @@ def test_layer_prefill_backend_option(monkeypatch):
 
     ran = []
     for name in ("sdpa_prefill", "mla_prefill"):
-        real = getattr(prefill_module, name)
-        monkeypatch.setattr(prefill_module, name,
+        real = getattr(context_module, name)
+        monkeypatch.setattr(context_module, name,
                             lambda *a, _real=real, _name=name, **k: ran.append(_name) or _real(*a, **k))
     cfg = MLAConfig.from_preset("tiny")
     weights = MLAWeights(cfg, dtype=torch.float32, seed=4).to(DEVICE)
@@ -625,7 +620,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
     import resource, sys, torch
     sys.path.insert(0, {root!r})
     import mla.kernels
-    from mla.kernels.prefill import chunked_context_prefill
+    from mla.kernels import chunked_context_prefill
     torch.manual_seed(0)
     news, contexts, h, d, r, dv, c, page = {news}, {contexts}, 1, 16, 16, 16, 16, 64
     b, tq = len(news), sum(news)
@@ -781,11 +776,10 @@ def test_gpu_layer_prefill_backends_agree(workspace, monkeypatch):
     (auto keeps the kernel), each prefill_backend against the absorbed tier; with a 300-token
     workspace step 1 runs in head groups (cuDNN and the kernel on strided head views)."""
     import mla
-    import mla.kernels.prefill as prefill_module
 
     ran = []
-    real_sdpa = prefill_module.sdpa_prefill
-    monkeypatch.setattr(prefill_module, "sdpa_prefill",
+    real_sdpa = context_module.sdpa_prefill
+    monkeypatch.setattr(context_module, "sdpa_prefill",
                         lambda *a, **k: ran.append("sdpa") or real_sdpa(*a, **k))
     cfg = MLAConfig.from_preset("deepseek-v2-lite")
     weights = MLAWeights(cfg, dtype=torch.bfloat16, device="cuda", seed=0)

@@ -901,7 +901,7 @@ def test_query_pieces_see_exactly_their_causal_prefix():
 
 
 def test_workspace_tokens_is_checked_at_construction():
-    from mla.kernels.prefill import DEFAULT_WORKSPACE_TOKENS
+    from mla.kernels.chunked_context import DEFAULT_WORKSPACE_TOKENS
     weights = mla.MLAWeights(TINY)
     assert mla.build(weights, "paged").workspace_tokens == DEFAULT_WORKSPACE_TOKENS
     assert "workspace_tokens=5" in repr(mla.build(weights, "paged", workspace_tokens=5))

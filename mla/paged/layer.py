@@ -63,7 +63,8 @@ import torch
 from ..absorbed import attend_absorbed
 from ..base import MLAAttention
 from ..kernels import chunked_context_prefill, mla_decode
-from ..kernels.prefill import DEFAULT_WORKSPACE_TOKENS, PREFILL_BACKENDS
+from ..kernels.chunked_context import DEFAULT_WORKSPACE_TOKENS
+from ..kernels.sdpa import PREFILL_BACKENDS
 from ..naive import attend_up_projected, causal_mask, latent, query_latent
 from ..rope import apply_rope, rope_cos_sin
 from ..weights import MLAWeights
@@ -148,7 +149,7 @@ class PagedMLA(MLAAttention):
         prefill_backend: what runs the up-projected new tokens' causal attention over themselves
             when no row of the call has cached context: "auto" (default: torch SDPA on a CUDA
             device when every such row has the same length, else the Triton kernel; see
-            `mla.kernels.prefill.choose_prefill_backend`), "triton" (`mla_prefill`, the flash
+            `mla.kernels.sdpa.choose_prefill_backend`), "triton" (`mla_prefill`, the flash
             kernel) or "sdpa" (`sdpa_prefill`: cuDNN attention on a GPU; ragged rows take one
             call a row, their offsets read on the host, one sync). A call in which any row has
             cached context runs on the Triton kernels, whose log-sum-exp the merge needs.
