@@ -70,7 +70,7 @@ def rope_cos_sin(config: MLAConfig, positions: torch.Tensor, dtype: torch.dtype
 
     Both carry YaRN's attention factor, as in HF's implementation.
     """
-    inv_freq, factor = _rope_tables(config, positions.device)  # (r/2,), float
+    inv_freq, factor = _rope_tables(config, positions)  # (r/2,), float
     angles = positions[..., None].to(torch.float32) * inv_freq  # (..., r/2), float32
     cos = angles.cos() * factor
     sin = angles.sin() * factor
@@ -82,16 +82,21 @@ def rope_cos_sin(config: MLAConfig, positions: torch.Tensor, dtype: torch.dtype
 _TABLES: dict[tuple, tuple[torch.Tensor, float]] = {}
 
 
-def _rope_tables(config: MLAConfig, device: torch.device) -> tuple[torch.Tensor, float]:
-    """(rope_inv_freq, rope_attention_factor) of `config` on `device`, from `_TABLES`. A table
-    built while a CUDA graph is being captured is not kept: its memory belongs to the graph."""
+def _rope_tables(config: MLAConfig, positions: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(rope_inv_freq, rope_attention_factor) of `config` on positions' device, from `_TABLES`.
+    Only plain tensors are kept, built outside CUDA-graph capture (a captured table's memory
+    belongs to the graph); positions of a tracer (a fake tensor) get a table built in its mode."""
+    device = positions.device
+    if type(positions) is not torch.Tensor:
+        return rope_inv_freq(config, device=device), rope_attention_factor(config)
     yarn = config.yarn
     key = (config.qk_rope_head_dim, config.rope_theta,
            None if yarn is None else tuple(sorted(yarn.items())), device)
     tables = _TABLES.get(key)
     if tables is None:
         tables = rope_inv_freq(config, device=device), rope_attention_factor(config)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if type(tables[0]) is torch.Tensor and not (
+                device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             _TABLES[key] = tables
     return tables
 

@@ -494,6 +494,18 @@ def test_sdpa_joins_adjacent_query_parts_without_a_copy():
     assert kv.data_ptr() == w.data_ptr() and torch.equal(kv, w)
     for a, b in ((w[:, :8], w[:, 9:]), (w[:, 8:], w[:, :8]), (w[:2, :8], w[2:, 8:])):
         assert torch.equal(_joined(a, b, dim=1), torch.cat([a, b], 1))
+    # copies where a view would not do: a last dim SDPA's GPU backends refuse (stride 3), two
+    # storages over one buffer (a view of a's would reach past its end), and autograd (the view
+    # would carry a's gradient alone)
+    strided = torch.randn(6, 3, 10).transpose(1, 2)                  # (6, 10, 3), strides (30, 1, 10)
+    buffer = torch.arange(20.0).numpy()
+    apart = torch.from_numpy(buffer[:5]), torch.from_numpy(buffer)[5:10]
+    leaf = torch.randn(4, 12, 5, requires_grad=True)
+    for a, b, d in ((strided[..., :1], strided[..., 1:], -1), (*apart, 0), (leaf[:, :8], leaf[:, 8:], 1)):
+        joined = _joined(a, b, dim=d)
+        assert torch.equal(joined, torch.cat([a, b], d)) and joined.data_ptr() != a.data_ptr()
+    _joined(leaf[:, :8], leaf[:, 8:], dim=1).sum().backward()
+    assert torch.equal(leaf.grad, torch.ones_like(leaf))
 
 
 def test_head_group_rule():

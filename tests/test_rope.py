@@ -131,3 +131,22 @@ def test_rope_tables_are_built_once_per_setting_and_device(monkeypatch):
     rope_cos_sin(MLAConfig.from_preset("tiny"), torch.arange(5), torch.float32)
     assert len(built) == 3
 
+
+
+def test_rope_tables_and_fake_tensors(monkeypatch):
+    """Positions of a tracer (torch's FakeTensorMode, as torch.export uses) get a table in its
+    mode, before and after a real call has kept one; the kept table stays a real one."""
+    import mla.rope as rope
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(rope, "_TABLES", {})
+    cfg = MLAConfig.from_preset("tiny")
+    for real_first in (False, True):
+        if real_first:
+            expected = rope_cos_sin(cfg, torch.arange(4), torch.float32)
+        with FakeTensorMode() as mode:
+            cos, sin = rope_cos_sin(cfg, mode.from_tensor(torch.arange(4)), torch.float32)
+            assert cos.shape == (4, cfg.qk_rope_head_dim // 2)
+    assert all(type(t) is torch.Tensor for t, _ in rope._TABLES.values())
+    assert all(torch.equal(a, b) for a, b in zip(rope_cos_sin(cfg, torch.arange(4), torch.float32),
+                                                 expected))

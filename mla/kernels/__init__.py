@@ -5,9 +5,10 @@ One module a piece: ``triton_decode`` (the Triton decode kernels), ``decode`` (t
 reference, checks and split policy), ``backends`` (which stage 1 runs), ``triton_prefill`` (the
 Triton prefill kernel), ``prefill`` (the prefill op and its reference), ``sdpa`` (a prompt's
 causal attention through torch's SDPA, and the rule that picks it), ``chunked_context`` (new
-tokens over a paged cached context in bounded memory, and the log-sum-exp merge), ``extension`` (the compiled csrc extension), ``concat_cache`` (the
-concat-and-cache op and its reference), ``fp8`` (the fp8 cache layouts in plain torch),
-``launch`` (the Triton ops' device and the shared-memory fit on GPUs with less than an H100's).
+tokens over a paged cached context in bounded memory, and the log-sum-exp merge),
+``extension`` (the compiled csrc extension), ``concat_cache`` (the concat-and-cache op and its
+reference), ``fp8`` (the fp8 cache layouts in plain torch), ``launch`` (the Triton ops' device
+and the shared-memory fit on GPUs with less than an H100's).
 
 On a machine without a CUDA GPU the Triton kernels run in Triton's interpreter; TRITON_INTERPRET
 must be set before triton is first imported, so this package sets it when no GPU is visible.

@@ -85,17 +85,20 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 def _joined(a: torch.Tensor, b: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """[a | b] along ``dim``: a view where b's values follow a's along ``dim`` in one buffer with
-    a's strides (q_nope and q_pe as views of one query; W_UK and W_UV as views of kv_b_proj's
-    weight), else a copy. The view reads exactly the copy's values: past a's end along ``dim``,
-    its elements are b's."""
+    a's strides and a contiguous last dim (q_nope and q_pe as views of one query; W_UK and W_UV
+    as views of kv_b_proj's weight), else a copy; a copy too where autograd tracks either
+    (the view would be a's alone). The view reads exactly the copy's values: past a's end along
+    ``dim``, its elements are b's."""
     dim = dim % a.dim()
     e = a.shape[dim]
     shape = (*a.shape[:dim], e + b.shape[dim], *a.shape[dim + 1:])
+    sa, sb = a.untyped_storage(), b.untyped_storage()
     if (a.dim() == b.dim() and (*b.shape[:dim], e, *b.shape[dim + 1:]) == a.shape
-            and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
-            and a.numel() > 0 and b.numel() > 0
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and b.storage_offset() == a.storage_offset() + e * a.stride(dim)):
+            and a.stride() == b.stride() and a.stride(-1) == 1
+            and a.dtype == b.dtype and a.device == b.device and a.numel() > 0 and b.numel() > 0
+            and sa.data_ptr() == sb.data_ptr() and sa.nbytes() == sb.nbytes()
+            and b.storage_offset() == a.storage_offset() + e * a.stride(dim)
+            and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))):
         return a.as_strided(shape, a.stride(), a.storage_offset())
     return torch.cat([a, b], dim=dim)
 
