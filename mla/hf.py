@@ -27,7 +27,12 @@ How the pieces meet transformers' conventions:
   real token (`position_ids = attention_mask.cumsum(-1) - 1`); the tiers take RIGHT padding
   (`lengths`) and count each row's positions from its cached length. Each call moves a row's
   real tokens to the front, caches only those (pad tokens never enter the latent cache) and
-  puts the outputs back in place; zeros at pad positions.
+  puts the outputs back in place; zeros at pad positions. A call without padded rows (every
+  step of generate after the prompt) moves nothing.
+- One read a step. The mask and position ids live on the GPU, and reading them on the host
+  waits for the GPU to finish the work queued before. The first swapped layer of a model step
+  reads them and the others reuse what it read (`_StepInputs`, kept beside the step's Cache),
+  so a step waits once, not once a layer.
 
 Shapes: b batch, s new tokens, t cached tokens, h heads, d nope dim, r rope dim, v value dim,
 c kv_lora_rank.
@@ -36,6 +41,7 @@ c kv_lora_rank.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -198,24 +204,21 @@ class MLASelfAttention(nn.Module):
         cache = cache if cache is not None else past_key_values
         layer_cache = (MLALayerCache(self) if cache is None        # no cache: this call only
                        else _layer_cache(cache, self))
-        real = _real_tokens(attention_mask, b, s)                  # (b, s) bool
-        lengths, starts = _left_padded(real)                       # (b,), (b,)
+        step = _step_inputs(cache, attention_mask, position_ids, b, s, x.device)
         cached = layer_cache.row_lengths(b)
-        _check_positions(position_ids, lengths, starts, cached, self.layer_idx)
+        step.check_positions(cached, self.layer_idx)
 
         # Left padding -> right padding: row i's real tokens move to columns 0 .. lengths[i]-1.
-        shift = (torch.arange(s)[None, :] + starts[:, None]).clamp_max(s - 1)   # (b, s)
-        shift = shift.to(x.device)
-        x_right = x.gather(1, shift[..., None].expand_as(x))
-        mla_cache = layer_cache.reserve(lengths)
-        y_right = self.tier(x_right, mla_cache, lengths)           # zeros past lengths[i]
+        x_right = x if step.shift is None else x.gather(1, step.shift[..., None].expand_as(x))
+        mla_cache = layer_cache.reserve(step.lengths)
+        y_right = self.tier(x_right, mla_cache, step.lengths)      # zeros past lengths[i]
         layer_cache.seen += s
+        if step.shift is None:
+            return y_right, None
 
         # ... and back: output column j of row i is y_right[i, j - starts[i]] for real tokens.
-        back = (torch.arange(s)[None, :] - starts[:, None])        # (b, s)
-        keep = (back >= 0).to(x.device)
-        y = y_right.gather(1, back.clamp_min(0).to(x.device)[..., None].expand_as(y_right))
-        return torch.where(keep[..., None], y, 0.0), None
+        y = y_right.gather(1, step.back[..., None].expand_as(y_right))
+        return torch.where(step.keep[..., None], y, 0.0), None
 
     def extra_repr(self) -> str:
         return f"tier={self.tier.tier!r}, layer_idx={self.layer_idx}"
@@ -232,6 +235,86 @@ def _shared_weights(config: MLAConfig, module: nn.Module) -> MLAWeights:
 
 
 # ---- reading transformers' inputs ----------------------------------------------------------
+class _StepInputs:
+    """What one model step's attention mask and position ids say, read on the host once for
+    every layer of the step (a read of a GPU tensor waits for the GPU).
+
+    lengths, starts (b,) int64 on the CPU: row i's real tokens are columns starts[i] .. s - 1.
+    positions: the position ids as (b, s) on the CPU, or None.
+    shift, back, keep: (b, s) on the layers' device, None when no row is padded: the gather
+    index that moves each row's real tokens to the front (left padding -> right padding), the
+    one that moves the outputs back, and which outputs are real.
+    """
+
+    def __init__(self, attention_mask: Any, position_ids: torch.Tensor | None, b: int, s: int,
+                 device: torch.device):
+        self.lengths, self.starts = _left_padded(_real_tokens(attention_mask, b, s))
+        self.positions = (None if position_ids is None
+                          else position_ids.reshape(-1, s).expand(b, s).cpu())
+        self.inputs = (_held(attention_mask), _held(position_ids), b, s, device)
+        self.checked: list[list[int]] = []       # cached lengths the positions were checked for
+        self.shift = self.back = self.keep = None
+        if bool(self.starts.any()):
+            j = torch.arange(s)[None, :]
+            back = j - self.starts[:, None]                                     # (b, s)
+            moves = torch.stack([(j + self.starts[:, None]).clamp_max(s - 1),   # shift
+                                 back.clamp_min(0), (back >= 0).long()])        # back, keep
+            moves = _to_device(moves, device)
+            self.shift, self.back, self.keep = moves[0], moves[1], moves[2].bool()
+
+    def matches(self, attention_mask: Any, position_ids: Any, b: int, s: int,
+                device: torch.device) -> bool:
+        """Whether these are this step's inputs: the same objects, unchanged, and shapes."""
+        mask, pos, *rest = self.inputs
+        return rest == [b, s, device] and _same(mask, attention_mask) and _same(pos, position_ids)
+
+    def check_positions(self, cached: torch.Tensor, layer_idx: int) -> None:
+        """`_check_positions` for a layer whose rows hold `cached` tokens (once a step for
+        each distinct `cached`: the layers of a model all hold the same)."""
+        key = cached.tolist()
+        if key not in self.checked:
+            _check_positions(self.positions, self.starts, cached, layer_idx)
+            self.checked.append(key)
+
+
+def _held(t: Any) -> tuple | None:
+    """A weak reference to an input tensor and its version (None for an inference tensor,
+    which keeps none)."""
+    if t is None:
+        return None
+    return weakref.ref(t), None if t.is_inference() else t._version
+
+
+def _same(held: tuple | None, t: Any) -> bool:
+    if held is None or t is None:
+        return held is None and t is None
+    ref, version = held
+    return ref() is t and version == (None if t.is_inference() else t._version)
+
+
+# The inputs of the step each transformers Cache is in, for the step's layers to share.
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _step_inputs(cache: Cache | None, attention_mask: Any, position_ids: Any, b: int, s: int,
+                 device: torch.device) -> _StepInputs:
+    """The step's `_StepInputs`: read by its first layer and shared by the others where a
+    cache ties the step's layers together; read by each call without one."""
+    step = _STEPS.get(cache) if cache is not None else None
+    if step is None or not step.matches(attention_mask, position_ids, b, s, device):
+        step = _StepInputs(attention_mask, position_ids, b, s, device)
+        if cache is not None:
+            _STEPS[cache] = step
+    return step
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: through pinned memory on a GPU."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _real_tokens(attention_mask: Any, b: int, s: int) -> torch.Tensor:
     """(b, s) bool on the CPU: which of this call's s tokens are real (not padding).
 
@@ -274,15 +357,14 @@ def _left_padded(real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return lengths, starts
 
 
-def _check_positions(position_ids: torch.Tensor | None, lengths: torch.Tensor,
-                     starts: torch.Tensor, cached: torch.Tensor, layer_idx: int) -> None:
+def _check_positions(pos: torch.Tensor | None, starts: torch.Tensor, cached: torch.Tensor,
+                     layer_idx: int) -> None:
     """The tiers place row i's new tokens at positions cached[i], cached[i] + 1, ...; the model's
-    position_ids must say the same, or the tier's RoPE would differ from transformers'."""
-    if position_ids is None:
+    position_ids (`pos`, (b, s) on the CPU) must say the same, or the tier's RoPE would differ
+    from transformers'."""
+    if pos is None:
         return
-    b, s = lengths.numel(), int(position_ids.shape[-1])
-    pos = position_ids.reshape(-1, s).expand(b, s).cpu()
-    j = torch.arange(s)[None, :]
+    j = torch.arange(pos.shape[1])[None, :]
     expected = cached[:, None] + j - starts[:, None]
     wrong = (j >= starts[:, None]) & (pos != expected)
     if bool(wrong.any()):

@@ -246,6 +246,28 @@ def test_right_padding_and_wrong_positions_are_refused(reference):
     assert (logits[real] - ref[real]).abs().max() < 1e-4
 
 
+def test_each_step_reads_its_mask_and_positions_once(reference, monkeypatch):
+    """The layers of one model step share what its mask and position ids say (read on the host
+    once: each read of a GPU tensor waits for the GPU); only a step with padded rows moves
+    tokens, and generate's steps after the prompt have none."""
+    model, batch, ref = reference
+    model = hf.swap_attention(copy.deepcopy(model), "absorbed")
+    steps, forwards = [], []
+
+    class Recorded(hf._StepInputs):
+        def __init__(self, *args):
+            super().__init__(*args)
+            steps.append(self)
+
+    monkeypatch.setattr(hf, "_StepInputs", Recorded)
+    model.model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    out = generate(model, batch, max_new_tokens=5, output_logits=False)
+    assert torch.equal(out.sequences, ref.sequences[:, :max(PROMPTS) + 5])
+    assert len(model.model.layers) == 2 and len(steps) == len(forwards) == 5
+    assert steps[0].shift is not None and all(step.shift is None for step in steps[1:])
+    assert all(step.positions is not None and len(step.checked) == 1 for step in steps)
+
+
 def test_mla_cache_holds_the_latent_only(reference):
     model, batch, ref = reference
     model = hf.swap_attention(copy.deepcopy(model), "paged", block_size=4, num_kv_splits=1)
@@ -290,3 +312,34 @@ def test_bench_generate_memory_model():
     assert sizes["eager"] <= sizes["sdpa"] < sizes["absorbed"] <= sizes["paged"]
     per_seq = per["paged"]["cache"] + per["paged"]["transient"] + 32768 * 4
     assert sizes["paged"] == (budget - fixed) // per_seq
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["absorbed", "paged"])
+def test_gpu_a_decode_step_waits_for_the_gpu_as_often_with_more_layers(tier):
+    """A swapped model's decode step synchronises with the GPU as often with four layers as with
+    two: the step's mask and positions are read once, by its first layer, and the tiers read
+    nothing back (the paged tier writes its cache through the compiled op)."""
+    from benchmarks.bench_prefill import count_syncs
+    from mla.kernels.extension import extension_available
+
+    if tier == "paged" and not extension_available(torch.device("cuda")):
+        pytest.skip("the paged tier's torch cache write reads the slot range (a sync a layer)")
+    cfg = mla.MLAConfig.from_preset("tiny")
+    syncs = []
+    for layers in (2, 4):
+        model = hf.random_model(cfg, num_layers=layers, vocab_size=128, moe=False,
+                                dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
+        hf.swap_attention(model, tier)
+        batch = {k: v.cuda() for k, v in prompts().items()}
+        cache = transformers.DynamicCache()
+        with torch.no_grad():
+            logits = model(**batch, past_key_values=cache,
+                           position_ids=(batch["attention_mask"].cumsum(-1) - 1).clamp_min(0)).logits
+            step = dict(input_ids=logits[:, -1:].argmax(-1),
+                        attention_mask=torch.cat([batch["attention_mask"],
+                                                  batch["attention_mask"][:, -1:]], 1),
+                        position_ids=batch["attention_mask"].sum(1, keepdim=True),
+                        past_key_values=cache)
+            syncs.append(count_syncs(lambda: model(**step)))
+    assert syncs[0] == syncs[1], syncs
