@@ -22,6 +22,10 @@ empty cache), every contender in the same run:
   cached context gathered from its pages, context and new tokens up-projected by kv_b_proj at
   once, no workspace. The layer as one would build it on SDPA: projections, cache write and
   o_proj are the paged layer's own, so ``layer`` and ``sdpa_layer`` differ only in attention;
+- ``torch_layer`` (prompts, t = 0): the same weights as a layer written in a few lines of torch,
+  with no cache and no plan (``torch_layer``): query and latent as the paged tier computes them,
+  k and v up-projected by kv_b_proj, one SDPA call (``sdpa_layer_backend``), o_proj. The
+  issue's own baseline ("torch SDPA on up-projected k, v", whole layer call);
 - ``flex``: ``flex_attention`` compiled, the same mask, where it compiles.
 
 Each gets ``*_ms`` (median of event-timed calls, the first two calls not counted), ``*_TFLOPs``
@@ -40,8 +44,10 @@ host-bound computation made apart have differed by a quarter at 1k tokens (``lay
 whatever drifts on both sides of each pair. Attention
 against attention is ``layer_attention_over_best_sdpa`` (over the fastest SDPA backend's
 attention). ``layer_over_best_sdpa`` (the whole call over SDPA's attention alone) mixes the two
-and is kept for the results it appears in. The bf16 matmul rate of the same run is
-``matmul_TFLOPs``.
+and is kept for the results it appears in. On prompts ``layer_over_torch_layer`` and
+``layer_over_torch_layer_paired`` (timed in turn, ``torch_paired_calls``) put the layer beside
+``torch_layer``, which does less (no cache write, no plan): the host's part of a short prompt
+shows there. The bf16 matmul rate of the same run is ``matmul_TFLOPs``.
 
 How the calls went, for each timed contender, in ``*_calls``: ``timed_ms`` (every timed call in
 order), ``first_ms`` and ``second_ms`` (the untimed calls, wall clock), ``host_ms`` (median time
@@ -82,7 +88,7 @@ def _suffix(backend: str) -> str:
 
 LAYERS = tuple(f"layer{_suffix(b)}" for b in LAYER_BACKENDS)
 ATTENTIONS = tuple(f"layer_attention{_suffix(b)}" for b in LAYER_BACKENDS)
-CONTENDERS = (*LAYERS, *ATTENTIONS, *(f"sdpa_{name}" for name in SDPA), "sdpa_layer", "flex")
+CONTENDERS = (*LAYERS, *ATTENTIONS, *(f"sdpa_{name}" for name in SDPA), "sdpa_layer", "torch_layer", "flex")
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -137,6 +143,7 @@ def add_rates(row: dict, flops: int) -> dict:
         row[f"{name}_TFLOPs"] = flops / (ms * 1e-3) / 1e12 if ms else None
     _, best = best_sdpa(row)
     row["layer_over_sdpa_layer"] = _ratio(row.get("layer_ms"), row.get("sdpa_layer_ms"))
+    row["layer_over_torch_layer"] = _ratio(row.get("layer_ms"), row.get("torch_layer_ms"))
     row["layer_attention_over_best_sdpa"] = _ratio(row.get("layer_attention_ms"), best)
     row["layer_over_best_sdpa"] = _ratio(row.get("layer_ms"), best)
     return row
@@ -449,6 +456,43 @@ def bench_layer_against_sdpa_layer(paged, sdpa_paged, backend: str, b: int, s: i
         del sdpa_paged.attend_prefill
 
 
+def torch_layer(layer, x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    """A prompt x (b, s, hidden) through `layer`'s weights as a few lines of torch: query and
+    latent as the paged tier computes them, k and v up-projected by kv_b_proj, one causal SDPA
+    call under ``backend`` (None: torch's choice), o_proj. No cache, no plan. -> (b, s, hidden)"""
+    from mla.naive import latent, query_latent
+    from mla.paged.layer import joint_query
+    from mla.rope import rope_cos_sin
+
+    w, cfg = layer.weights, layer.config
+    b, s, _ = x.shape
+    h, d = cfg.num_heads, cfg.qk_nope_head_dim
+    cos, sin = rope_cos_sin(cfg, torch.arange(s, device=x.device), x.dtype)           # (s, r/2)
+    c_q = query_latent(w, x)                                                          # (b, s, q)
+    q = joint_query(w, c_q.flatten(0, 1), cos.repeat(b, 1), sin.repeat(b, 1))        # (b·s, h, d + r)
+    kv_c, k_pe = latent(w, x, cos.expand(b, -1, -1), sin.expand(b, -1, -1))           # (b, s, c), (b, s, r)
+    kv = w.kv_b_proj(kv_c).view(b, s, h, -1)                                          # (b, s, h, d + v)
+    k = torch.cat([kv[..., :d], k_pe[:, :, None].expand(-1, -1, h, -1)], dim=-1)      # (b, s, h, d + r)
+    with _sdpa_kernel(backend) if backend else contextlib.nullcontext():
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.view(b, s, h, -1).transpose(1, 2), k.transpose(1, 2), kv[..., d:].transpose(1, 2),
+            is_causal=True, scale=layer.softmax_scale)                                # (b, h, s, v)
+    return layer.output_projection(o.transpose(1, 2))                                 # (b, s, hidden)
+
+
+def bench_torch_layer(paged, backend: str, b: int, s: int) -> dict:
+    _, x, _ = _layer_inputs(paged, b, s, 0)
+    with torch.no_grad():
+        return measure(lambda: torch_layer(paged, x, backend))
+
+
+def bench_layer_against_torch_layer(paged, backend: str, b: int, s: int) -> dict:
+    """The layer's whole call and ``torch_layer`` on the same prompt, timed in turn."""
+    cache, x, reset = _layer_inputs(paged, b, s, 0)
+    with torch.no_grad():
+        return measure_pair(lambda: paged(x, cache), lambda: torch_layer(paged, x, backend), reset)
+
+
 def _up_projected(cfg, b: int, s: int, t: int, pad_v: bool = False):
     """(memory allocated before, q, k, v): random up-projected inputs in bf16, q (b, h, s, d + r),
     k (b, h, t + s, d + r), v (b, h, t + s, v) or, with pad_v, v padded to d + r. The peak
@@ -532,6 +576,14 @@ def run(args) -> dict:
             except Exception as err:  # noqa: BLE001  (out of memory: a result)
                 row["layer_over_sdpa_layer_paired_error"] = f"{type(err).__name__}: {err}"[:300]
             torch.cuda.empty_cache()
+            if t == 0:
+                _try(row, "torch_layer", lambda: bench_torch_layer(layers["auto"], fastest, b, s))
+                try:
+                    pair = bench_layer_against_torch_layer(layers["auto"], fastest, b, s)
+                    row["layer_over_torch_layer_paired"], row["torch_paired_calls"] = pair["ratio"], pair
+                except Exception as err:  # noqa: BLE001  (out of memory: a result)
+                    row["layer_over_torch_layer_paired_error"] = f"{type(err).__name__}: {err}"[:300]
+                torch.cuda.empty_cache()
         if args.flex:
             _try(row, "flex", lambda: bench_flex(cfg, b, s, t))
         rows.append(add_rates(row, attention_flops(cfg, b, s, t)))

@@ -668,14 +668,26 @@ def _attention_headers(columns: list[tuple[str, object]]) -> list[tuple[str, obj
     return [(("attention: " if i == 0 else "") + header, cell) for i, (header, cell) in enumerate(columns)]
 
 
+def _paired_column(rows: list[dict], key: str, header: str) -> list[tuple[str, object]]:
+    """A column of the ratio ``key`` (two calls timed in turn), where the result has one."""
+    if not any(r.get(key) for r in rows):
+        return []
+    return [(header, lambda r: f"{r[key]:.2f}" if r.get(key) else _prefill_missing(r, key))]
+
+
 def prefill_table(name: str = "h200-prefill.json", what: str = "ms") -> str:
     """Markdown: bench_prefill.py's rows, one line a shape. what="ms": the whole calls (the
-    layer under "auto" and "triton", the SDPA layer) and attention alone (the layer's under
+    layer under "auto" and "triton", the SDPA layer, the torch layer where the result has it)
+    and attention alone (the layer's under
     both, each SDPA backend, FlexAttention) in ms (TFLOP/s), with the like-for-like ratios;
     what="memory": the same contenders' peak memory in MiB, and the layer's over cuDNN's."""
     rows = result(name)["rows"]
     shape = [("b x s (+ t cached)",
               lambda r: f"{r['b']} x {r['s']:,}" + (f" + {r['t']:,}" if r.get("t") else ""))]
+    # the few-line torch layer (prompts), in results that have it
+    whole = _PREFILL_WHOLE + ((("torch_layer", "torch layer"),)
+                              if any("torch_layer_ms" in r or "torch_layer_error" in r for r in rows)
+                              else ())
     if what == "memory":
         def peak(key):
             def cell(r):
@@ -683,7 +695,7 @@ def prefill_table(name: str = "h200-prefill.json", what: str = "ms") -> str:
                 return f"{mib:,.0f}" if mib is not None else _prefill_missing(r, key)
             return cell
         return _table(rows, shape
-                      + [(label, peak(key)) for key, label in _PREFILL_WHOLE]
+                      + [(label, peak(key)) for key, label in whole]
                       + _attention_headers([(label, peak(key)) for key, label in _PREFILL_ATTENTION])
                       + [("layer, auto / cuDNN", lambda r: _prefill_ratio(r, "layer", "sdpa_cudnn", "_peak_mib")),
                          ("layer, triton / cuDNN",
@@ -698,12 +710,10 @@ def prefill_table(name: str = "h200-prefill.json", what: str = "ms") -> str:
             return f"{ms:,.2f}" + (f" ({rate:,.0f})" if rate else "")
         return cell
     return _table(rows, shape
-                  + [(label, timed(key)) for key, label in _PREFILL_WHOLE]
+                  + [(label, timed(key)) for key, label in whole]
                   + [("layer / SDPA layer", lambda r: _prefill_ratio(r, "layer", "sdpa_layer"))]
-                  + ([("in turn", lambda r: f"{r['layer_over_sdpa_layer_paired']:.2f}"
-                       if r.get("layer_over_sdpa_layer_paired")
-                       else _prefill_missing(r, "layer_over_sdpa_layer_paired"))]
-                     if any(r.get("layer_over_sdpa_layer_paired") for r in rows) else [])
+                  + _paired_column(rows, "layer_over_sdpa_layer_paired", "in turn")
+                  + _paired_column(rows, "layer_over_torch_layer_paired", "layer / torch layer, in turn")
                   + _attention_headers([(label, timed(key)) for key, label in _PREFILL_ATTENTION])
                   + [("ours, auto / cuDNN", lambda r: _prefill_ratio(r, "layer_attention", "sdpa_cudnn"))])
 

@@ -608,6 +608,20 @@ def test_prefill_sdpa_layer_is_the_layer_with_sdpa_attention(monkeypatch):
             paged(torch.randn(2, 8, weights.config.hidden_size), p_cache, [8, 5])
 
 
+def test_prefill_torch_layer_is_the_layer_in_a_few_lines():
+    """torch_layer (the issue's baseline: no cache, no plan, one SDPA call) gives the naive
+    tier's outputs on a prompt of two rows, torch choosing SDPA's backend on the CPU."""
+    from benchmarks import bench_prefill as bp
+
+    weights = mla.MLAWeights(mla.MLAConfig.from_preset("tiny"), dtype=torch.float32, seed=3)
+    naive = mla.build(weights, "naive")
+    paged = mla.build(weights, "paged", block_size=4)
+    x = torch.randn(2, 9, weights.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref, out = naive(x, naive.new_cache(2, 9)), bp.torch_layer(paged, x)
+    assert out.shape == ref.shape and float((out - ref).norm() / ref.norm()) < 1e-5
+
+
 def test_prefill_measure_pair_takes_turns_and_reads_the_ratio_pair_by_pair():
     """A drift that slows every later call: timed apart, two equal calls would differ; in turn,
     which goes first alternating, the pairs' ratios straddle 1 and their median sits near it."""

@@ -239,6 +239,17 @@ def test_prefill_tables_read_every_result_schema(monkeypatch):
     paired = cells(hooks.prefill_table())
     col = {h: i for i, h in enumerate(paired[0])}
     assert paired[2][col["in turn"]] == "0.97" and paired[3][col["in turn"]] == "-"
+    assert "torch layer" not in paired[0]              # no torch layer in these rows
+    rows[0].update(torch_layer_ms=2.5, torch_layer_TFLOPs=240.0, torch_layer_peak_mib=800.0,
+                   layer_over_torch_layer_paired=0.81)  # a file with the torch layer
+    rows[2]["torch_layer_error"] = "OutOfMemoryError: CUDA out of memory"
+    torch_rows = cells(hooks.prefill_table())
+    col = {h: i for i, h in enumerate(torch_rows[0])}
+    assert torch_rows[2][col["torch layer"]] == "2.50 (240)"
+    assert torch_rows[2][col["layer / torch layer, in turn"]] == "0.81"
+    assert torch_rows[3][col["torch layer"]] == "-" and torch_rows[4][col["torch layer"]] == "out of memory"
+    memory = cells(hooks.prefill_table(what="memory"))
+    assert memory[2][{h: i for i, h in enumerate(memory[0])}["torch layer"]] == "800"
     assert hooks.prefill_row(1, 4096, 32768) is rows[1]
 
 

@@ -15,9 +15,10 @@ Contenders, each on prompts of `--shapes` (b x s, an empty cache):
 - ``layer``: the paged tier's call, ``prefill="up-project"`` and ``prefill_backend="sdpa"`` (a
   GPU's default for long prompts; on the CPU the Triton kernels would run in their interpreter
   and time that instead), so short prompts take the same path as long ones;
-- ``torch_layer``: the same weights in a few lines of torch: the query and latent as the
-  paged tier computes them, k and v up-projected, one SDPA call, o_proj. No cache, no plan: the
-  issue's "torch SDPA on up-projected k, v" whole-layer baseline.
+- ``torch_layer``: the same weights in a few lines of torch (``bench_prefill.torch_layer``, the
+  prefill bench's contender of that name): the query and latent as the paged tier computes
+  them, k and v up-projected, one SDPA call, o_proj. No cache, no plan: the issue's "torch SDPA
+  on up-projected k, v" whole-layer baseline.
 
 Each gets ``us`` (median wall time of a call, ``--calls`` calls after warm-up; on a GPU with a
 synchronize after each), ``ops`` and ``compute_ops`` (aten operators one call dispatches, and
@@ -39,8 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla
 import mla.paged.layer as paged_layer
-from mla.naive import latent, query_latent
-from mla.rope import rope_cos_sin
+from benchmarks.bench_prefill import torch_layer
 
 # aten operators that make no kernel: views, metadata, host scalars.
 NOT_COMPUTE = {"view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze", "permute",
@@ -61,23 +61,6 @@ class CountOps(TorchDispatchMode):
 
     def compute(self) -> int:
         return sum(n for name, n in self.counts.items() if name not in NOT_COMPUTE)
-
-
-def torch_layer(layer, x: torch.Tensor) -> torch.Tensor:
-    """x (b, s, hidden) -> y: the layer over its own prompt, causal, in a few lines of torch."""
-    w, cfg = layer.weights, layer.config
-    b, s, _ = x.shape
-    d, h = cfg.qk_nope_head_dim, cfg.num_heads
-    cos, sin = rope_cos_sin(cfg, torch.arange(s, device=x.device)[None], x.dtype)   # (1, s, r/2)
-    c_q = query_latent(w, x)                                                        # (b, s, q)
-    q = torch.stack([paged_layer.joint_query(w, c_q[i], cos[0], sin[0]) for i in range(b)])
-    kv_c, k_pe = latent(w, x, cos.expand(b, -1, -1), sin.expand(b, -1, -1))         # (b, s, c), (b, s, r)
-    kv = torch.einsum("bsc,hkc->bshk", kv_c, torch.cat([w.W_UK, w.W_UV], 1))        # (b, s, h, d + v)
-    k = torch.cat([kv[..., :d], k_pe[:, :, None].expand(-1, -1, h, -1)], -1)        # (b, s, h, d + r)
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), kv[..., d:].transpose(1, 2), is_causal=True,
-        scale=layer.softmax_scale)                                                  # (b, h, s, v)
-    return layer.output_projection(o.transpose(1, 2))                               # (b, s, hidden)
 
 
 def wall_us(fn, calls: int, sync) -> float:
