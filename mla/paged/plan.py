@@ -151,7 +151,10 @@ def plan_call(cache: PagedLatentCache, seq_ids: torch.Tensor, new_lens: torch.Te
     decode_ks = [k for k, new_len in enumerate(lens) if new_len == 1]
 
     grown = cache.allocate_on_host(seq_ids, new_lens)          # (g,) rows whose table grew
-    token_seq, offsets = ragged_index(new_lens)                # (N,) each, packed order
+    if by_path:
+        token_seq, offsets = ragged_index(new_lens)            # (N,) each, packed order
+    else:                                                      # one token a row: N = b
+        token_seq, offsets = torch.arange(len(lens)), torch.zeros(len(lens), dtype=torch.int64)
     N = token_seq.numel()
     packed_starts = torch.cumsum(new_lens, 0) - new_lens       # (b,) first packed token
     positions = context_lens[token_seq] + offsets              # (N,) seq_lens + j
@@ -252,15 +255,16 @@ def query_pieces(new_lens: torch.Tensor, context_lens: torch.Tensor
 def to_device(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """Move a call's host-built int64 metadata to `device` in one copy: packed into one buffer
     (pinned on a GPU, so the copy does not wait for the host), split back into views there."""
-    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in host.values()])
+    flat = torch.cat([t.reshape(-1) for t in host.values()]).to(torch.int64)
     if device.type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
     else:
         flat = flat.to(device)
     out, at = {}, 0
     for key, t in host.items():
-        out[key] = flat[at:at + t.numel()].view(t.shape)
-        at += t.numel()
+        n = t.numel()
+        out[key] = flat[at:at + n] if t.dim() == 1 else flat[at:at + n].view(t.shape)
+        at += n
     return out
 
 
