@@ -30,9 +30,10 @@ How the pieces meet transformers' conventions:
   puts the outputs back in place; zeros at pad positions. A call without padded rows (every
   step of generate after the prompt) moves nothing.
 - One read a step. The mask and position ids live on the GPU, and reading them on the host
-  waits for the GPU to finish the work queued before. The first swapped layer of a model step
-  reads them and the others reuse what it read (`_StepInputs`, kept beside the step's Cache),
-  so a step waits once, not once a layer.
+  waits for the GPU to finish the work queued before. The model's first layer reads them at
+  each step and the other layers reuse what it read (`_StepInputs`, kept beside the step's
+  Cache), so a step waits for those two reads, not for two reads a layer (without a cache,
+  as with `use_cache=False`, each layer reads them).
 
 Shapes: b batch, s new tokens, t cached tokens, h heads, d nope dim, r rope dim, v value dim,
 c kv_lora_rank.
@@ -137,6 +138,7 @@ def swap_attention(model: nn.Module, tier: str, **options: Any) -> nn.Module:
     config = MLAConfig.from_hf(model.config)
     # Build every replacement first: an error in any of them leaves the model as it was.
     swapped = [MLASelfAttention(layer.self_attn, config, tier, options) for layer in layers]
+    swapped[0].opens_step = True           # the first layer of a step reads its inputs anew
     for layer, attention in zip(layers, swapped):
         layer.self_attn = attention
     return model
@@ -185,6 +187,9 @@ class MLASelfAttention(nn.Module):
         object.__setattr__(self, "_original", hf_attention)
         # A paged tier built with num_blocks keeps that pool; without, the pool grows.
         self.fixed_blocks = options.get("num_blocks") if tier == "paged" else None
+        # The model's first layer reads each step's mask and position ids; the others reuse
+        # what it read where they are handed the same inputs (`_step_inputs`).
+        self.opens_step = False
 
     def original(self) -> nn.Module:
         """transformers' attention module, holding this module's current projections."""
@@ -204,7 +209,8 @@ class MLASelfAttention(nn.Module):
         cache = cache if cache is not None else past_key_values
         layer_cache = (MLALayerCache(self) if cache is None        # no cache: this call only
                        else _layer_cache(cache, self))
-        step = _step_inputs(cache, attention_mask, position_ids, b, s, x.device)
+        step = _step_inputs(cache, attention_mask, position_ids, b, s, x.device,
+                            fresh=self.opens_step)
         cached = layer_cache.row_lengths(b)
         step.check_positions(cached, self.layer_idx)
 
@@ -297,10 +303,12 @@ _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _step_inputs(cache: Cache | None, attention_mask: Any, position_ids: Any, b: int, s: int,
-                 device: torch.device) -> _StepInputs:
-    """The step's `_StepInputs`: read by its first layer and shared by the others where a
-    cache ties the step's layers together; read by each call without one."""
-    step = _STEPS.get(cache) if cache is not None else None
+                 device: torch.device, *, fresh: bool) -> _StepInputs:
+    """The step's `_StepInputs`: read anew by the model's first layer (`fresh`) and shared by
+    the others where a cache ties the step's layers together and they are handed the same,
+    unchanged inputs (a guard: a buffer written in place under inference mode, which keeps no
+    versions, is caught by the first layer's fresh read); read by each call without a cache."""
+    step = None if fresh or cache is None else _STEPS.get(cache)
     if step is None or not step.matches(attention_mask, position_ids, b, s, device):
         step = _StepInputs(attention_mask, position_ids, b, s, device)
         if cache is not None:

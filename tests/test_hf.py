@@ -268,6 +268,36 @@ def test_each_step_reads_its_mask_and_positions_once(reference, monkeypatch):
     assert all(step.positions is not None and len(step.checked) == 1 for step in steps)
 
 
+def test_each_step_is_read_anew_from_buffers_written_in_place(reference):
+    """The model's first layer reads every step's inputs anew: a mask and position ids written
+    in place between two calls on one cache, under inference mode (which keeps no version
+    counts), give the second batch's outputs, not the first's."""
+    model, _, _ = reference
+    model = hf.swap_attention(copy.deepcopy(model), "absorbed")
+
+    def inputs(lengths):  # a 4-D mask in eager's format, which transformers passes on as it is
+        batch = prompts(seed=sum(lengths), lengths=lengths)
+        real = batch["attention_mask"].bool()
+        s = real.shape[1]
+        visible = torch.ones(s, s, dtype=torch.bool).tril()[None, None] & real[:, None, None, :]
+        mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)  # (b, 1, s, s)
+        return batch["input_ids"], mask, (real.long().cumsum(-1) - 1).clamp_min(0), real
+
+    (ids_a, mask_a, pos_a, _), (ids_b, mask_b, pos_b, real_b) = inputs([11, 7, 4]), inputs([4, 11, 9])
+    with torch.inference_mode():
+        mask_a, pos_a = mask_a.clone(), pos_a.clone()                     # inference tensors
+        cache = transformers.DynamicCache()
+        model(input_ids=ids_a, attention_mask=mask_a, position_ids=pos_a, past_key_values=cache)
+        cache.reset()
+        mask_a.copy_(mask_b)
+        pos_a.copy_(pos_b)
+        again = model(input_ids=ids_b, attention_mask=mask_a, position_ids=pos_a,
+                      past_key_values=cache).logits
+        fresh = model(input_ids=ids_b, attention_mask=mask_b.clone(), position_ids=pos_b.clone(),
+                      past_key_values=transformers.DynamicCache()).logits
+    assert torch.equal(again[real_b], fresh[real_b])
+
+
 def test_mla_cache_holds_the_latent_only(reference):
     model, batch, ref = reference
     model = hf.swap_attention(copy.deepcopy(model), "paged", block_size=4, num_kv_splits=1)
