@@ -39,27 +39,25 @@ class FakeGPU:
 def test_launch_fitting_steps_down_once_then_remembers(monkeypatch):
     monkeypatch.setattr(launch_module, "_FITTED", {})
     default = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 3}
-    smaller = lambda c: step_down(c, ORDER)  # noqa: E731
     gpu = FakeGPU(fits=32)
-    ran = launch_fitting(gpu, default, ("op", "cuda:0"), smaller)
+    ran = launch_fitting(gpu, default, ("op", "cuda:0"), ORDER)
     assert ran == {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 1} and gpu.ran == [ran] and len(gpu.tried) == 4
     # the same kind of call again: the fitted configuration first, nothing refused
-    assert launch_fitting(gpu, default, ("op", "cuda:0"), smaller) == ran and len(gpu.tried) == 5
+    assert launch_fitting(gpu, default, ("op", "cuda:0"), ORDER) == ran and len(gpu.tried) == 5
     # another key starts from its own default
-    launch_fitting(FakeGPU(fits=1000), default, ("op", "cuda:1"), smaller)
+    launch_fitting(FakeGPU(fits=1000), default, ("op", "cuda:1"), ORDER)
     assert launch_module._FITTED[("op", "cuda:1", tuple(sorted(default.items())))] == default
 
 
 def test_launch_fitting_raises_when_the_smallest_does_not_fit_and_passes_other_errors(monkeypatch):
     monkeypatch.setattr(launch_module, "_FITTED", {})
-    smaller = lambda c: step_down(c, ORDER)  # noqa: E731
     with pytest.raises(triton.runtime.errors.OutOfResources):
-        launch_fitting(FakeGPU(fits=8), {"BLOCK_M": 16, "BLOCK_N": 32, "num_stages": 2}, ("op",), smaller)
+        launch_fitting(FakeGPU(fits=8), {"BLOCK_M": 16, "BLOCK_N": 32, "num_stages": 2}, ("op",), ORDER)
 
     def broken(config):
         raise ValueError("not a shared-memory refusal")
     with pytest.raises(ValueError, match="not a shared-memory refusal"):
-        launch_fitting(broken, {"BLOCK_M": 16, "BLOCK_N": 32, "num_stages": 2}, ("op",), smaller)
+        launch_fitting(broken, {"BLOCK_M": 16, "BLOCK_N": 32, "num_stages": 2}, ("op",), ORDER)
     assert launch_module._FITTED == {}
 
 

@@ -24,7 +24,7 @@ import triton
 from . import fp8
 from .backends import CUDA_TILES, choose_decode_backend, sm_count
 from .constants import LOG2E, MAX_GRID_YZ
-from .launch import launch_fitting, on_the_gpu_of_its_first_tensor, step_down
+from .launch import launch_fitting, on_the_gpu_of_its_first_tensor
 from .triton_decode import (E4M3_HARDWARE, E4M3_INTEGER_OPS, E4M3_INTERPRETER, _mla_decode_merge_kernel,
                             _mla_decode_split_kernel)
 
@@ -276,7 +276,7 @@ def mla_decode(
         launch(config)
     else:
         launch_fitting(launch, config, ("mla_decode", q.device, kind, q.dtype),
-                       functools.partial(step_down, order=_STEP_DOWN))
+                       _STEP_DOWN)
     if num_kv_splits > 1:
         _merge(part_out, part_lse, out_rows, lse_rows)
     return out, lse

@@ -38,19 +38,20 @@ def on_the_gpu_of_its_first_tensor(op):
 
 
 def launch_fitting(launch: Callable[[dict], None], config: dict, key: tuple,
-                   smaller: Callable[[dict], dict | None]) -> dict:
-    """``launch(config)``, or ``launch(smaller(config))`` and so on while the GPU refuses a
-    configuration for its shared memory; returns the configuration that ran. A refused try
-    writes nothing (Triton checks before it launches). ``key`` names the call's kind (its
-    device, sizes and dtypes): the configuration that fits it is remembered, so the steps down
-    are compiled once. ``smaller`` returns None at the smallest, and the refusal is raised."""
+                   order: tuple[tuple[str, int], ...]) -> dict:
+    """``launch(config)``, or the configurations ``step_down`` makes of it in ``order``, one
+    after the other, while the GPU refuses them for their shared memory; returns the
+    configuration that ran. A refused try writes nothing (Triton checks before it launches).
+    ``key`` names the call's kind (its device, sizes and dtypes): the configuration that fits
+    it is remembered, so the steps down are compiled once. Past the smallest, the refusal is
+    raised."""
     key = (*key, tuple(sorted(config.items())))
     config = _FITTED.get(key, config)
     while True:
         try:
             launch(config)
         except triton.runtime.errors.OutOfResources:
-            config = smaller(config)
+            config = step_down(config, order)
             if config is None:
                 raise
             continue

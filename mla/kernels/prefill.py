@@ -14,7 +14,6 @@ Shape letters: b sequences, h heads, d nope dim, r rope dim, v value dim; ``tota
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 import os
@@ -23,7 +22,7 @@ import torch
 import triton
 
 from .constants import LOG2E, MAX_GRID_YZ
-from .launch import launch_fitting, on_the_gpu_of_its_first_tensor, step_down
+from .launch import launch_fitting, on_the_gpu_of_its_first_tensor
 from .triton_prefill import default_prefill_config, mla_prefill_kernel
 
 __all__ = ["mla_prefill", "mla_prefill_reference"]
@@ -262,7 +261,7 @@ def mla_prefill(
         launch(config)
     else:
         launch_fitting(launch, config, (fn, q_nope.device, q_nope_c.dtype, d, r, dv, causal),
-                       functools.partial(step_down, order=_STEP_DOWN))
+                       _STEP_DOWN)
     if out_c is not out:
         out.copy_(out_c)
     return out, lse
