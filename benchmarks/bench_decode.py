@@ -24,7 +24,10 @@ mla_decode picks for it: a CUDA stage 1 where one applies, for bf16 and fp8 alik
 an fp8 cache on Triton (``mla.kernels.backends``' switches off), a one-token fp8 row also times
 the CUDA stage 1 of its heads forced on it (``cuda_fp8_kernel``: "cuda-sm80" at <= 16 heads, "cuda-sm90" above;
 ``cuda_fp8_time_us``, ``cuda_fp8_over_bf16``, ``cuda_fp8_max_rel_err_vs_reference``, or
-``cuda_fp8_error``). ``TARGETS`` are the speeds the fp8_ds_mla cache is held to; the table ends
+``cuda_fp8_error``); while it runs an fp8 cache on a CUDA stage 1 (the switches on, the default),
+the row times the Triton kernel on the same cache beside it (``triton_time_us``,
+``triton_num_kv_splits``, ``triton_max_rel_err_vs_reference``, ``triton_over_bf16_triton``: over
+the bf16 cache on Triton). ``TARGETS`` are the speeds the fp8_ds_mla cache is held to; the table ends
 with each against its row, as information, not an assertion.
 
 Every time is the median of do_bench's loop with L2 cleared before each call by READING a
@@ -251,12 +254,12 @@ def kernel_and_splits(q, kv_cache, block_table, seq_lens, kv_lora_rank, t, num_s
     return kernel, config, splits
 
 
-def triton_splits(q, t, num_sms) -> int:
-    """The split count mla_decode takes for its Triton kernel at these heads and length."""
+def triton_splits(q, t, num_sms, kv_cache_dtype="auto") -> int:
+    """The split count mla_decode takes for its Triton kernel at these heads, length and layout."""
     from mla.kernels.decode import choose_num_kv_splits, default_config
 
     b, h = q.shape[0], q.shape[-2] * (q.shape[1] if q.dim() == 4 else 1)
-    config = default_config(h)
+    config = default_config(h, kv_cache_dtype)
     return choose_num_kv_splits(b, h, t, num_sms, block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
 
 
@@ -343,7 +346,9 @@ def pair_with_bf16(rows: list[dict]) -> list[dict]:
     (b, t, h, s_q), and ``over_bf16_triton``, over that row's time on the Triton kernel
     (``triton_time_us``, or ``time_us`` where Triton is what mla_decode picked), and where a CUDA
     kernel's fp8 path was timed forced (``cuda_fp8``), ``cuda_fp8_over_bf16``; None where a time is
-    missing. Returns ``rows``."""
+    missing; where mla_decode picked a CUDA kernel for the fp8 cache and the Triton kernel was timed
+    beside it, ``triton_over_bf16_triton``, Triton on fp8 over Triton on bf16 (what dequantising
+    costs that kernel). Returns ``rows``."""
     bf16 = {_shape(r): r for r in rows if _layout(r) == "auto"}
     for row in rows:
         if _layout(row) == "auto":
@@ -357,6 +362,9 @@ def pair_with_bf16(rows: list[dict]) -> list[dict]:
         forced = row.get("cuda_fp8_time_us")
         if forced is not None:
             row["cuda_fp8_over_bf16"] = forced / theirs if theirs else None
+        beside = row.get("triton_time_us")  # the Triton kernel on the fp8 cache, beside a CUDA pick
+        if beside is not None:
+            row["triton_over_bf16_triton"] = beside / triton if triton else None
     return rows
 
 
@@ -638,6 +646,9 @@ def fp8_row(kind, b, t, h, s_q, q, caches, block_table, seq_lens, ceilings, num_
     if kernel == "triton" and s_q == 1:
         cuda_fp8(row, "cuda-sm80" if h <= 16 else "cuda-sm90", q, fp8_caches, block_table, seq_lens, scale, t,
                  num_sms)
+    elif kernel != "triton":  # the Triton kernel on this cache beside it, as it runs where no CUDA stage 1 does
+        forced_kernel(row, "triton", "triton", q, fp8_caches, block_table, seq_lens, t, num_sms,
+                      kv_cache_dtype=kind, kv_scale=scale)
     return add_ratios(row)
 
 
@@ -652,10 +663,13 @@ def forced_kernel(row, prefix, kernel, q, caches, block_table, seq_lens, t, num_
     from mla.kernels.decode import choose_num_kv_splits
 
     try:
-        block_h, block_n = CUDA_TILES[kernel]
-        rows = q.shape[1] * q.shape[2] if q.dim() == 4 else q.shape[1]     # s_q x h query rows
-        splits = choose_num_kv_splits(row["b"], rows, t, num_sms, block_h=block_h, block_n=block_n,
-                                      one_wave=kernel == "cuda-sm90")
+        if kernel == "triton":
+            splits = triton_splits(q, t, num_sms, layout.get("kv_cache_dtype", "auto"))
+        else:
+            block_h, block_n = CUDA_TILES[kernel]
+            rows = q.shape[1] * q.shape[2] if q.dim() == 4 else q.shape[1]     # s_q x h query rows
+            splits = choose_num_kv_splits(row["b"], rows, t, num_sms, block_h=block_h, block_n=block_n,
+                                          one_wave=kernel == "cuda-sm90")
         call = decode_call(q, block_table, seq_lens, kernel, splits, **layout)
         out = call(caches[0])[0].float()
         want = reference_out(q, caches[0], block_table, seq_lens, **layout)

@@ -756,12 +756,17 @@ def fp8_decode_section(name: str = "h200-decode.json") -> str:
                 "auto,fp8_e4m3,fp8_ds_mla` times every layout in one run, and this table fills "
                 "in from it.")
     rows.sort(key=lambda r: (r["h"], r["b"] * r["t"], r["b"], r["kv_cache_dtype"]))
+    # the Triton kernel on the fp8 cache beside a CUDA pick, in results that time it
+    beside = ([("Triton: fp8 / bf16", lambda r: f"{r['triton_over_bf16_triton']:.2f}"
+                if r.get("triton_over_bf16_triton") else "-")]
+              if any(r.get("triton_over_bf16_triton") for r in rows) else [])
     return _table(rows, [
         ("b", lambda r: str(r["b"])), ("t", lambda r: f"{r['t']:,}"), ("h", lambda r: str(r["h"])),
         ("cache", lambda r: f"`{r['kv_cache_dtype']}`"),
         ("µs (x floor)", lambda r: f"{r['time_us']:.1f} ({r['time_us'] / r['floor_us']:.2f})"),
         ("x bf16", lambda r: f"**{r['over_bf16']:.2f}**"),
         ("x bf16 on Triton", lambda r: f"{r['over_bf16_triton']:.2f}"),
+        *beside,
     ])
 
 

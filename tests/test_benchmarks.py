@@ -372,6 +372,36 @@ def test_an_fp8_row_forces_the_cuda_kernel_of_its_heads(monkeypatch, torch_write
     assert forced == [(16, "cuda-sm80"), (17, "cuda-sm90"), (128, "cuda-sm90")]
 
 
+def test_an_fp8_row_on_a_cuda_kernel_times_the_triton_kernel_beside_it(monkeypatch, torch_writer):
+    """Where mla_decode picks a CUDA stage 1 for the fp8 cache, the row also times the Triton
+    kernel on that cache (its own split count for the layout), and pairs it with the bf16 row's
+    Triton time."""
+    beside = []
+    monkeypatch.setattr(bd, "kernel_and_splits",
+                        lambda *args, **kwargs: ("cuda-sm80", dict(kernel="cuda-sm80"), 4))
+    monkeypatch.setattr(bd, "forced_kernel", lambda row, prefix, kernel, *args, **layout: beside.append(
+        (prefix, kernel, layout["kv_cache_dtype"])))
+    monkeypatch.setattr(bd, "decode_call",
+                        lambda q, *args, **kwargs: lambda cache: (torch.zeros(q.shape[0], q.shape[-2], bd.C), None))
+    monkeypatch.setattr(bd, "reference_out", lambda q, *args, **kwargs: torch.ones(q.shape[0], q.shape[-2], bd.C))
+    monkeypatch.setattr(timing, "bench_us", lambda fn, **kwargs: 1.0)
+    monkeypatch.setattr(timing, "graphed", lambda fn, inputs: fn)
+    monkeypatch.setattr(timing, "steady_us", lambda fn, inputs, **kwargs: 1.0)
+    monkeypatch.setattr(timing, "rotation_copies", lambda nbytes, most=8: 1)
+    q, caches, table, lens = bd.make_inputs(1, 64, 16, device="cpu")
+    bd.fp8_row("fp8_e4m3", 1, 64, 16, 1, q, caches, table, lens, (4242.0, 690.0), 132,
+               lambda: torch.zeros(1, 16, bd.C))
+    assert beside == [("triton", "triton", "fp8_e4m3")]
+    # the split count is the Triton kernel's for the layout
+    assert bd.triton_splits(q, 4096, 132, "fp8_e4m3") >= 1
+    rows = _fake_result(flashmla=True)["rows"]
+    rows[0]["triton_time_us"] = 30.0
+    fp8 = dict(_fp8_row(1, 32768, 16, "fp8_e4m3", 20.0), config=dict(kernel="cuda-sm80"), triton_time_us=45.0)
+    paired = bd.pair_with_bf16(rows + [fp8])[-1]
+    assert paired["triton_over_bf16_triton"] == pytest.approx(45.0 / 30.0)
+    assert "triton_over_bf16_triton" not in _fake_mixed_rows()[-2]  # no Triton time beside: no ratio
+
+
 def test_the_forced_sm90_query_token_path_says_why_it_did_not_run_on_the_cpu():
     row = dict(b=1, h=16)
     q = torch.zeros(1, 2, 16, bd.D)

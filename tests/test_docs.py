@@ -253,6 +253,28 @@ def test_prefill_tables_read_every_result_schema(monkeypatch):
     assert hooks.prefill_row(1, 4096, 32768) is rows[1]
 
 
+def test_fp8_decode_table_shows_the_triton_kernel_beside_where_timed(monkeypatch):
+    """The fp8 decode table of the fp8 page: each layout's time over the bf16 cache's, and where
+    the result timed the Triton kernel beside a CUDA pick, its own fp8-over-bf16 ratio."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    row = dict(b=64, t=4096, h=16, s_q=1, kv_cache_dtype="fp8_e4m3", time_us=100.0, floor_us=50.0,
+               over_bf16=1.2, over_bf16_triton=0.9)
+    rows = [row, dict(row, kv_cache_dtype="fp8_ds_mla", triton_over_bf16_triton=1.75)]
+    monkeypatch.setattr(hooks, "result", lambda name: {"fp8_rows": rows})
+    lines = [[c.strip() for c in line.strip("|").split("|")] for line in hooks.fp8_decode_section().splitlines()]
+    col = {h: i for i, h in enumerate(lines[0])}
+    by_cache = {line[col["cache"]]: line for line in lines[2:]}
+    assert by_cache["`fp8_e4m3`"][col["x bf16"]] == "**1.20**"
+    assert by_cache["`fp8_e4m3`"][col["Triton: fp8 / bf16"]] == "-"
+    assert by_cache["`fp8_ds_mla`"][col["Triton: fp8 / bf16"]] == "1.75"
+    rows[1].pop("triton_over_bf16_triton")             # a result without it: no such column
+    assert "Triton: fp8 / bf16" not in hooks.fp8_decode_section()
+
+
 # ---- the browser --------------------------------------------------------------------------------
 
 
