@@ -352,11 +352,9 @@ def test_the_forced_cuda_fp8_path_is_timed_beside_the_default_and_paired():
                                           "q is on cpu, not a GPU"
 
 
-def test_an_fp8_row_forces_the_cuda_kernel_of_its_heads(monkeypatch, torch_writer):
-    # while mla_decode runs fp8 on Triton, a one-token row also times the CUDA stage 1 its heads
-    # would take: sm80 at <= 16 heads, sm90 above; no CUDA kernel takes two query tokens
-    forced = []
-    monkeypatch.setattr(bd, "cuda_fp8", lambda row, kernel, *args: forced.append((row["h"], kernel)))
+def _time_nothing(monkeypatch):
+    """fp8_row's GPU parts replaced: the decode call returns zeros, the reference ones, every
+    timing 1 us, one copy of the caches."""
     monkeypatch.setattr(bd, "decode_call",
                         lambda q, *args, **kwargs: lambda cache: (torch.zeros(q.shape[0], q.shape[-2], bd.C), None))
     monkeypatch.setattr(bd, "reference_out", lambda q, *args, **kwargs: torch.ones(q.shape[0], q.shape[-2], bd.C))
@@ -364,6 +362,14 @@ def test_an_fp8_row_forces_the_cuda_kernel_of_its_heads(monkeypatch, torch_write
     monkeypatch.setattr(timing, "graphed", lambda fn, inputs: fn)
     monkeypatch.setattr(timing, "steady_us", lambda fn, inputs, **kwargs: 1.0)
     monkeypatch.setattr(timing, "rotation_copies", lambda nbytes, most=8: 1)
+
+
+def test_an_fp8_row_forces_the_cuda_kernel_of_its_heads(monkeypatch, torch_writer):
+    # while mla_decode runs fp8 on Triton, a one-token row also times the CUDA stage 1 its heads
+    # would take: sm80 at <= 16 heads, sm90 above; no CUDA kernel takes two query tokens
+    forced = []
+    monkeypatch.setattr(bd, "cuda_fp8", lambda row, kernel, *args: forced.append((row["h"], kernel)))
+    _time_nothing(monkeypatch)
     for h, s_q in ((16, 1), (17, 1), (128, 1), (128, 2)):
         q, caches, table, lens = bd.make_inputs(1, 64, h, s_q=s_q, device="cpu")
         row = bd.fp8_row("fp8_ds_mla", 1, 64, h, s_q, q, caches, table, lens, (4242.0, 690.0), 132,
@@ -381,13 +387,7 @@ def test_an_fp8_row_on_a_cuda_kernel_times_the_triton_kernel_beside_it(monkeypat
                         lambda *args, **kwargs: ("cuda-sm80", dict(kernel="cuda-sm80"), 4))
     monkeypatch.setattr(bd, "forced_kernel", lambda row, prefix, kernel, *args, **layout: beside.append(
         (prefix, kernel, layout["kv_cache_dtype"])))
-    monkeypatch.setattr(bd, "decode_call",
-                        lambda q, *args, **kwargs: lambda cache: (torch.zeros(q.shape[0], q.shape[-2], bd.C), None))
-    monkeypatch.setattr(bd, "reference_out", lambda q, *args, **kwargs: torch.ones(q.shape[0], q.shape[-2], bd.C))
-    monkeypatch.setattr(timing, "bench_us", lambda fn, **kwargs: 1.0)
-    monkeypatch.setattr(timing, "graphed", lambda fn, inputs: fn)
-    monkeypatch.setattr(timing, "steady_us", lambda fn, inputs, **kwargs: 1.0)
-    monkeypatch.setattr(timing, "rotation_copies", lambda nbytes, most=8: 1)
+    _time_nothing(monkeypatch)
     q, caches, table, lens = bd.make_inputs(1, 64, 16, device="cpu")
     bd.fp8_row("fp8_e4m3", 1, 64, 16, 1, q, caches, table, lens, (4242.0, 690.0), 132,
                lambda: torch.zeros(1, 16, bd.C))
