@@ -268,6 +268,8 @@ def test_each_step_reads_its_mask_and_positions_once(reference, monkeypatch):
     assert all(step.positions is not None and len(step.checked) == 1 for step in steps)
 
 
+# past_key_values: the name every transformers this package supports takes (newer ones warn)
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 def test_each_step_is_read_anew_from_buffers_written_in_place(reference):
     """The model's first layer reads every step's inputs anew: a mask and position ids written
     in place between two calls on one cache, under inference mode (which keeps no version
@@ -345,6 +347,7 @@ def test_bench_generate_memory_model():
 
 
 @pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 @pytest.mark.parametrize("tier", ["absorbed", "paged"])
 def test_gpu_a_decode_step_waits_for_the_gpu_as_often_with_more_layers(tier):
     """A swapped model's decode step synchronises with the GPU as often with four layers as with
