@@ -1,7 +1,9 @@
 // Reading the fp8 cache layouts in the CUDA decode stage-1 kernels (mla_decode_sm80.cu,
 // mla_decode_sm90.cu): where the parts of a stored row lie, and the device helpers that turn its
-// bytes into values in q's dtype (bf16 / fp16), the values mla/kernels/triton_decode.py computes:
-// e4m3 x scale in float32, rounded once to q's dtype; fp8_ds_mla's bf16 rope values converted.
+// bytes into values in q's dtype (bf16 / fp16): e4m3 x scale in float32, rounded once to q's dtype
+// (the values mla/kernels/triton_decode.py computes; mla_decode_sm90.cu), or the e4m3 values
+// themselves, exactly, with the scale applied elsewhere (mla_decode_sm80.cu); fp8_ds_mla's bf16
+// rope values converted.
 #pragma once
 
 #include "concat_and_cache_mla.h"  // CacheFormat, kDsMlaGroup

@@ -47,7 +47,9 @@
 // version, 254 on sm_80, no spills), the query's fragments stay in registers, and on an
 // H100/H200 (228 KiB of shared memory an SM) two CTAs share an SM, each with a tile in flight
 // while it computes the other (an A100 fits one; GPUs with less than the 103 KiB a block needs,
-// sm_86/89/120, run the Triton kernel). Times on an H200: benchmarks/results/h200-decode.json.
+// sm_86/89/120, run the Triton kernel on a cache in q's dtype; the fp8 shapes' 67-72 KiB fit them,
+// and mla/kernels/backends.py runs them there only when forced). Times on an H200:
+// benchmarks/results/h200-decode.json.
 //
 // One CTA per (head block of 16, sequence, split); kWarps = 4 warps; tiles of kTile = 32
 // tokens, kStages = 2 deep in shared memory (rows padded to 584 values so ldmatrix is free of
@@ -308,6 +310,11 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
   float scale_e4m3 = 1.f;  // fp8_e4m3: the cache's one scale, on the scores and the output
   if constexpr (F == CacheFormat::kFp8E4M3) scale_e4m3 = *kv_scale;
   scale_log2 *= scale_e4m3;
+  // fp8_ds_mla with fp16 q: p x group scale is rounded to fp16, whose subnormals start at 2^-14;
+  // a small group scale (an amax near 0.03) would put it there and lose bits, so it is taken
+  // 2^8 larger, exactly, and the output 2^8 smaller (it overflows only past a scale of 256,
+  // where e4m3 x scale itself passes fp16's 65504 from 146 on). bf16 has float's range.
+  constexpr float kPScale = F == CacheFormat::kFp8DsMla && !std::is_same_v<T, __nv_bfloat16> ? 256.f : 1.f;
   cp_async_wait<kStages - 1>();  // the q group (the oldest) has landed
   __syncthreads();
   uint32_t qf[kQKSteps][4];
@@ -495,13 +502,15 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
           for (int i = 0; i < 4; ++i) rows[i] = raw + (k0 + 2 * c + (i & 1) + (i >> 1) * 8) * kRawStride<F>;
           uint32_t pf[4];  // a0 / a1: head rows g / g + 8 at tokens 2c, 2c + 1; a2 / a3 at 2c + 8, 2c + 9
           if constexpr (F == CacheFormat::kFp8DsMla) {
-            // this warp's dims lie in one latent group: p times each token's scale of it, in
-            // float32, rounded once to T (masked tokens' p is 0, and so their product)
+            // this warp's dims lie in one latent group: p times each token's scale of it (times
+            // kPScale), in float32, rounded once to T (masked tokens' p is 0, and so their product)
             static_assert(kGroup % S::kPVDims == 0, "a warp's p . V dims in one scale group");
             const int group = warp * S::kPVDims / kGroup;
             float sc[4];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) sc[i] = *reinterpret_cast<const float*>(rows[i] + kDsMlaScales + 4 * group);
+            for (int i = 0; i < 4; ++i) {
+              sc[i] = kPScale * *reinterpret_cast<const float*>(rows[i] + kDsMlaScales + 4 * group);
+            }
             const float* pr = pf_s + g * S::kPStride + k0 + 2 * c;
             const float2 p0 = *reinterpret_cast<const float2*>(pr);
             const float2 p1 = *reinterpret_cast<const float2*>(pr + 8 * S::kPStride);
@@ -544,7 +553,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
   __syncthreads();
   const int r = lane >> 2;
   const float l_lo = l_s[r], l_hi = l_s[r + 8];
-  const float inv_lo = l_lo > 0.f ? scale_e4m3 / l_lo : 0.f, inv_hi = l_hi > 0.f ? scale_e4m3 / l_hi : 0.f;
+  const float out_scale = scale_e4m3 / kPScale;  // the cache's one scale; fp16 ds_mla's 2^-8
+  const float inv_lo = l_lo > 0.f ? out_scale / l_lo : 0.f, inv_hi = l_hi > 0.f ? out_scale / l_hi : 0.f;
   const int64_t out_at = b * sob + static_cast<int64_t>(split) * sos;
   auto write = [&](int64_t at, float x, float y) {
     if (final_out) {

@@ -417,6 +417,8 @@ def test_fp8_cache_runs_on_the_cuda_kernel_of_its_heads_by_default(kind, heads, 
         return None
 
     monkeypatch.setattr(backends, "why_backend_cannot_run", can_run)
+    smem = [232448]  # an H100 / H200's shared memory a block
+    monkeypatch.setattr(backends, "_smem_per_block", lambda device: smem[0])
     args = _v3_args(kind, kv_scale=1.0 if kind == "fp8_e4m3" else None)
     q = SimpleNamespace(device=torch.device("cuda"), shape=(1, heads, 576), dtype=torch.bfloat16)
 
@@ -435,6 +437,11 @@ def test_fp8_cache_runs_on_the_cuda_kernel_of_its_heads_by_default(kind, heads, 
     monkeypatch.setattr(backends, other, False)
     monkeypatch.setattr(backends, switch, True)
     assert pick(kv_cache_dtype=kind) == kernel
+    # a GPU of 99 KB a block (sm_86 / 89 / 120) fits the sm_80 kernel's fp8 shapes but not its
+    # bf16 one: fp8 stays on "triton" there unless forced; the sm_90 choice does not ask
+    smem[0] = 101376
+    assert pick(kv_cache_dtype=kind) == ("triton" if kernel == "cuda-sm80" else kernel)
+    assert pick(kv_cache_dtype=kind, backend=kernel) == kernel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,6 +542,9 @@ def _check_against_reference_and_triton(args, backend, splits_list):
         assert out.dtype == args["q"].dtype and lse.dtype == torch.float32
         # as the bf16 CUDA tests: p and out rounded to q's dtype (1e-2 of the output's scale)
         assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
+        if own_scales:  # scores and l in float32 from exact values: lse at float32 rounding
+            seen = ~ref_lse.isinf()
+            assert (lse[seen].cpu() - ref_lse[seen].cpu()).abs().max().item() < 1e-4
         out_t, lse_t = mla_decode(**args, num_kv_splits=splits, _backend="triton")
         _assert_same_kernel_values(out, lse, out_t, lse_t, lse_tol=5e-3 if own_scales else 1e-3)
     for k, v in before.items():

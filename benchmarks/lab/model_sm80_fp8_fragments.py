@@ -232,9 +232,17 @@ def kernel_scores(kind, route, q_bits, raw):
     return red.sum(axis=0)
 
 
+def p_scale_of(kind, dtype):
+    """The kernel's kPScale: fp8_ds_mla with fp16 q takes p x scale 2^8 larger (clear of fp16's
+    subnormals) and the output 2^8 smaller; 1 otherwise."""
+    return 256.0 if kind == "fp8_ds_mla" and dtype == torch.float16 else 1.0
+
+
 def kernel_output(kind, route, p32, raw):
-    """The p . V part: p (16, 32) float32 as the softmax leaves it -> out (16, 512) before 1 / l."""
+    """The p . V part: p (16, 32) float32 as the softmax leaves it -> out (16, 512) before 1 / l
+    (and with fp8_ds_mla's kPScale taken back out, as the kernel's epilogue does)."""
     dtype = DTYPES["bf16" if route == "bf16" else "fp16"]
+    p_scale = p_scale_of(kind, dtype)
     out = np.full((HEADS, C), np.nan)
     written = np.zeros((HEADS, C), dtype=int)
     p_bits = t_bits(p32, dtype)  # p_s in T (fp8_e4m3)
@@ -245,7 +253,8 @@ def kernel_output(kind, route, p32, raw):
             rows = [(k0 + 2 * CC + (i & 1) + (i >> 1) * 8) * raw.stride for i in range(4)]
             if kind == "fp8_ds_mla":
                 group = w * PV_DIMS // GROUP
-                sc = [raw.float32(rows[i] + DS_SCALES + 4 * group, "pv scale").astype(np.float32) for i in range(4)]
+                sc = [np.float32(p_scale) * raw.float32(rows[i] + DS_SCALES + 4 * group, "pv scale").astype(np.float32)
+                      for i in range(4)]
                 p = p32.astype(np.float32)
                 p0 = p[G, k0 + 2 * CC], p[G, k0 + 2 * CC + 1]
                 p1 = p[G + 8, k0 + 2 * CC], p[G + 8, k0 + 2 * CC + 1]
@@ -275,7 +284,7 @@ def kernel_output(kind, route, p32, raw):
                             out[h, at] = acc[4 * q4 + 2 * pair + x, :, k]
                             np.add.at(written, (h, at), 1)
     assert (written == 1).all(), "the epilogue writes every (head, dim) once"
-    return out
+    return out / p_scale
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,7 +303,9 @@ def direct(kind, dtype, q_bits, rows, valid, kv_scale, p32):
         rope_bf16 = rows[:, DS_ROPE: DS_ROPE + 2 * R].copy().view(np.uint16)
         rope = t_values(t_bits(t_values(rope_bf16, torch.bfloat16), dtype), dtype)  # bf16 -> T
         k = np.concatenate([e4 * np.repeat(scale, GROUP, axis=1), rope], axis=1)
-        pq = np.stack([t_values(t_bits(p32[:, :valid].astype(np.float32) * scale[:, g].astype(np.float32), dtype), dtype)
+        p_scale = np.float32(p_scale_of(kind, dtype))
+        pq = np.stack([t_values(t_bits(p32[:, :valid].astype(np.float32) * (p_scale * scale[:, g].astype(np.float32)),
+                                       dtype), dtype) / float(p_scale)
                        for g in range(4)])  # (4 groups, 16, valid)
         o = np.concatenate([pq[g] @ e4[:, g * GROUP:(g + 1) * GROUP] for g in range(4)], axis=1)
     else:
@@ -444,8 +455,10 @@ def check_semantics():
     from tests.test_kernels_decode_fp8 import SM80_LENGTHS, SM90_LENGTHS, make_fp8_case
 
     print("4. fp8_ds_mla on the sm_80 GPU tests' cases: the kernel's arithmetic vs the Triton kernel's")
-    print("   (tests: lse within 1e-3), vs the tests' reference (lse 1e-2; out 1e-2 of its largest |out|")
-    print("   for both), and the kernel's and Triton's vs the exact attention on the dequantised cache")
+    print("   (the tests: lse within 5e-3 for this kernel's ds_mla, 1e-3 for the rest), vs the Triton-")
+    print("   rounded reference (lse 1e-2; out 1e-2 of its largest |out| for both), and the kernel's and")
+    print("   Triton's vs the exact attention on the dequantised cache (the tests' reference for this")
+    print("   kernel's ds_mla: lse within 1e-4)")
     cases = [(f"matches_reference_and_triton[{d}-{h}-{n}]", d, h, n, h + n, SM80_LENGTHS)
              for d in ("bf16", "fp16") for h in (1, 3, 16) for n in (32, 64)]
     cases.append(("reads_a_cache_of_wider_rows[bf16-16-64]", "bf16", 16, 64, 5, SM90_LENGTHS))
@@ -467,7 +480,7 @@ def check_semantics():
         o, lse = {k: np.concatenate(v[0]) for k, v in ways.items()}, {k: np.concatenate(v[1]) for k, v in ways.items()}
         d_lse = lambda a, b: np.abs(lse[a] - lse[b]).max()
         d_out = lambda a, b: np.abs(o[a] - o[b]).max() / np.abs(o[b]).max()  # as assert_close_rows
-        flag = "  <- over 1e-3" if d_lse("kernel", "triton") >= 1e-3 else ""
+        flag = "  <- over 5e-3" if d_lse("kernel", "triton") >= 5e-3 else ""
         print(f"   {name:42s} {d_lse('kernel', 'triton'):13.1e} {d_lse('kernel', 'reference'):8.1e} "
               f"{d_out('kernel', 'triton'):8.1e} {d_out('kernel', 'reference'):8.1e} "
               f"{d_lse('kernel', 'exact'):17.1e} {d_lse('triton', 'exact'):10.1e}{flag}")
