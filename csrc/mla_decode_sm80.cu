@@ -14,13 +14,32 @@
 //
 // It also reads the two fp8 layouts of mla/kernels/fp8.py (kv_cache_dtype "fp8_e4m3": 576
 // e4m3 bytes a row and one float32 scale in a 1-element device tensor; "fp8_ds_mla": 656 bytes,
-// 512 e4m3 values, 4 float32 scales one per 128 values, 64 bf16 rope values). The copies then
-// bring a tile's stored bytes into shared memory, and once they land the CTA dequantises them
-// into the tile in q's dtype that the products read, as the Triton kernel does in registers.
-// fp8_e4m3: the e4m3 values themselves, exact in bf16 and fp16; the cache's one scale multiplies
-// the scores (folded into the softmax scale) and the output instead of every value. fp8_ds_mla:
-// e4m3 x its group's scale in float32, rounded once to q's dtype; the bf16 rope values converted.
-// The products, the softmax and the launch shapes are the same for every layout.
+// 512 e4m3 values, 4 float32 scales one per 128 values, 64 bf16 rope values). The copies bring a
+// tile's stored bytes into shared memory, and each warp builds its mma B fragments from them in
+// registers, a k-step at a time, just before the mma that takes them: no tile in q's dtype, no
+// pass over the tile and no barrier for one. The e4m3 values enter the products as they are
+// (exact in bf16 and fp16, converted without a float round trip: mla_decode_fp8.cuh), and the
+// scales stay out of the values:
+//   fp8_e4m3: the cache's one scale on the scores (folded into the softmax scale) and the output;
+//   fp8_ds_mla: warp dq's partial score over latent group dq times the token's group scale, in
+//   float32, before the rope part (bf16 values, unscaled) is added; in p . V warp w's dims are
+//   latent group w, so it multiplies p by the token's scale of group w in float32 before
+//   rounding p to q's dtype.
+// So on fp8_ds_mla the result is the attention over the dequantised cache with the scales
+// applied in float32 to the scores and the probabilities: closer to the float32 reference on the
+// dequantised cache than rounding e4m3 x scale to q's dtype (the Triton kernel's values), and
+// not bit-identical to the Triton kernel. fp8_e4m3's values are the Triton kernel's.
+//
+// Fragments from stored bytes (mma.m16n8k16: lane = 4 g + c holds B rows k = 2c, 2c + 1 (b0) and
+// 2c + 8, 2c + 9 (b1) of column n = g; A and C as usual). The sum over k is order-free, so within
+// each k-step of 16 dims the kernel lets physical dims 4c .. 4c + 3 play logical k = 2c, 2c + 1,
+// 2c + 8, 2c + 9, in q's A fragments and in K's B fragments alike: one 32-bit load of token g's
+// row gives a lane both of its B registers. In p . V (k = tokens, n = dims) a lane needs one dim
+// of four tokens; there the dim axis is permuted instead: in each run of 32 dims, n-block j's
+// column g is dim 4g + j, so one 32-bit load of a token's dims 4g .. 4g + 3 serves four n-blocks,
+// and a byte permute pairs two tokens' bytes. The output columns come out in that order and the
+// epilogue writes each to its dim. benchmarks/lab/model_sm80_fp8_fragments.py replays these maps
+// lane by lane on the CPU against a direct computation.
 //
 // Why a second kernel: at 16 heads the Triton program holds 255 registers and spills (each warp
 // keeps the whole (16, 576) query and a full tile's operand fragments) and keeps one tile in
@@ -28,7 +47,9 @@
 // version, 254 on sm_80, no spills), the query's fragments stay in registers, and on an
 // H100/H200 (228 KiB of shared memory an SM) two CTAs share an SM, each with a tile in flight
 // while it computes the other (an A100 fits one; GPUs with less than the 103 KiB a block needs,
-// sm_86/89/120, run the Triton kernel). Times on an H200: benchmarks/results/h200-decode.json.
+// sm_86/89/120, run the Triton kernel on a cache in q's dtype; the fp8 shapes' 67-72 KiB fit them,
+// and mla/kernels/backends.py runs them there only when forced). Times on an H200:
+// benchmarks/results/h200-decode.json.
 //
 // One CTA per (head block of 16, sequence, split); kWarps = 4 warps; tiles of kTile = 32
 // tokens, kStages = 2 deep in shared memory (rows padded to 584 values so ldmatrix is free of
@@ -38,8 +59,9 @@
 //
 //   q (16, 576) -> shared -> each warp's fragments of its quarter of the 576 dims (registers)
 //   for each tile of 32 tokens of this split (cp.async, kStages - 1 tiles ahead):
-//     (fp8 cache: the tile's stored bytes -> the one tile in q's dtype, all threads)
 //     warp dq in 0..3: s_part = q[:, dq quarter] . K[:, dq quarter]^T       (16, 32) fp32
+//       (a cache in q's dtype: dims 144 dq .. 144 dq + 143; fp8: latent group dq, dims
+//       128 dq .. 128 dq + 127, and rope dims 512 + 16 dq .. 512 + 16 dq + 15)
 //     s = sum over the 4 quarters (through shared memory) * scale * log2(e); -inf past the split
 //     online softmax, 8 threads a head row: m, l in registers; p (16, 32) and alpha to shared
 //     warp w: acc[:, 128w : 128w + 128] = acc * alpha + p . V[:, 128w : 128w + 128]   (V = K[:, :c])
@@ -87,6 +109,32 @@ constexpr int kStoredRowBytes = stored_row_bytes(F, kC, kR);
 static_assert(kStoredRowBytes<CacheFormat::kFp8E4M3> % 16 == 0 && kStoredRowBytes<CacheFormat::kFp8DsMla> % 16 == 0 &&
                   kDsMlaRope % 16 == 0,
               "stored rows and the rope part come in whole 16-byte copies");
+// The stored rows' stride in shared memory: 592 bytes (148 words) for fp8_e4m3's 576, 656 (164
+// words) for fp8_ds_mla. The fragment loads read 4 bytes of 8 rows at once, at 4 neighbouring
+// words (q . k: rows g, words c), or of 4 rows 2 apart at 8 neighbouring words (p . V: rows 2c,
+// words g): a row stride of 148 or 164 words puts them on 32 different banks (20 g and 4 g mod 32,
+// 8 c for both), where 144 would fold rows g and g + 2 onto the same 4 banks.
+template <CacheFormat F>
+constexpr int kRawStride = F == CacheFormat::kFp8E4M3 ? kStoredRowBytes<F> + 16 : kStoredRowBytes<F>;
+static_assert(kRawStride<CacheFormat::kFp8E4M3> / 4 % 32 == 20 && kRawStride<CacheFormat::kFp8DsMla> / 4 % 32 == 4,
+              "the fragment loads' rows on different banks");
+// On an fp8 cache warp dq's q . k k-steps 0..7 cover latent quarter dq, which is fp8_ds_mla's
+// scale group dq (dims 128 dq .. 128 dq + 127), and its k-step 8 the rope dims 512 + 16 dq ..
+// 512 + 16 dq + 15. fp8_qk_dim: the first dim of k-step ks; within it lane c reads dims
+// 4c .. 4c + 3, logical k = 2c, 2c + 1, 2c + 8, 2c + 9 (the header).
+constexpr int kGroup = static_cast<int>(kDsMlaGroup);  // 128
+constexpr int kQKLatentSteps = kGroup / 16;            // 8
+static_assert(kC == 4 * kGroup && kR == 4 * 16 && kQKLatentSteps + 1 == kQKSteps,
+              "fp8: a warp's q . k is one scale group and one k-step of the rope dims");
+__device__ __forceinline__ int fp8_qk_dim(int dq, int ks) {
+  return ks < kQKLatentSteps ? dq * kGroup + ks * 16 : kC + dq * 16;
+}
+// Byte of a stored row of layout F where value `dim` starts: one byte a value, except
+// fp8_ds_mla's rope part (2-byte bf16 from byte kDsMlaRope).
+template <CacheFormat F>
+__device__ __forceinline__ int fp8_byte(int dim) {
+  return F == CacheFormat::kFp8DsMla && dim >= kC ? kDsMlaRope + 2 * (dim - kC) : dim;
+}
 
 // A launch shape: TILE tokens a step, STAGES tiles in shared memory, WARPS warps a CTA, and
 // MIN_BLOCKS CTAs an SM for __launch_bounds__. Warps split q . k as (WARPS / 4 token groups) x
@@ -116,14 +164,16 @@ struct Shape {
   static constexpr size_t kSmemBytes = STAGES * kTileBytes + kRestBytes;  // a cache in q's dtype
 };
 
-// Shared memory of shape S reading a cache of layout F: the tiles in q's dtype (kStages of them
-// for kAuto; for fp8 the one the products read), q, the partial scores, p, alpha and l; then, for
-// fp8, the kStages tiles of stored bytes the copies fill.
+// Shared memory of shape S reading a cache of layout F: the kStages tiles in q's dtype (kAuto
+// only), q, the partial scores, p (in q's dtype; in float32 on fp8_ds_mla, where each warp scales
+// it before rounding), alpha and l; then, for fp8, the kStages tiles of stored bytes the copies
+// fill (rows kRawStride<F> apart).
 template <typename S, CacheFormat F>
 struct Smem {
-  static constexpr int kTiles = F == CacheFormat::kAuto ? S::kStages : 1;
-  static constexpr size_t kRawOffset = kTiles * S::kTileBytes + S::kRestBytes;
-  static constexpr size_t kBytes = kRawOffset + size_t(S::kStages) * S::kTile * kStoredRowBytes<F>;
+  static constexpr int kTiles = F == CacheFormat::kAuto ? S::kStages : 0;
+  static constexpr int kPBytes = F == CacheFormat::kFp8DsMla ? 4 : 2;  // a p value
+  static constexpr size_t kRawOffset = kTiles * S::kTileBytes + S::kRestBytes + size_t(kHeads) * S::kPStride * (kPBytes - 2);
+  static constexpr size_t kBytes = kRawOffset + size_t(S::kStages) * S::kTile * kRawStride<F>;
   static_assert(kRawOffset % 16 == 0, "cp.async writes the stored bytes in 16-byte pieces");
 };
 
@@ -172,39 +222,6 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Reading fp8 rows: stored bytes -> values in q's dtype (the helpers in mla_decode_fp8.cuh)
-
-// The stored rows of one tile (raw: TILE rows of kStoredRowBytes<F>) -> the tile in q's dtype that
-// the products read (TILE rows of kRowStride values), 8 values (16 bytes of the tile) a thread at a
-// time. fp8_e4m3: every value e4m3 as it is (the kernel applies the cache's scale to the scores
-// and the output). fp8_ds_mla: the latent e4m3 * the float32 scale of its 128-value group (stored
-// in the row), the rope part bf16. Rows at and past `valid` (past the split's end: their copies
-// read nothing) are zeros, as in a tile of a cache in q's dtype.
-template <typename T, CacheFormat F, int TILE, int THREADS>
-__device__ __forceinline__ void dequantize_tile(const unsigned char* raw, T* tile, int valid, int tid) {
-  constexpr int kRowBytes = kStoredRowBytes<F>;
-  static_assert(TILE * kVecsPerRow % THREADS == 0, "the tile's 16-byte pieces split evenly over the threads");
-#pragma unroll 2
-  for (int k = 0; k < TILE * kVecsPerRow / THREADS; ++k) {
-    const int i = tid + k * THREADS;
-    const int row = i / kVecsPerRow, col = (i % kVecsPerRow) * 8;  // values col ... col + 7 of the row
-    const unsigned char* src = raw + row * kRowBytes;
-    uint4 out = make_uint4(0u, 0u, 0u, 0u);
-    if (row < valid) {
-      if (F == CacheFormat::kFp8DsMla && col >= kC) {
-        out = bf16x8_to<T>(*reinterpret_cast<const uint4*>(src + kDsMlaRope + 2 * (col - kC)));
-      } else {
-        const float scale =
-            F == CacheFormat::kFp8E4M3 ? 1.f
-                                       : *reinterpret_cast<const float*>(src + kDsMlaScales + 4 * (col / kDsMlaGroup));
-        out = e4m3x8_to<T>(*reinterpret_cast<const uint2*>(src + col), scale);
-      }
-    }
-    *reinterpret_cast<uint4*>(tile + row * kRowStride + col) = out;
-  }
-}
-
 // T: q's dtype; S: the launch shape; F: the cache's layout; KV: what its rows hold (T, or fp8 bytes).
 template <typename T, typename S, CacheFormat F, typename KV = std::conditional_t<F == CacheFormat::kAuto, T, uint8_t>>
 __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_kernel(
@@ -226,9 +243,11 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
   T* q_s = kv_s + L::kTiles * kTile * kRowStride;                     // (kHeads, kRowStride)
   float* red_s = reinterpret_cast<float*>(q_s + kHeads * kRowStride);  // (4, kHeads, kRedStride)
   T* p_s = reinterpret_cast<T*>(red_s + 4 * kHeads * S::kRedStride);  // (kHeads, kPStride)
-  float* alpha_s = reinterpret_cast<float*>(p_s + kHeads * S::kPStride);  // (kHeads,)
+  float* pf_s = reinterpret_cast<float*>(p_s);  // fp8_ds_mla: p in float32 there instead
+  float* alpha_s = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(p_s) +
+                                            kHeads * S::kPStride * L::kPBytes);  // (kHeads,)
   float* l_s = alpha_s + kHeads;                                      // (kHeads,)
-  unsigned char* raw_s = smem + L::kRawOffset;  // fp8: (kStages, kTile, kStoredRowBytes<F>) stored bytes
+  unsigned char* raw_s = smem + L::kRawOffset;  // fp8: (kStages, kTile, kRawStride<F>) stored rows
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int h0 = blockIdx.x * kHeads;
@@ -267,14 +286,14 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
       }
     } else {
       constexpr int kRowBytes = kStoredRowBytes<F>, kPieces = kTile * kRowBytes / 16;
-      unsigned char* dst = raw_s + stage * kTile * kRowBytes;
+      unsigned char* dst = raw_s + stage * kTile * kRawStride<F>;
 #pragma unroll
       for (int k = 0; k < (kPieces + kThreads - 1) / kThreads; ++k) {
         const int i = tid + k * kThreads;
         if (kPieces % kThreads == 0 || i < kPieces) {
           const int row = i / (kRowBytes / 16), col = (i % (kRowBytes / 16)) * 16;
           const bool ok = tok0 + row < end;
-          cp_async16(smem_addr(dst + row * kRowBytes + col), ok ? src + row * skn + col : kv, ok);
+          cp_async16(smem_addr(dst + row * kRawStride<F> + col), ok ? src + row * skn + col : kv, ok);
         }
       }
     }
@@ -285,18 +304,36 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
     cp_async_commit();
   }
 
-  // ---- this warp's query fragments: dims [dq * 144, dq * 144 + 144), 9 k-steps of 16
+  // ---- this warp's query fragments, 9 k-steps of 16: dims [dq * 144, dq * 144 + 144); on an fp8
+  // cache latent group dq and rope dims 16 dq .. 16 dq + 15, in the permuted k order
   const int tq = warp >> 2, dq = warp & 3;
   float scale_e4m3 = 1.f;  // fp8_e4m3: the cache's one scale, on the scores and the output
   if constexpr (F == CacheFormat::kFp8E4M3) scale_e4m3 = *kv_scale;
   scale_log2 *= scale_e4m3;
+  // fp8_ds_mla with fp16 q: p x group scale is rounded to fp16, whose subnormals start at 2^-14;
+  // a small group scale (an amax near 0.03) would put it there and lose bits, so it is taken
+  // 2^8 larger, exactly, and the output 2^8 smaller (it overflows only past a scale of 256,
+  // where e4m3 x scale itself passes fp16's 65504 from 146 on). bf16 has float's range.
+  constexpr float kPScale = F == CacheFormat::kFp8DsMla && !std::is_same_v<T, __nv_bfloat16> ? 256.f : 1.f;
   cp_async_wait<kStages - 1>();  // the q group (the oldest) has landed
   __syncthreads();
   uint32_t qf[kQKSteps][4];
 #pragma unroll
   for (int ks = 0; ks < kQKSteps; ++ks) {
-    const int k0 = dq * kQKDims + ks * 16;
-    ldmatrix_x4(qf[ks], smem_addr(q_s + (lane & 15) * kRowStride + k0 + ((lane >> 4) << 3)));
+    if constexpr (F == CacheFormat::kAuto) {
+      const int k0 = dq * kQKDims + ks * 16;
+      ldmatrix_x4(qf[ks], smem_addr(q_s + (lane & 15) * kRowStride + k0 + ((lane >> 4) << 3)));
+    } else {
+      // a0 = dims d, d + 1 (logical k 2c, 2c + 1) and a2 = dims d + 2, d + 3 (2c + 8, 2c + 9) of
+      // head row g; a1, a3 the same of row g + 8
+      const int d = fp8_qk_dim(dq, ks) + 4 * (lane & 3);
+      const uint2 lo = *reinterpret_cast<const uint2*>(q_s + (lane >> 2) * kRowStride + d);
+      const uint2 hi = *reinterpret_cast<const uint2*>(q_s + ((lane >> 2) + 8) * kRowStride + d);
+      qf[ks][0] = lo.x;
+      qf[ks][1] = hi.x;
+      qf[ks][2] = lo.y;
+      qf[ks][3] = hi.y;
+    }
   }
 
   // softmax rows: kRowThreads neighbouring lanes a head row, kRowTok tokens each
@@ -315,14 +352,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
       cp_async_commit();
     }
     const T* tile = kv_s + (F == CacheFormat::kAuto ? (t % kStages) * kTile * kRowStride : 0);
+    const unsigned char* raw = raw_s + (t % kStages) * kTile * kRawStride<F>;  // fp8: the stored rows
     const int valid = min(kTile, end - (start + t * kTile));
-    if constexpr (F != CacheFormat::kAuto) {
-      // the landed stored bytes -> the tile in q's dtype (every read of the last one is done:
-      // the barrier above), whole before any warp reads it
-      dequantize_tile<T, F, kTile, kThreads>(raw_s + (t % kStages) * kTile * kStoredRowBytes<F>, kv_s, valid,
-                                             tid);
-      __syncthreads();
-    }
 
     // -- partial scores of this warp: 16 heads x its kQKTok tokens over its 144 dims
     float s[S::kQKN][4];
@@ -330,15 +361,51 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
     for (int j = 0; j < S::kQKN; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < kQKSteps; ++ks) {
-      const int k0 = dq * kQKDims + ks * 16;
+      if constexpr (F == CacheFormat::kAuto) {
+        const int k0 = dq * kQKDims + ks * 16;
 #pragma unroll
-      for (int np = 0; np < S::kQKN / 2; ++np) {
-        const int n0 = tq * S::kQKTok + np * 16;
-        uint32_t kf[4];  // tokens n0 + 0..7 / 8..15 x dims k0 + 0..7 / 8..15
-        ldmatrix_x4(kf, smem_addr(tile + (n0 + (lane & 7) + ((lane >> 4) << 3)) * kRowStride + k0 +
-                                  (((lane >> 3) & 1) << 3)));
-        mma16816<T>(s[2 * np], qf[ks], kf[0], kf[1]);
-        mma16816<T>(s[2 * np + 1], qf[ks], kf[2], kf[3]);
+        for (int np = 0; np < S::kQKN / 2; ++np) {
+          const int n0 = tq * S::kQKTok + np * 16;
+          uint32_t kf[4];  // tokens n0 + 0..7 / 8..15 x dims k0 + 0..7 / 8..15
+          ldmatrix_x4(kf, smem_addr(tile + (n0 + (lane & 7) + ((lane >> 4) << 3)) * kRowStride + k0 +
+                                    (((lane >> 3) & 1) << 3)));
+          mma16816<T>(s[2 * np], qf[ks], kf[0], kf[1]);
+          mma16816<T>(s[2 * np + 1], qf[ks], kf[2], kf[3]);
+        }
+      } else {
+        if (F == CacheFormat::kFp8DsMla && ks == kQKLatentSteps) {
+          // the latent part is whole: times each token's scale of group dq (a zero-filled row's
+          // scale reads 0, its score 0), then the rope part joins unscaled. Columns 2c, 2c + 1
+          // of n-block j are tokens 8j + 2c, 8j + 2c + 1
+#pragma unroll
+          for (int j = 0; j < S::kQKN; ++j) {
+            const unsigned char* at =
+                raw + (tq * S::kQKTok + j * 8 + (lane & 3) * 2) * kRawStride<F> + kDsMlaScales + 4 * dq;
+            const float s0 = *reinterpret_cast<const float*>(at);
+            const float s1 = *reinterpret_cast<const float*>(at + kRawStride<F>);
+            s[j][0] *= s0;
+            s[j][1] *= s1;
+            s[j][2] *= s0;
+            s[j][3] *= s1;
+          }
+        }
+        // lane (g, c): token 8j + g's dims d .. d + 3 = b0 (logical k 2c, 2c + 1), b1 (2c + 8, 2c + 9)
+        const int d = fp8_qk_dim(dq, ks) + 4 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < S::kQKN; ++j) {
+          const unsigned char* row = raw + (tq * S::kQKTok + j * 8 + (lane >> 2)) * kRawStride<F>;
+          uint32_t b0, b1;
+          if (F == CacheFormat::kFp8DsMla && ks == kQKLatentSteps) {  // 4 bf16 rope values
+            const uint2 v = *reinterpret_cast<const uint2*>(row + fp8_byte<F>(d));
+            b0 = bf16x2_to<T>(v.x);
+            b1 = bf16x2_to<T>(v.y);
+          } else {  // 4 e4m3 values
+            const uint32_t v = *reinterpret_cast<const uint32_t*>(row + fp8_byte<F>(d));
+            b0 = e4m3x2_to<T>(v, v, 0, 1);
+            b1 = e4m3x2_to<T>(v, v, 2, 3);
+          }
+          mma16816<T>(s[j], qf[ks], b0, b1);
+        }
       }
     }
     {
@@ -389,7 +456,13 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
       l_row = l_row * alpha + sum;
       m_row = m_new;
 #pragma unroll
-      for (int k = 0; k < S::kRowTok; k += 2) store_pair(p_s + srow * S::kPStride + scol + k, v[k], v[k + 1]);
+      for (int k = 0; k < S::kRowTok; k += 2) {
+        if constexpr (F == CacheFormat::kFp8DsMla) {  // each warp scales and rounds p itself
+          *reinterpret_cast<float2*>(pf_s + srow * S::kPStride + scol + k) = make_float2(v[k], v[k + 1]);
+        } else {
+          store_pair(p_s + srow * S::kPStride + scol + k, v[k], v[k + 1]);
+        }
+      }
       if (tid % S::kRowThreads == 0) alpha_s[srow] = alpha;
     }
     __syncthreads();
@@ -407,17 +480,61 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
 #pragma unroll
       for (int ks = 0; ks < kTile / 16; ++ks) {
         const int k0 = ks * 16;
-        uint32_t pf[4];
-        ldmatrix_x4(pf, smem_addr(p_s + (lane & 15) * S::kPStride + k0 + ((lane >> 4) << 3)));
+        if constexpr (F == CacheFormat::kAuto) {
+          uint32_t pf[4];
+          ldmatrix_x4(pf, smem_addr(p_s + (lane & 15) * S::kPStride + k0 + ((lane >> 4) << 3)));
 #pragma unroll
-        for (int jj = 0; jj < S::kPVDims / 16; ++jj) {
-          const int n0 = warp * S::kPVDims + jj * 16;
-          uint32_t vf[4];  // tokens k0 + 0..7 / 8..15 x dims n0 + 0..7 / 8..15, transposed
-          ldmatrix_x4_trans(vf, smem_addr(tile + (k0 + (lane & 7) + (((lane >> 3) & 1) << 3)) *
-                                                     kRowStride +
-                                                 n0 + ((lane >> 4) << 3)));
-          mma16816<T>(acc[2 * jj], pf, vf[0], vf[1]);
-          mma16816<T>(acc[2 * jj + 1], pf, vf[2], vf[3]);
+          for (int jj = 0; jj < S::kPVDims / 16; ++jj) {
+            const int n0 = warp * S::kPVDims + jj * 16;
+            uint32_t vf[4];  // tokens k0 + 0..7 / 8..15 x dims n0 + 0..7 / 8..15, transposed
+            ldmatrix_x4_trans(vf, smem_addr(tile + (k0 + (lane & 7) + (((lane >> 3) & 1) << 3)) *
+                                                       kRowStride +
+                                                   n0 + ((lane >> 4) << 3)));
+            mma16816<T>(acc[2 * jj], pf, vf[0], vf[1]);
+            mma16816<T>(acc[2 * jj + 1], pf, vf[2], vf[3]);
+          }
+        } else {
+          // lane (g, c) holds V rows k = 2c, 2c + 1 (b0) and 2c + 8, 2c + 9 (b1): the stored rows
+          // of tokens k0 + 2c, k0 + 2c + 1, k0 + 2c + 8, k0 + 2c + 9
+          const int g = lane >> 2, c = lane & 3;
+          const unsigned char* rows[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) rows[i] = raw + (k0 + 2 * c + (i & 1) + (i >> 1) * 8) * kRawStride<F>;
+          uint32_t pf[4];  // a0 / a1: head rows g / g + 8 at tokens 2c, 2c + 1; a2 / a3 at 2c + 8, 2c + 9
+          if constexpr (F == CacheFormat::kFp8DsMla) {
+            // this warp's dims lie in one latent group: p times each token's scale of it (times
+            // kPScale), in float32, rounded once to T (masked tokens' p is 0, and so their product)
+            static_assert(kGroup % S::kPVDims == 0, "a warp's p . V dims in one scale group");
+            const int group = warp * S::kPVDims / kGroup;
+            float sc[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              sc[i] = kPScale * *reinterpret_cast<const float*>(rows[i] + kDsMlaScales + 4 * group);
+            }
+            const float* pr = pf_s + g * S::kPStride + k0 + 2 * c;
+            const float2 p0 = *reinterpret_cast<const float2*>(pr);
+            const float2 p1 = *reinterpret_cast<const float2*>(pr + 8 * S::kPStride);
+            const float2 p2 = *reinterpret_cast<const float2*>(pr + 8);
+            const float2 p3 = *reinterpret_cast<const float2*>(pr + 8 * S::kPStride + 8);
+            pf[0] = pack_pair<T>(p0.x * sc[0], p0.y * sc[1]);
+            pf[1] = pack_pair<T>(p1.x * sc[0], p1.y * sc[1]);
+            pf[2] = pack_pair<T>(p2.x * sc[2], p2.y * sc[3]);
+            pf[3] = pack_pair<T>(p3.x * sc[2], p3.y * sc[3]);
+          } else {
+            ldmatrix_x4(pf, smem_addr(p_s + (lane & 15) * S::kPStride + k0 + ((lane >> 4) << 3)));
+          }
+#pragma unroll
+          for (int q4 = 0; q4 < S::kPVDims / 32; ++q4) {
+            // dims d + 4g .. d + 4g + 3 of the four rows: byte j is n-block 4 q4 + j's column g
+            const int d = warp * S::kPVDims + q4 * 32 + 4 * g;
+            uint32_t v[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) v[i] = *reinterpret_cast<const uint32_t*>(rows[i] + d);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              mma16816<T>(acc[4 * q4 + j], pf, e4m3x2_to<T>(v[0], v[1], j, 4 + j), e4m3x2_to<T>(v[2], v[3], j, 4 + j));
+            }
+          }
         }
       }
     }
@@ -436,7 +553,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
   __syncthreads();
   const int r = lane >> 2;
   const float l_lo = l_s[r], l_hi = l_s[r + 8];
-  const float inv_lo = l_lo > 0.f ? scale_e4m3 / l_lo : 0.f, inv_hi = l_hi > 0.f ? scale_e4m3 / l_hi : 0.f;
+  const float out_scale = scale_e4m3 / kPScale;  // the cache's one scale; fp16 ds_mla's 2^-8
+  const float inv_lo = l_lo > 0.f ? out_scale / l_lo : 0.f, inv_hi = l_hi > 0.f ? out_scale / l_hi : 0.f;
   const int64_t out_at = b * sob + static_cast<int64_t>(split) * sos;
   auto write = [&](int64_t at, float x, float y) {
     if (final_out) {
@@ -445,14 +563,36 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
       *reinterpret_cast<float2*>(static_cast<float*>(part_out) + at) = make_float2(x, y);
     }
   };
+  if constexpr (F == CacheFormat::kAuto) {
 #pragma unroll
-  for (int j = 0; j < S::kPVDims / 8; ++j) {
-    const int col = warp * S::kPVDims + j * 8 + (lane & 3) * 2;
-    if (h0 + r < num_heads) {
-      write(out_at + (h0 + r) * soh + col, acc[j][0] * inv_lo, acc[j][1] * inv_lo);
+    for (int j = 0; j < S::kPVDims / 8; ++j) {
+      const int col = warp * S::kPVDims + j * 8 + (lane & 3) * 2;
+      if (h0 + r < num_heads) {
+        write(out_at + (h0 + r) * soh + col, acc[j][0] * inv_lo, acc[j][1] * inv_lo);
+      }
+      if (h0 + r + 8 < num_heads) {
+        write(out_at + (h0 + r + 8) * soh + col, acc[j][2] * inv_hi, acc[j][3] * inv_hi);
+      }
     }
-    if (h0 + r + 8 < num_heads) {
-      write(out_at + (h0 + r + 8) * soh + col, acc[j][2] * inv_hi, acc[j][3] * inv_hi);
+  } else {
+    // n-block 4 q4 + j's columns 2c, 2c + 1 are dims d + 8c + j, d + 8c + 4 + j (d = the run's
+    // first): lane c holds dims d + 8c .. d + 8c + 7 of its two head rows, written in pairs
+#pragma unroll
+    for (int q4 = 0; q4 < S::kPVDims / 32; ++q4) {
+      const int col = warp * S::kPVDims + q4 * 32 + (lane & 3) * 8;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // head row r (C registers 0, 1), r + 8 (2, 3)
+        const int h = h0 + r + 8 * half;
+        const float inv = half ? inv_hi : inv_lo;
+        if (h < num_heads) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {  // column 2c + e: dims col + 4e + 0..3 = n-blocks j = 0..3
+            const int k = 2 * half + e;
+            write(out_at + h * soh + col + 4 * e, acc[4 * q4][k] * inv, acc[4 * q4 + 1][k] * inv);
+            write(out_at + h * soh + col + 4 * e + 2, acc[4 * q4 + 2][k] * inv, acc[4 * q4 + 3][k] * inv);
+          }
+        }
+      }
     }
   }
 }
@@ -468,17 +608,18 @@ static_assert(DecodeShape::kSmemBytes == 105088,
 // prologue instead (docs/derivations/split-kv.md has the times).
 using WaveShape = Shape<32, 4, 4, 1>;
 static_assert(WaveShape::kSmemBytes == 179840, "the one-wave shape's shared memory");
-// On an fp8 cache the same shapes hold kStages tiles of stored bytes and one tile in q's dtype:
-// less than or a little more than the bf16 shapes, so two CTAs of DecodeShape still share an
-// H100 / H200 SM (228 KiB, 1 KiB of it reserved a CTA) and WaveShape still fits a block.
+// On an fp8 cache the same shapes hold kStages tiles of stored bytes and no tile in q's dtype:
+// about two thirds of the bf16 shapes' shared memory (three CTAs of DecodeShape would fit an
+// H100 / H200 SM's 228 KiB, 1 KiB of it reserved a CTA, but not their registers: 3 x 128 threads
+// leave 170 a thread).
 static_assert(Smem<DecodeShape, CacheFormat::kAuto>::kBytes == DecodeShape::kSmemBytes &&
                   Smem<WaveShape, CacheFormat::kAuto>::kBytes == WaveShape::kSmemBytes,
               "a cache in q's dtype: the shapes' own shared memory");
-static_assert(Smem<DecodeShape, CacheFormat::kFp8E4M3>::kBytes == 104576 &&
-                  Smem<DecodeShape, CacheFormat::kFp8DsMla>::kBytes == 109696,
+static_assert(Smem<DecodeShape, CacheFormat::kFp8E4M3>::kBytes == 68224 &&
+                  Smem<DecodeShape, CacheFormat::kFp8DsMla>::kBytes == 73600,
               "mla/kernels/backends.py's SM80_FP8_SMEM_BYTES must equal these");
-static_assert(Smem<WaveShape, CacheFormat::kFp8E4M3>::kBytes == 141440 &&
-                  Smem<WaveShape, CacheFormat::kFp8DsMla>::kBytes == 151680,
+static_assert(Smem<WaveShape, CacheFormat::kFp8E4M3>::kBytes == 106112 &&
+                  Smem<WaveShape, CacheFormat::kFp8DsMla>::kBytes == 115584,
               "the one-wave shape's shared memory on fp8 caches");
 static_assert(2 * (Smem<DecodeShape, CacheFormat::kFp8DsMla>::kBytes + 1024) <= 228 * 1024,
               "two CTAs an H100 / H200 SM on an fp8_ds_mla cache");

@@ -417,6 +417,8 @@ def test_fp8_cache_runs_on_the_cuda_kernel_of_its_heads_by_default(kind, heads, 
         return None
 
     monkeypatch.setattr(backends, "why_backend_cannot_run", can_run)
+    smem = [232448]  # an H100 / H200's shared memory a block
+    monkeypatch.setattr(backends, "_smem_per_block", lambda device: smem[0])
     args = _v3_args(kind, kv_scale=1.0 if kind == "fp8_e4m3" else None)
     q = SimpleNamespace(device=torch.device("cuda"), shape=(1, heads, 576), dtype=torch.bfloat16)
 
@@ -435,6 +437,11 @@ def test_fp8_cache_runs_on_the_cuda_kernel_of_its_heads_by_default(kind, heads, 
     monkeypatch.setattr(backends, other, False)
     monkeypatch.setattr(backends, switch, True)
     assert pick(kv_cache_dtype=kind) == kernel
+    # a GPU of 99 KB a block (sm_86 / 89 / 120) fits the sm_80 kernel's fp8 shapes but not its
+    # bf16 one: fp8 stays on "triton" there unless forced; the sm_90 choice does not ask
+    smem[0] = 101376
+    assert pick(kv_cache_dtype=kind) == ("triton" if kernel == "cuda-sm80" else kernel)
+    assert pick(kv_cache_dtype=kind, backend=kernel) == kernel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,42 +494,59 @@ def _cuda_case(kind, dtype, heads, block_size, seed, seq_lens=SM80_LENGTHS, row_
     return args
 
 
-def _reference_in_q_dtype(args):
+def _scales_in_float32(kind, backend):
+    """Whether ``backend`` applies the cache's scales to scores and probabilities in float32 and
+    reads the e4m3 values themselves: fp8_e4m3 everywhere (one scale), and fp8_ds_mla in the sm_80
+    kernel (its group scales); the other kernels round e4m3 x group scale to q's dtype."""
+    return kind == "fp8_e4m3" or (kind == "fp8_ds_mla" and backend == "cuda-sm80")
+
+
+def _reference_in_q_dtype(args, backend=None):
     """The float32 reference on the values the kernels' products read: a cache in q's dtype as it
     is; fp8_ds_mla dequantised by mla.kernels.fp8 (value * group scale in float32) and rounded once
-    to q's dtype; fp8_e4m3 dequantised in float32 and not rounded (the kernels read its e4m3
-    values exactly and apply the one scale to the scores and the output in float32)."""
+    to q's dtype; fp8_e4m3, and fp8_ds_mla for a backend that keeps its scales in float32
+    (``_scales_in_float32``), dequantised in float32 and not rounded."""
     kind = args["kv_cache_dtype"]
-    if kind == "fp8_e4m3":  # q in float32 beside the float32 cache: the same values
+    if _scales_in_float32(kind, backend):  # q in float32 beside the float32 cache: the same values
         return mla_decode_reference(**as_auto(dict(args, q=args["q"].float()), dequantised(args)),
                                     compute_dtype=torch.float32)
     cache = args["kv_cache"] if kind == "auto" else dequantised(args).to(args["q"].dtype)
     return mla_decode_reference(**as_auto(args, cache), compute_dtype=torch.float32)
 
 
-def _assert_same_kernel_values(out, lse, out_t, lse_t):
+def _assert_same_kernel_values(out, lse, out_t, lse_t, lse_tol=1e-3):
     """A CUDA stage 1 against triton on the same fp8 cache: the same values in q's dtype (fp8_e4m3's
     scale applied in float32 by both) and the same rounding of p, only the order of the float32
-    sums differs (as for a bf16 cache)."""
+    sums differs (as for a bf16 cache). Where the CUDA kernel keeps fp8_ds_mla's group scales in
+    float32 and Triton rounds e4m3 x scale to q's dtype, their lse differ by that rounding, and
+    the caller passes a wider ``lse_tol``; the tight check is then the one against the float32
+    reference."""
     assert torch.equal(lse.isinf(), lse_t.isinf()) and not lse.isnan().any()
     seen = ~lse_t.isinf()
     if seen.any():
         assert (out[seen].float() - out_t[seen].float()).abs().max() <= 1e-2 * out_t[seen].float().abs().max()
-        assert (lse[seen] - lse_t[seen]).abs().max().item() < 1e-3
+        assert (lse[seen] - lse_t[seen]).abs().max().item() < lse_tol
 
 
 def _check_against_reference_and_triton(args, backend, splits_list):
     """``backend`` on ``args`` at each split count against the reference in q's dtype and against
     the Triton kernel; nothing it was given changed."""
     before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
-    ref_out, ref_lse = _reference_in_q_dtype(args)
+    ref_out, ref_lse = _reference_in_q_dtype(args, backend)
+    # Triton rounds fp8_ds_mla's e4m3 x scale to q's dtype: up to ~2.4e-3 in lse from a kernel
+    # that keeps the scale in float32 (benchmarks/lab/model_sm80_fp8_fragments.py's replay of
+    # these cases)
+    own_scales = args["kv_cache_dtype"] == "fp8_ds_mla" and _scales_in_float32("fp8_ds_mla", backend)
     for splits in splits_list:
         out, lse = mla_decode(**args, num_kv_splits=splits, _backend=backend)
         assert out.dtype == args["q"].dtype and lse.dtype == torch.float32
         # as the bf16 CUDA tests: p and out rounded to q's dtype (1e-2 of the output's scale)
         assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
+        if own_scales:  # scores and l in float32 from exact values: lse at float32 rounding
+            seen = ~ref_lse.isinf()
+            assert (lse[seen].cpu() - ref_lse[seen].cpu()).abs().max().item() < 1e-4
         out_t, lse_t = mla_decode(**args, num_kv_splits=splits, _backend="triton")
-        _assert_same_kernel_values(out, lse, out_t, lse_t)
+        _assert_same_kernel_values(out, lse, out_t, lse_t, lse_tol=5e-3 if own_scales else 1e-3)
     for k, v in before.items():
         assert same_bytes(args[k], v)
 
@@ -564,7 +588,7 @@ def _check_op_writes_every_partial(args, backend, splits_list):
     rows = q.shape[-2] * (q.shape[1] if q.dim() == 4 else 1)  # s_q·h (token, head) pairs
     tokens = {"q_tokens": q.shape[1]} if q.dim() == 4 else {}
     op = {"cuda-sm80": torch.ops.mla.mla_decode_sm80, "cuda-sm90": torch.ops.mla.mla_decode_sm90}[backend]
-    ref_out, ref_lse = (t.reshape(b, rows, *t.shape[q.dim() - 1:]) for t in _reference_in_q_dtype(args))
+    ref_out, ref_lse = (t.reshape(b, rows, *t.shape[q.dim() - 1:]) for t in _reference_in_q_dtype(args, backend))
     for splits in splits_list:
         dtype = q.dtype if splits == 1 else torch.float32  # one split: out itself, in q's dtype
         part_out = torch.full((b, rows, splits, 512), float("nan"), device="cuda", dtype=dtype)

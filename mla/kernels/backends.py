@@ -10,7 +10,9 @@ same partials, which the Triton merge combines (with one split, each writes the 
   case), c = 512, r = 64, bf16 / fp16 q, pages of a multiple of 32 rows. Its fragments are
   loaded a k-step at a time, so nothing spills and two programs share an H100 / H200 SM. It
   reads caches in q's dtype and both fp8 layouts (``kv_cache_dtype="fp8_e4m3"``,
-  ``"fp8_ds_mla"``), dequantising each tile into q's dtype in shared memory.
+  ``"fp8_ds_mla"``), the stored bytes straight into its mma fragments, fp8_ds_mla's group scales
+  applied in float32 to the scores and p. Its fp8 shapes fit GPUs of 99 KB of shared memory a
+  block, where the bf16 one does not; there fp8 caches run on ``"triton"`` unless forced.
 - ``"cuda-sm90"``: ``csrc/mla_decode_sm90.cu``, Hopper's warpgroup MMA (compute capability 9.0).
   Any heads, 64 a program (the compute-bound case), c = 512, r = 64, bf16 / fp16 q, pages of a
   multiple of 64 rows; one 64-token tile load serves both products. It reads caches in q's dtype
@@ -62,7 +64,7 @@ CUDA_LATENT = (512, 64)  # (c, r) both CUDA kernels are built for
 # static_assert there), and on each fp8 layout: the sm_80 kernel's Smem<DecodeShape, F>::kBytes;
 # the wgmma kernel's kSmemBytes for every layout (it stages the stored bytes in its tile buffers)
 CUDA_SMEM_BYTES = {"cuda-sm80": 105_088, "cuda-sm90": 231_712}
-SM80_FP8_SMEM_BYTES = {"fp8_e4m3": 104_576, "fp8_ds_mla": 109_696}
+SM80_FP8_SMEM_BYTES = {"fp8_e4m3": 68_224, "fp8_ds_mla": 73_600}
 SM90_FP8_SMEM_BYTES = dict.fromkeys(("fp8_e4m3", "fp8_ds_mla"), CUDA_SMEM_BYTES["cuda-sm90"])
 # Whether an fp8 cache runs on "cuda-sm80" by default (<= 16 heads), and on "cuda-sm90" (more
 # heads), rather than on "triton" (module docstring)
@@ -82,6 +84,12 @@ def sm_count(device: torch.device | str) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return _CPU_SM_COUNT
+
+
+def _smem_per_block(device) -> int:
+    """The shared memory a block may opt in to on this GPU, in bytes."""
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
 
 
 def why_backend_cannot_run(backend, q, kv_cache, block_table, seq_lens, kv_lora_rank,
@@ -112,8 +120,7 @@ def why_backend_cannot_run(backend, q, kv_cache, block_table, seq_lens, kv_lora_
         return f"the GPU's compute capability is {capability[0]}.{capability[1]}, not 9.0 (wgmma)"
     if capability < (8, 0):
         return "the GPU's compute capability is below 8.0 (mma.sync, cp.async)"
-    props = torch.cuda.get_device_properties(q.device)
-    smem = getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
+    smem = _smem_per_block(q.device)
     fp8_smem = SM90_FP8_SMEM_BYTES if sm90 else SM80_FP8_SMEM_BYTES
     need = fp8_smem[kind] if kind != "auto" else CUDA_SMEM_BYTES[backend]
     if smem < need:
@@ -186,6 +193,11 @@ def choose_decode_backend(
     if backend is None and fp8_cache and not reads_fp8:
         return "triton"
     why_not = why_backend_cannot_run(kernel, q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_cache_dtype)
+    if why_not is None and backend is None and fp8_cache and kernel == "cuda-sm80" \
+            and _smem_per_block(q.device) < CUDA_SMEM_BYTES["cuda-sm80"]:
+        # GPUs of 99 KB a block (sm_86, sm_89, sm_120) fit the fp8 shapes but not the bf16 one;
+        # the fp8 path has run only where both fit (H100 / H200), so elsewhere it is opt-in
+        return "triton"
     if why_not is None:
         return kernel
     if backend is not None:

@@ -108,9 +108,10 @@ def mla_decode(
             starting at a multiple of 4 bytes. The Triton kernel converts fp8 rows to q's dtype
             in registers for the dots: e4m3 values exactly, with ``kv_scale`` applied to the
             scores and the output; ds_mla values times their group's scale in float32, rounded
-            once (exact for float32 q). The CUDA stage-1 kernels (``"cuda-sm80"``,
-            ``"cuda-sm90"``) compute the same values into a tile in q's dtype in shared memory,
-            and run fp8 caches by default where they apply (``mla.kernels.backends``).
+            once (exact for float32 q). ``"cuda-sm90"`` computes the same values into its tiles
+            in shared memory; ``"cuda-sm80"`` reads the e4m3 values exactly into its mma
+            fragments and applies ds_mla's group scales in float32 to the scores and p. Both run
+            fp8 caches by default where they apply (``mla.kernels.backends``).
         kv_scale: ``"fp8_e4m3"`` only (None otherwise): the cache's one scale, a float or a
             1-element float32 tensor on q's device or the CPU, finite and at least 2^-126
             (``mla.kernels.fp8.check_e4m3_scale``). A GPU tensor's value is checked where seq_lens
