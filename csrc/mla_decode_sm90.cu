@@ -35,11 +35,15 @@
 // values, 4 float32 scales one per 128 values, 64 bf16 rope values), with the same schedule. Their
 // block groups are copied by cp.async instead of TMA, the stored bytes staged inside the group's
 // own blocks, and the warpgroup that copies a group turns it into the swizzled layout in q's dtype
-// there before it completes the group's mbarrier (load_fp8_blocks), with the values of the Triton
+// there before it completes the group's mbarrier (finish_fp8_blocks), with the values of the Triton
 // kernel: fp8_e4m3's e4m3 values as they are (exact in bf16 and fp16; the cache's one scale is
 // folded into the softmax scale and the output), fp8_ds_mla's e4m3 x its group's scale in float32
-// rounded once to q's dtype and its bf16 rope values converted. The
-// warpgroup waits for the copy's latency there; the products and the softmax do not change.
+// rounded once to q's dtype and its bf16 rope values converted. A group's copies are issued where
+// a TMA copy would be and finished (waited for, converted, the mbarrier completed) later, so the
+// copies' latency and the conversion overlap other work: warpgroup 0 converts the next A's blocks
+// 0-3 while its P_B . V_B runs and the next B's while the next A's last scores run; warpgroup 1
+// has both of its groups in flight at once and finishes the next A's first, which warpgroup 0's
+// next S waits for. The products and the softmax do not change.
 //
 // Several new tokens a sequence (s_q = 2..8, speculative decoding): q is (b, s_q·h, 576), its rows
 // (token, head) pairs token-major, packed into the 64-row tiles as heads are (the Triton kernel's
@@ -105,7 +109,7 @@ static_assert(kSmemBytes == 231712,
 // fp8_ds_mla's stored row (mla_decode_fp8.cuh): four float32 scales from byte kDsMlaScales, the bf16
 // rope values from byte kDsMlaRope
 constexpr int kDsMlaScales = ds_mla_scales(kC), kDsMlaRope = ds_mla_rope(kC);
-// An fp8 cache's stored bytes are staged in the tile buffers themselves (load_fp8_blocks), so every
+// An fp8 cache's stored bytes are staged in the tile buffers themselves (issue_fp8_blocks), so every
 // layout needs kSmemBytes (mla/kernels/backends.py's SM90_FP8_SMEM_BYTES), within the 227 KiB a
 // block may have: a block group's 64 rows of 256 latent bytes fill the even 16-byte chunks of its
 // four blocks, fp8_ds_mla's 16 bytes of scales a row one odd chunk, the rope part (64 e4m3 bytes or
@@ -134,6 +138,10 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool p
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// wait until at most N of this thread's newest commit groups are still in flight (every older one
+// has landed)
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 // order shared-memory writes this thread has made or observed (its st.shared; copies seen landed
 // through an mbarrier or a barrier) before its later wgmma reads (the async proxy)
 __device__ __forceinline__ void fence_async_shared() {
@@ -304,41 +312,65 @@ __device__ __forceinline__ uint32_t pack(float x, float y, __half) {
 // for chunk 1 of the group's first block, which holds the row's four fp8_ds_mla scales. The thread
 // that converts a piece reads it, then writes both chunks, so no piece is written over before it
 // is read. fp8_ds_mla's bf16 rope values are copied to their place and, for fp16 q, converted
-// there. Each thread copies with cp.async and waits for its own copies; then
+// there.
+//
+// A group loads in two halves, so that its copies' latency passes while the warpgroup does other
+// work. issue_fp8_blocks: each thread's cp.async copies of the group, one commit group (empty for
+// a tile past the split's end). finish_fp8_blocks, later, by the same warpgroup: each thread waits
+// until at most Pending of its newer commit groups are outstanding (this group's copies landed), then
 //   barrier (every copy landed) -> [fp8_ds_mla: scales to registers -> barrier (every scale read
 //   before its chunk is written)] -> convert -> fence.proxy.async -> barrier -> one arrive,
 // so a reader that waits on the mbarrier and fences (scores) sees whole blocks in T, as after a TMA
-// copy, and the warpgroup's own later reads (its P . V) follow the last barrier. It waits on
-// nothing but its own copies: it adds no dependence between the warpgroups.
-template <typename T, CacheFormat F, int J0>
-__device__ __forceinline__ void load_fp8_blocks(unsigned char* blocks, const uint8_t* rows, int64_t skn, int valid,
-                                                int wtid, int wg, uint32_t bar) {
-  constexpr bool ds_mla = F == CacheFormat::kFp8DsMla, with_rope = J0 == kLoBlocks;  // block 8: the second group
-  auto sync_warpgroup = [wg] {
-    if (wg == 0) bar_sync_wg<5>(); else bar_sync_wg<6>();
-  };
-  const uint32_t blocks_s = smem_u32(blocks);
+// copy, and the warpgroup's own later reads (its P . V) follow the last barrier. Between the two
+// halves the group's blocks belong to the copies: nothing reads them (their mbarrier has not
+// completed), and the warpgroup may run anything that does not touch them, its own wgmma on
+// other blocks included. Each half waits on nothing but the thread's own copies and its own
+// warpgroup: it adds no dependence between the warpgroups.
+
+// Where thread wtid of a warpgroup copies and converts group J0's pieces; both halves derive them
+// from wtid (a few integer operations) rather than hold them in registers in between.
+template <int J0>
+struct Fp8Places {
   // the group's four latent blocks: rows lat_row + 8i (i < 8), piece lat_piece of the 16 a row
   // (block lat_piece / 4, chunks 2p and 2p + 1 with p = lat_piece % 4, at lat_at and lat_at ^ 16).
   // A warp takes two rows whole; the 8 lanes of a 16-byte access two rows (lat_row's lowest bit)
   // of one block, 8 different chunks: no bank conflicts
-  const int lat_row = (wtid & 1) | ((wtid >> 5) << 1), lat_piece = (wtid >> 1) & 15;
-  const uint32_t lat_at = (lat_piece >> 2) * kBlockBytes + lat_row * 128 + (((2 * (lat_piece & 3)) ^ lat_row) << 4);
-  const int lat_byte = J0 * 64 + 16 * lat_piece;  // in the stored row
+  int lat_row, lat_piece;
+  uint32_t lat_at;
+  int lat_byte;  // in the stored row
   // fp8_ds_mla: a row's scales on chunk 1 of the group's first block; lat_piece's is that of its 128 values
-  const uint32_t scale_at = lat_row * 128 + ((1 ^ lat_row) << 4) + 4 * (J0 / 2 + (lat_piece >> 3));
+  uint32_t scale_at;
   // the rope block (8): fp8_e4m3, piece e_piece of rows e_row + 32i (i < 2); fp8_ds_mla, the 8
   // bf16 values of chunk b_chunk of rows b_row + 16i (i < 4)
-  const int e_row = (wtid & 1) | ((wtid >> 3) << 1), e_piece = (wtid >> 1) & 3;
-  const uint32_t e_at = 4 * kBlockBytes + e_row * 128 + (((2 * e_piece) ^ (e_row & 7)) << 4);
-  const int b_row = wtid >> 3, b_chunk = wtid & 7;
-  const uint32_t b_at = 4 * kBlockBytes + b_row * 128 + ((b_chunk ^ (b_row & 7)) << 4);
+  int e_row, e_piece;
+  uint32_t e_at;
+  int b_row, b_chunk;
+  uint32_t b_at;
+  __device__ __forceinline__ explicit Fp8Places(int wtid)
+      : lat_row((wtid & 1) | ((wtid >> 5) << 1)),
+        lat_piece((wtid >> 1) & 15),
+        lat_at((lat_piece >> 2) * kBlockBytes + lat_row * 128 + (((2 * (lat_piece & 3)) ^ lat_row) << 4)),
+        lat_byte(J0 * 64 + 16 * lat_piece),
+        scale_at(lat_row * 128 + ((1 ^ lat_row) << 4) + 4 * (J0 / 2 + (lat_piece >> 3))),
+        e_row((wtid & 1) | ((wtid >> 3) << 1)),
+        e_piece((wtid >> 1) & 3),
+        e_at(4 * kBlockBytes + e_row * 128 + (((2 * e_piece) ^ (e_row & 7)) << 4)),
+        b_row(wtid >> 3),
+        b_chunk(wtid & 7),
+        b_at(4 * kBlockBytes + b_row * 128 + ((b_chunk ^ (b_row & 7)) << 4)) {}
+};
 
-  // -- the stored bytes of the rows before the split's end
+// the first half: the stored bytes of the rows before the split's end, one commit group
+template <CacheFormat F, int J0>
+__device__ __forceinline__ void issue_fp8_blocks(unsigned char* blocks, const uint8_t* rows, int64_t skn, int valid,
+                                                 int wtid) {
+  constexpr bool ds_mla = F == CacheFormat::kFp8DsMla, with_rope = J0 == kLoBlocks;  // block 8: the second group
+  const Fp8Places<J0> at(wtid);
+  const uint32_t blocks_s = smem_u32(blocks);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int r = lat_row + 8 * i;
-    if (r < valid) cp_async16(blocks_s + lat_at + 1024 * i, rows + r * skn + lat_byte, true);
+    const int r = at.lat_row + 8 * i;
+    if (r < valid) cp_async16(blocks_s + at.lat_at + 1024 * i, rows + r * skn + at.lat_byte, true);
   }
   if constexpr (ds_mla) {
     if (wtid < min(valid, kN)) {
@@ -348,56 +380,68 @@ __device__ __forceinline__ void load_fp8_blocks(unsigned char* blocks, const uin
   if constexpr (with_rope && ds_mla) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int r = b_row + 16 * i;
-      if (r < valid) cp_async16(blocks_s + b_at + 2048 * i, rows + r * skn + kDsMlaRope + 16 * b_chunk, true);
+      const int r = at.b_row + 16 * i;
+      if (r < valid) cp_async16(blocks_s + at.b_at + 2048 * i, rows + r * skn + kDsMlaRope + 16 * at.b_chunk, true);
     }
   } else if constexpr (with_rope) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int r = e_row + 32 * i;
-      if (r < valid) cp_async16(blocks_s + e_at + 4096 * i, rows + r * skn + kC + 16 * e_piece, true);
+      const int r = at.e_row + 32 * i;
+      if (r < valid) cp_async16(blocks_s + at.e_at + 4096 * i, rows + r * skn + kC + 16 * at.e_piece, true);
     }
   }
   cp_async_commit();
-  cp_async_wait_all();
+}
+
+// the second half: the copies landed -> the group's blocks in T -> the mbarrier (Pending: how many
+// of this thread's commit groups, issued after this group's, may still be in flight)
+template <typename T, CacheFormat F, int J0, int Pending>
+__device__ __forceinline__ void finish_fp8_blocks(unsigned char* blocks, int valid, int wtid, int wg, uint32_t bar) {
+  constexpr bool ds_mla = F == CacheFormat::kFp8DsMla, with_rope = J0 == kLoBlocks;
+  auto sync_warpgroup = [wg] {
+    if (wg == 0) bar_sync_wg<5>(); else bar_sync_wg<6>();
+  };
+  const Fp8Places<J0> at(wtid);
+  cp_async_wait_group<Pending>();
   sync_warpgroup();
 
-  // -- e4m3 x scale in float32, rounded once to T (the piece at `at` -> chunks at, at ^ 16); zeros
+  // -- e4m3 x scale in float32, rounded once to T (the piece at piece_at -> chunks piece_at,
+  // piece_at ^ 16); zeros
   // for a row past the split's end
-  auto convert = [&](uint32_t at, bool stored, float scale) {
+  auto convert = [&](uint32_t piece_at, bool stored, float scale) {
     uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
     if (stored) {
-      const uint4 v = *reinterpret_cast<const uint4*>(blocks + at);
+      const uint4 v = *reinterpret_cast<const uint4*>(blocks + piece_at);
       lo = e4m3x8_to<T>(make_uint2(v.x, v.y), scale);
       hi = e4m3x8_to<T>(make_uint2(v.z, v.w), scale);
     }
-    *reinterpret_cast<uint4*>(blocks + at) = lo;
-    *reinterpret_cast<uint4*>(blocks + (at ^ 16)) = hi;
+    *reinterpret_cast<uint4*>(blocks + piece_at) = lo;
+    *reinterpret_cast<uint4*>(blocks + (piece_at ^ 16)) = hi;
   };
   float lat_scale[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     lat_scale[i] = 1.f;  // fp8_e4m3: the values as they are
-    if (ds_mla && lat_row + 8 * i < valid) {
-      lat_scale[i] = *reinterpret_cast<const float*>(blocks + scale_at + 1024 * i);
+    if (ds_mla && at.lat_row + 8 * i < valid) {
+      lat_scale[i] = *reinterpret_cast<const float*>(blocks + at.scale_at + 1024 * i);
     }
   }
   if constexpr (ds_mla) sync_warpgroup();
 #pragma unroll
-  for (int i = 0; i < 8; ++i) convert(lat_at + 1024 * i, lat_row + 8 * i < valid, lat_scale[i]);
+  for (int i = 0; i < 8; ++i) convert(at.lat_at + 1024 * i, at.lat_row + 8 * i < valid, lat_scale[i]);
   if constexpr (with_rope && ds_mla) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      uint4* at = reinterpret_cast<uint4*>(blocks + b_at + 2048 * i);
-      if (b_row + 16 * i >= valid) {
-        *at = make_uint4(0u, 0u, 0u, 0u);
+      uint4* rope = reinterpret_cast<uint4*>(blocks + at.b_at + 2048 * i);
+      if (at.b_row + 16 * i >= valid) {
+        *rope = make_uint4(0u, 0u, 0u, 0u);
       } else if constexpr (!kIsBf16<T>) {
-        *at = bf16x8_to<T>(*at);
+        *rope = bf16x8_to<T>(*rope);
       }
     }
   } else if constexpr (with_rope) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) convert(e_at + 4096 * i, e_row + 32 * i < valid, 1.f);
+    for (int i = 0; i < 2; ++i) convert(at.e_at + 4096 * i, at.e_row + 32 * i < valid, 1.f);
   }
   fence_async_shared();  // the converted blocks, visible to wgmma ...
   sync_warpgroup();      // ... everyone's
@@ -471,13 +515,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   scale_log2 *= e4m3_scale;
 
   // ---- blocks [J0, J1) of tile t -> buffer buf, by this warpgroup, completing the group's
-  // mbarrier. A whole tile: one thread has the TMA unit copy the group (the swizzle done in
-  // hardware, nothing for the other threads to issue). A partial one (the sequence's last) or
-  // none (t >= n_tiles): the 128 threads copy it with cp.async, rows past the split's end zeros
+  // mbarrier once they land. A whole tile: one thread has the TMA unit copy the group (the swizzle
+  // done in hardware, nothing for the other threads to issue). A partial one (the sequence's last)
+  // or none (t >= n_tiles): the 128 threads copy it with cp.async, rows past the split's end zeros
   // (a page's unused rows may hold anything, NaN included, and P . V must not read them). A
   // thread copies 16-byte chunk ld_chunk of rows ld_row + 16k (k < 4) of each block: all four
   // rows share row % 8, so their swizzled place is one per-thread offset (plus 2048 k). An fp8
-  // cache: load_fp8_blocks, for every tile.
+  // cache, every tile: issue_fp8_blocks here, and the mbarrier completes only in finish_blocks.
   const int* bt_row = block_table + b * sbb;
   const int ld_row = wtid >> 3, ld_chunk = wtid & 7;
   const uint32_t ld_dst = ld_row * 128 + ((ld_chunk ^ (ld_row & 7)) << 4);
@@ -490,8 +534,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     if constexpr (F != CacheFormat::kAuto) {
       const KV* rows = kv;  // the tile's first stored row (not read when valid <= 0)
       if (valid > 0) rows += int64_t(bt_row[tok0 / page_size]) * skp + int64_t(tok0 % page_size) * skn;
-      load_fp8_blocks<T, F, j0>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes, rows, skn, valid, wtid,
-                                wg, bar(buf, j0));
+      issue_fp8_blocks<F, j0>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes, rows, skn, valid, wtid);
     } else {
       if (valid >= kN) {
         if (wtid == 0) {
@@ -516,6 +559,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       cp_async_arrive(bar(buf, j0));
       if (wg == 0) bar_sync_wg<5>(); else bar_sync_wg<6>();  // every thread's count is on the mbarrier ...
       if (wtid == 0) mbar_arrive(bar(buf, j0));  // ... then the phase's one arrival
+    }
+  };
+  // ---- an fp8 cache: the group load_blocks(buf, t, J0, ...) started, landed (at most Pending of
+  // this thread's commit groups issued after it still in flight) -> q's dtype -> its mbarrier
+  // (finish_fp8_blocks). A cache in T: nothing (its copies complete the mbarrier themselves).
+  auto finish_blocks = [&](int buf, int t, auto J0, auto Pending) {
+    if constexpr (F != CacheFormat::kAuto) {
+      constexpr int j0 = decltype(J0)::value;
+      finish_fp8_blocks<T, F, j0, decltype(Pending)::value>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes,
+                                                             end - (start + t * kN), wtid, wg, bar(buf, j0));
     }
   };
   // ---- S (+)= q . K^T over blocks [J0, J1) of buffer buf (4 k-steps of 16 each), each block
@@ -659,6 +712,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   const std::integral_constant<int, 0> kZero;
   const std::integral_constant<int, kLoBlocks> kLo;
   const std::integral_constant<int, kBlocks> kAll;
+  // how many commit groups issued after an fp8 group may still be in flight when it is finished
+  const std::integral_constant<int, 0> kNoneAfter;
+  const std::integral_constant<int, 1> kOneAfter;
 
   // ---- set-up: the mbarriers, m = -inf; q (all threads) and the first two tiles
   if (tid == 0) {
@@ -676,14 +732,21 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       cp_async16(q_s + swizzled(r, v), ok ? q + b * sqb + (h0 + r) * sqh + v * 8 : q, ok);
     }
     cp_async_commit();
+    // each warpgroup its block group of tiles 0 and 1; an fp8 cache's two groups in flight
+    // together (and with q's), then finished in the order issued
     if (wg == 0) {
       load_blocks(0, 0, kZero, kLo);
       load_blocks(1, 1, kZero, kLo);
+      finish_blocks(0, 0, kZero, kOneAfter);
+      finish_blocks(1, 1, kZero, kNoneAfter);
     } else {
       load_blocks(0, 0, kLo, kAll);
       load_blocks(1, 1, kLo, kAll);
+      finish_blocks(0, 0, kLo, kOneAfter);
+      finish_blocks(1, 1, kLo, kNoneAfter);
     }
-    cp_async_wait_all();   // q landed (the tiles' copies are in no group) ...
+    // q landed (a cache in T: the tiles' copies are in no group; fp8: landed, finished above) ...
+    cp_async_wait_all();
     fence_async_shared();  // ... visible to wgmma ...
   }
   __syncthreads();         // ... everyone's
@@ -700,6 +763,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     wgmma_wait<0>();
     pin(s);
   }
+  // An fp8 cache's four block groups a pair, each issued once every wgmma that reads its blocks
+  // has completed in both warpgroups (what a TMA copy waits for) and finished where its copies
+  // have had time to land, before its first reader's mbarrier wait. What waits for what: the
+  // next S_A (warpgroup 0) waits on buffer 0's groups, blocks 4-8 from warpgroup 1; the next S_B
+  // (warpgroup 1) on buffer 1's, blocks 0-3 from warpgroup 0, which finishes them after its own
+  // wait on buffer 0's blocks 4-8; warpgroup 1's softmax waits for m_A, from S_A (kBarScaleA).
+  // So S_A's inputs are the critical path: warpgroup 1 finishes buffer 0's group before its own.
   for (int p = 0; p < n_pairs; ++p) {
     const int tile_a = 2 * p;
     const bool more = tile_a + 2 < n_tiles;  // a next pair: its tiles load into these buffers
@@ -749,12 +819,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       for (int ks = 0; ks < 4; ++ks) mma_o_smem<T>(o, desc_k(pb_s + ks * 32), v_desc(1, ks));
       wgmma_commit();
       if (more) {
+        // fp8: the next A's blocks 0-3 converted while P_B . V_B runs (it reads P_B and buffer 1)
+        finish_blocks(0, tile_a + 2, kZero, kNoneAfter);
         // -- S of the next A: blocks 0-3 (loaded first), then buffer 1's blocks 0-3 are free
         // (V_B's left half) for the next B, then blocks 4-8 (loaded by warpgroup 1)
         scores(s, 0, next_parity, kZero, kLo);
         wgmma_wait<1>();
         load_blocks(1, tile_a + 3, kZero, kLo);
         scores(s, 0, next_parity, kLo, kAll);
+        // fp8: the next B's blocks 0-3 converted while those scores run (buffer 0 and q)
+        finish_blocks(1, tile_a + 3, kZero, kNoneAfter);
       }
       wgmma_wait<0>();
       pin(o);
@@ -800,6 +874,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       pin(o);
       if (more) {
         load_blocks(0, tile_a + 2, kLo, kAll);
+        // fp8: the next A's group first (the newest: waiting for it waits for the next B's too),
+        // warpgroup 0's next S waiting on it; then the next B's, which only this warpgroup reads
+        finish_blocks(0, tile_a + 2, kLo, kNoneAfter);
+        finish_blocks(1, tile_a + 3, kLo, kNoneAfter);
         scores(s, 1, next_parity, kZero, kAll);  // S of the next B
         wgmma_wait<0>();
         pin(s);
