@@ -2,6 +2,7 @@
 for byte against the reference's IEEE quotient: every input it can, the dangerous ones else.
 
     PYTHONPATH=. python3 benchmarks/lab/model_concat_division.py      (about 25 s on one core)
+    PYTHONPATH=. python3 benchmarks/lab/model_concat_division.py --near   (check 9 too: minutes)
 
 The kernels ("fp8" and "fp8_ds_mla") store e4m3(satfinite(q)) for each value x and its scale s,
 every NaN as 0x7F, where q is computed from one correctly rounded reciprocal r a scale:
@@ -9,7 +10,7 @@ every NaN as 0x7F, where q is computed from one correctly rounded reciprocal r a
     fast path, s in [S_MIN, S_MAX] (read from the .cu):
         r  = RN(1 / s)                     __frcp_rn, once a thread ("fp8") or a group (ds_mla)
         q0 = RN(x * r)
-        e  = RN(q0 * s - x)                fmaf(q0, s, -x): exact where it matters
+        e  = RN(q0 * s - x)                fmaf(q0, s, -x): rounded where it needs > 24 bits
         q1 = RN(q0 - e * r)                fmaf(-e, r, q0)
         q  = q0 if q0 is +-inf else q1     (x * r overflowed, or x is +-inf: saturates)
     any other s (NaN and inf too):   q = RN(x / s)   the IEEE division
@@ -385,6 +386,43 @@ def float32_inputs(rng: np.random.Generator, s: float) -> np.ndarray:
     return np.concatenate([boundary_inputs(s), random_inputs(rng, s, 40000)])
 
 
+def check_near_rounding_points(t: int, reach: int = 32) -> tuple[int, int]:
+    """(mismatches, pairs): for every scale mantissa 2^t x odd (t = 0..3 covers every mantissa
+    up to a factor of 2^4 of odd ones) and every x mantissa whose quotient lies within ``reach``
+    units of a float32 rounding boundary (a midpoint between two floats), q == RN(x / s) bit for
+    bit. The remainder e may be rounded (q0 can be 1.5 ulp from x / s), so exactness rests on
+    q1's error staying below the distance to the nearest boundary: these are the x where it
+    would not. x and s in [1, 2); powers of two carry it elsewhere, as in check 3."""
+    odd = np.arange((1 << (23 - t)) + 1, 1 << (24 - t), 2, dtype=np.uint64)   # s = 2^t odd / 2^23
+    half = (odd + np.uint64(1)) // np.uint64(2)                              # 2^-1 mod odd
+
+    def inverse_power(m):
+        acc = np.ones_like(odd)
+        for _ in range(m):
+            acc = (acc * half) % odd
+        return acc
+
+    pairs = bad = 0
+    for shift, below_one in ((25 - t, True), (24 - t, False)):
+        ip = inverse_power(shift)
+        for d in (*range(1, reach + 1), *range(-reach, 0)):
+            x0 = ((np.int64(d) % odd.astype(np.int64)).astype(np.uint64) * ip) % odd  # x 2^shift = d mod odd
+            for j in range(2 ** (t + 1) + 3):
+                xm = x0 + np.uint64(j) * odd
+                ok = (xm >= (1 << 23)) & (xm < (1 << 24)) & (
+                    (xm < (odd << np.uint64(t))) if below_one else (xm >= (odd << np.uint64(t))))
+                x = (xm[ok].astype(np.float64) * 2.0**-23).astype(F32)
+                sc = (odd[ok].astype(np.float64) * 2.0 ** (t - 23)).astype(F32)
+                r = (F32(1) / sc).astype(F32)
+                with np.errstate(all="ignore"):
+                    q0 = mul32(x, r)
+                    q1 = fma32(-fma32(q0, sc, -x), r, q0)
+                q = np.where(np.isinf(q0), q0, q1)
+                pairs += x.size
+                bad += int((bits(q) != bits((x / sc).astype(F32))).sum())
+    return bad, pairs
+
+
 def main() -> int:
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
@@ -427,6 +465,10 @@ def main() -> int:
            f"({harmless} both tiny or saturated)")
     bad, n = check_ds_mla(rng)
     report("6. fp8.quantize_ds_mla's groups, its scales: bytes", bad, f"{n:,} values")
+    if "--near" in sys.argv:  # a few minutes more
+        for t in range(4):
+            bad, n = check_near_rounding_points(t)
+            report(f"9. x within 32 units of a rounding point, s = 2^{t} odd: q bits", bad, f"{n:,} pairs")
 
     # ---- what the checks catch (information: each of these should be far from 0)
     finite = [s for s in scales if math.isfinite(s)]
