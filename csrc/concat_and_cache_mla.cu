@@ -22,10 +22,11 @@
 // one, and streaming cache hints (ld/st.global.cs) cost 5%
 // (benchmarks/lab/results/h200-concat-probe.json, benchmarks/results/h200-concat.json).
 //
-// q is a bit copy (kv_cache_dtype "auto") or e4m3(clamp(x / scale, -448, 448)) ("fp8"): the
-// division is IEEE (no fast-math), and __NV_SATFINITE clamps to +-448 while keeping NaN as NaN,
-// which is what torch's clamp followed by a cast to float8_e4m3fn does; every NaN is stored as
-// 0x7F, whatever its sign.
+// q is a bit copy (kv_cache_dtype "auto") or e4m3(clamp(x / scale, -448, 448)) ("fp8"), bit for
+// bit torch's IEEE quotient, clamp and cast to float8_e4m3fn; every NaN is stored as 0x7F,
+// whatever its sign. The quotient takes one product and two FMAs from the scale's correctly
+// rounded reciprocal, not a division a value, and the bytes are rounded two at a time (divide
+// and store_e4m3 below say how, and why the bytes are the reference's).
 //
 // kv_cache_dtype "fp8_ds_mla" (FlashMLA's 656-byte token) has a kernel of its own below,
 // concat_and_cache_ds_mla_kernel: its group scales need a reduction over 128 values before any
@@ -61,12 +62,97 @@ struct CopyBits {
   using cache_t = bits_t;
   CopyBits() = default;
   __device__ explicit CopyBits(const float*) {}
-  __device__ bits_t operator()(bits_t x) const { return x; }
+  template <int N>  // dst: N values, aligned as Vec<bits_t, N>
+  __device__ void store(bits_t* dst, const Vec<bits_t, N>& x) const {
+    *reinterpret_cast<Vec<bits_t, N>*>(dst) = x;
+  }
 };
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// ---- x / scale and its e4m3 byte, for both fp8 writers ------------------------------------------
+//
+// The reference stores e4m3(clamp(RN(x / s), -448, 448)): an IEEE quotient, then e4m3's rounding.
+// An IEEE division a value costs a reciprocal estimate, Newton steps, a range check and a call to
+// a slow path; here one correctly rounded reciprocal r = RN(1 / s) serves every value of a scale
+// and each quotient is one product and two FMAs (Markstein's correction):
+//
+//   q0 = RN(x r)            within 1.5 ulp of x / s (r itself is rounded)
+//   e  = RN(q0 s - x)       the remainder, rounded when it needs more than 24 bits
+//   q1 = RN(q0 - e r)       = RN(x / s)
+//
+// For s in [kReciprocalMin, kReciprocalMax] = [2^-64, 2^126] this stores the reference's byte
+// for every float x. Not by Markstein's theorem: q0 is not always within an ulp, so the
+// remainder is not always exact. q1 still lands on RN(x / s) because its error stays well below
+// the distance from x / s to the nearest float32 rounding boundary (about 8 units of the last
+// place of the remainder, against boundaries no closer than that; a bound, not a proof), and
+// that is checked, not assumed: the model below tests every x within 32 units of a rounding
+// boundary for every scale mantissa, besides whole mantissa sweeps. There r is a normal float,
+// and an x whose quotient can round to a nonzero e4m3 value (|x / s| >= 2^-10) is at least 2^-74
+// in size, so no step underflows for it; a smaller quotient can come out an ulp off, but it is
+// stored as a zero of x's sign either way. e is q0 s - x rather
+// than x - q0 s so that x = -0 gives e = +0 and q1 = -e r + q0 = -0, as the reference's -0 / s.
+// Where x r overflows (or x is +-inf) q0 is +-inf and the reference's quotient is past 448
+// too: q0 is taken, as q1 would be inf - inf = NaN. Other scales divide: below 2^-64 the
+// remainder of a tiny x can lose bits (fp8_ds_mla's groups of tiny values make such scales),
+// above 2^126 r is subnormal, and NaN or inf (fp8_ds_mla's spoiled groups) need the division's
+// rules. benchmarks/lab/model_concat_division.py replays these float32 steps exactly on the CPU
+// against torch's quotient, clamp and cast: every float32 x mantissa against 48 scale mantissas
+// (q bit for bit), every bf16 and fp16 input and float32 inputs beside every e4m3 rounding
+// boundary against 82 scales, and fp8.quantize_ds_mla's groups: not one byte differs, and no
+// quotient differs but tiny or saturated ones. Without the guard, scales outside it do differ.
+constexpr float kReciprocalMin = 0x1p-64f;
+constexpr float kReciprocalMax = 0x1p126f;
+
+// Whether x / s may take divide(x, s, RN(1 / s)); false for NaN.
+__device__ __forceinline__ bool reciprocal_divides(float s) {
+  return s >= kReciprocalMin && s <= kReciprocalMax;
+}
+
+// RN(x / s) as the stored byte sees it, from r = RN(1 / s) (__frcp_rn): see above.
+__device__ __forceinline__ float divide(float x, float s, float r) {
+  const float q0 = __fmul_rn(x, r);
+  const float e = __fmaf_rn(q0, s, -x);   // q0 s - x (rounded only where q1 does not care)
+  const float q1 = __fmaf_rn(-e, r, q0);  // q0 - e / s
+  return isinf(q0) ? q0 : q1;
+}
+
+// Packed e4m3 bytes with each NaN byte's sign cleared: 0xFF -> 0x7F. A byte whose low 7 bits are
+// all ones is a NaN (satfinite's largest finite byte is 0x7E); adding 1 to its low 7 bits carries
+// into bit 7, and never past it, so the sum marks exactly the NaN bytes.
+__device__ __forceinline__ uint32_t nan_as_0x7f(uint32_t bytes) {
+  const uint32_t nan = ((bytes & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+  return bytes & ~nan;
+}
+
+// Quotients to e4m3 bytes: round to nearest even, saturate to +-448 (inf too), as torch's clamp
+// and cast, every NaN as 0x7F. cvt.rn.satfinite.e4m3x2.f32 (sm_89+; cuda_fp8.h's software
+// rounding before) rounds two at a time and keeps a NaN as an e4m3 NaN of either sign, so the
+// sign is cleared afterwards on the packed word.
+//
+// v[0..3] -> one word, v[0] in its low byte (the first in memory)
+__device__ __forceinline__ uint32_t e4m3x4(const float* v) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0], v[1]), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2], v[3]), __NV_SATFINITE, __NV_E4M3);
+  return nan_as_0x7f(lo | (hi << 16));
+}
+
+// N quotients stored as N bytes at dst (aligned as N bytes); N is 1 or a multiple of 4.
+template <int N>
+__device__ __forceinline__ void store_e4m3(__nv_fp8_storage_t* dst, const float (&v)[N]) {
+  if constexpr (N % 4 == 0) {
+    Vec<uint32_t, N / 4> words;
+#pragma unroll
+    for (int k = 0; k < N / 4; ++k) words.v[k] = e4m3x4(v + 4 * k);
+    *reinterpret_cast<Vec<uint32_t, N / 4>*>(dst) = words;
+  } else {
+    static_assert(N == 1, "store_e4m3 takes 1 value or a multiple of 4");
+    *dst = static_cast<__nv_fp8_storage_t>(
+        nan_as_0x7f(__nv_cvt_float_to_fp8(v[0], __NV_SATFINITE, __NV_E4M3)));
+  }
+}
 
 // q for kv_cache_dtype "fp8": e4m3(clamp(x / scale, -448, 448)), round to nearest even.
 template <typename input_t>
@@ -76,9 +162,18 @@ struct QuantizeE4M3 {
   float scale;
   QuantizeE4M3() = default;
   __device__ explicit QuantizeE4M3(const float* scale_ptr) : scale(*scale_ptr) {}
-  __device__ cache_t operator()(in_t x) const {
-    const float v = to_float(x) / scale;  // a NaN as 0x7F, the positive quiet NaN, as on the CPU
-    return isnan(v) ? cache_t{0x7F} : __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+  template <int N>  // dst: N bytes, aligned as N bytes
+  __device__ void store(cache_t* dst, const Vec<in_t, N>& x) const {
+    float v[N];
+    if (reciprocal_divides(scale)) {  // one scale for the cache: every thread takes one branch
+      const float r = __frcp_rn(scale);
+#pragma unroll
+      for (int t = 0; t < N; ++t) v[t] = divide(to_float(x.v[t]), scale, r);
+    } else {
+#pragma unroll
+      for (int t = 0; t < N; ++t) v[t] = to_float(x.v[t]) / scale;
+    }
+    store_e4m3(dst, v);
   }
 };
 
@@ -95,7 +190,6 @@ __global__ void concat_and_cache_mla_kernel(
     // strides (elements)
     int64_t stride_kv_c, int64_t stride_k_pe) {
   using in_vec = Vec<typename Q::in_t, VEC>;
-  using cache_vec = Vec<typename Q::cache_t, VEC>;
 
   // ---- which (token, vector) this thread moves: block (x, y) = (vector, row), grid (rows, vectors)
   const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -122,10 +216,7 @@ __global__ void concat_and_cache_mla_kernel(
   if (slot < 0 || slot >= num_slots) return;
 
   // ---- quantise (or copy) and store into the contiguous cache row of this slot
-  cache_vec y;
-#pragma unroll
-  for (int t = 0; t < VEC; ++t) y.v[t] = q(x.v[t]);
-  *reinterpret_cast<cache_vec*>(kv_cache + slot * (kv_lora_rank + rope_dim) + e) = y;
+  q.store(kv_cache + slot * (kv_lora_rank + rope_dim) + e, x);
 }
 
 // ---- fp8_ds_mla: one warp a token ------------------------------------------------------------
@@ -234,19 +325,25 @@ __global__ void concat_and_cache_ds_mla_kernel(
     if (isnan(scale)) scale = __int_as_float(0x7fc00000);  // the positive quiet NaN, as on the CPU
     if (!active) continue;
 
-    Vec<uint8_t, kDsMlaValuesPerLane> q;
+    float v[kDsMlaValuesPerLane];
+    if (reciprocal_divides(scale)) {  // all but groups of tiny values, NaN or inf: see divide
+      const float rcp = __frcp_rn(scale);
 #pragma unroll
-    for (int t = 0; t < kDsMlaValuesPerLane; ++t) {
-      const float v = x[t] / scale;
-      q.v[t] = isnan(v) ? uint8_t{0x7F} : __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+      for (int t = 0; t < kDsMlaValuesPerLane; ++t) v[t] = divide(x[t], scale, rcp);
+    } else {
+#pragma unroll
+      for (int t = 0; t < kDsMlaValuesPerLane; ++t) v[t] = x[t] / scale;
     }
     uint8_t* scale_dst = row + c + 4 * (e / kDsMlaGroup);
     if constexpr (VEC_OUT) {
-      *reinterpret_cast<Vec<uint8_t, kDsMlaValuesPerLane>*>(row + e) = q;
+      store_e4m3(row + e, v);
       if (lane % 8 == 0) *reinterpret_cast<float*>(scale_dst) = scale;
     } else {
 #pragma unroll
-      for (int t = 0; t < kDsMlaValuesPerLane; ++t) row[e + t] = q.v[t];
+      for (int k = 0; k < kDsMlaValuesPerLane / 4; ++k) {
+        const uint32_t word = e4m3x4(v + 4 * k);
+        for (int t = 0; t < 4; ++t) row[e + 4 * k + t] = static_cast<uint8_t>(word >> (8 * t));
+      }
       if (lane % 8 == 0) {
         const uint32_t bits = __float_as_uint(scale);
         for (int k = 0; k < 4; ++k) scale_dst[k] = static_cast<uint8_t>(bits >> (8 * k));

@@ -666,11 +666,13 @@ SWEEP_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_gp
 
 
 @pytest.mark.parametrize("device", SWEEP_DEVICES)
-@pytest.mark.parametrize("scale", [1.0, 0.3, 2.0**-12])
+@pytest.mark.parametrize("scale", [1.0, 0.3, 2.0**-12, 2.0**-100, 0.7 * 2.0**-64, 2.0**-64, 2.0**126, 2.0**127])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fp8_e4m3_every_input_bit_for_bit(ext, device, dtype, scale):
     """1: each value meets the e4m3 rounding as it is; 0.3: an IEEE quotient first; 2^-12: most
-    values past 448 (saturated) and fp16's subnormals in e4m3's range."""
+    values past 448 (saturated) and fp16's subnormals in e4m3's range. The CUDA writer divides by
+    a reciprocal for scales in [2^-64, 2^126] and by IEEE division outside: 2^-64 and 2^126 are
+    the edges of the one, 2^-100, 0.7 x 2^-64 and 2^127 inside the other."""
     rows = _as_rows(sweep_values(dtype), 512 + 64)
     ours = _check_sweep(rows[:, :512], rows[:, 512:], 576, FP8, device, kv_cache_dtype="fp8_e4m3",
                         scale=torch.tensor([scale], device=device))
