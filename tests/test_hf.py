@@ -348,31 +348,33 @@ def test_bench_generate_memory_model():
 
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
-@pytest.mark.parametrize("tier", ["absorbed", "paged"])
-def test_gpu_a_decode_step_waits_for_the_gpu_as_often_with_more_layers(tier):
-    """A swapped model's decode step synchronises with the GPU as often with four layers as with
-    two: the step's mask and positions are read once, by its first layer, and the tiers read
-    nothing back (the paged tier writes its cache through the compiled op)."""
+def test_gpu_a_paged_decode_step_waits_for_the_gpu_as_often_with_more_layers():
+    """A decode step of a model with the paged tier swapped in synchronises with the GPU as
+    often with four layers as with two: the step's mask and position ids are read once, by its
+    first layer, and the tier reads nothing back (its cache written through the compiled op).
+    The second decode step is counted: the first may allocate pinned memory, which syncs."""
     from benchmarks.bench_prefill import count_syncs
     from mla.kernels.extension import extension_available
 
-    if tier == "paged" and not extension_available(torch.device("cuda")):
+    if not extension_available(torch.device("cuda")):
         pytest.skip("the paged tier's torch cache write reads the slot range (a sync a layer)")
     cfg = mla.MLAConfig.from_preset("tiny")
     syncs = []
     for layers in (2, 4):
         model = hf.random_model(cfg, num_layers=layers, vocab_size=128, moe=False,
                                 dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
-        hf.swap_attention(model, tier)
+        hf.swap_attention(model, "paged")
         batch = {k: v.cuda() for k, v in prompts().items()}
-        cache = transformers.DynamicCache()
+        mask, cache = batch["attention_mask"], transformers.DynamicCache()
         with torch.no_grad():
             logits = model(**batch, past_key_values=cache,
-                           position_ids=(batch["attention_mask"].cumsum(-1) - 1).clamp_min(0)).logits
-            step = dict(input_ids=logits[:, -1:].argmax(-1),
-                        attention_mask=torch.cat([batch["attention_mask"],
-                                                  batch["attention_mask"][:, -1:]], 1),
-                        position_ids=batch["attention_mask"].sum(1, keepdim=True),
-                        past_key_values=cache)
-            syncs.append(count_syncs(lambda: model(**step)))
-    assert syncs[0] == syncs[1], syncs
+                           position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
+            for _ in range(2):
+                step = dict(input_ids=logits[:, -1:].argmax(-1), past_key_values=cache,
+                            position_ids=mask.sum(1, keepdim=True),
+                            attention_mask=(mask := torch.cat([mask, mask[:, -1:]], 1)))
+                out = {}
+                count = count_syncs(lambda: out.update(logits=model(**step).logits))
+                logits = out["logits"]
+        syncs.append(count)
+    assert syncs[0] == syncs[1] <= 4, syncs

@@ -74,8 +74,8 @@ def bench(paged, b: int, context: int, sizes: list[int], budget_s: float) -> lis
             _, prefill_rows = paged._plan(cache, seq_ids, torch.full((b,), s), seq_ids * s).prefill[0]
             try:
                 with torch.no_grad():
-                    row[key] = 1e-3 * mean_us(lambda: paged.attend_prefill(path, q_nope, q_pe,
-                                                                          cache.kv_cache, prefill_rows),
+                    row[key] = 1e-3 * mean_us(lambda: paged.attend_prefill(path, q_nope, q_pe, cache,
+                                                                          prefill_rows),
                                               reps, warmup=1)
             except torch.cuda.OutOfMemoryError:
                 row[key + "_error"] = "out of memory"
