@@ -505,10 +505,14 @@ def test_every_door_holds_a_bad_e4m3_scale_to_one_rule(door):
 @pytest.mark.parametrize("kind", KINDS)
 def test_gpu_bf16_fp8_tier_over_the_dequantised_cache_and_within_the_bound(kind, monkeypatch):
     """V2-Lite sizes in bf16, the CUDA writer, contexts of several workspace chunks: the fp8 tier
-    against the same tier on a bf16 cache of the rounded values (the same bf16 values reach the
-    kernels), and against the float32 naive tier within FP8_BOUND. The decode reads fp8_e4m3's
-    values exactly and scales the scores in float32, so the scale is calibrated to a power of two
-    here, where e4m3 x scale is exact in bf16 too."""
+    against the same tier on a bf16 cache of the rounded values, and against the float32 naive
+    tier within FP8_BOUND. The decode reads fp8_e4m3's values exactly and scales the scores in
+    float32, so the scale is calibrated to a power of two here, where e4m3 x scale is exact in
+    bf16 too: the same values reach the kernels (2e-3). fp8_ds_mla's decode rows at these 16
+    heads run on the sm_80 kernel, which multiplies the scores and p by the group scales in
+    float32 rather than rounding e4m3 x scale to bf16: its values differ from the rounded
+    cache's by up to one bf16 rounding, 2^-9 relative, so that comparison allows three of them
+    (6e-3; measured 4.8e-3 on an H100)."""
     if kind == "fp8_e4m3":
         calibrate = fp8.calibrate_e4m3_scale
         monkeypatch.setattr(fp8, "calibrate_e4m3_scale",
@@ -534,7 +538,7 @@ def test_gpu_bf16_fp8_tier_over_the_dequantised_cache_and_within_the_bound(kind,
             out = fp8_layer(x.bfloat16(), p_cache, lengths)
             exact = exact_layer(x.bfloat16(), e_cache, lengths)
         assert torch.isfinite(out).all()
-        assert rel(out, exact) < 2e-3, lengths
+        assert rel(out, exact) < (2e-3 if kind == "fp8_e4m3" else 3 * 2.0**-9), lengths
         assert rel(out, ref) < FP8_BOUND, lengths
 
 
