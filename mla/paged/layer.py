@@ -80,11 +80,13 @@ PREFILL_MODES = ("auto", *PREFILL_PATHS)
 # Rows with at least this many new tokens attend in MHA mode (up-projected) under
 # prefill="auto"; shorter ones in MQA mode (absorbed). The FLOP model
 # (mla.memory.prefill_crossover) puts the break-even at 168 new tokens over 4096 cached ones
-# (V3 sizes); benchmarks/lab/results/h200-prefill-crossover.json holds the timing behind 64 (one
-# sequence over 4096 cached tokens, bf16, H200: absorbed faster up to s = 32, up-projected from
-# s = 64), taken with both paths in plain torch. benchmarks/lab/prefill_crossover.py measures it
-# with the kernels both modes run on.
-PREFILL_CROSSOVER = 64
+# (V3 sizes). Timed with the kernels both modes run on (benchmarks/lab/prefill_crossover.py,
+# benchmarks/lab/results/nvidia-h100-80gb-hbm3-prefill-crossover.json: 4096 cached tokens, bf16,
+# H100), MQA mode stays faster up to 512 new tokens for one sequence (MHA from 1024) and up to
+# 128 for four (MHA from 256): both modes' times follow the call's new tokens in all, which a
+# per-row threshold cannot see. 512 keeps a lone row of up to 511 tokens absorbed (up to 3x
+# faster there) and costs a batch of four 256-token rows 13% (2.74 ms against 2.42).
+PREFILL_CROSSOVER = 512
 
 
 def joint_query(w: MLAWeights, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -324,8 +326,8 @@ class PagedMLA(MLAAttention):
         more heads a piece is compute-bound on an H200 (8·h query rows do 8·h·2·(c+r+c) =
         278k FLOPs a cached token of 1152 bytes at h = 16, V3 sizes, bf16: 242 FLOPs a byte,
         above the 690 TFLOP/s / 4.2 TB/s = 164 where the GPU turns compute-bound), so the
-        re-reads hide behind the FLOPs, and the FLOP count, which favours MQA mode up to ~171
-        new tokens, decides.
+        re-reads hide behind the FLOPs; timed on the kernels, MQA mode stays ahead further than
+        its FLOP count (~171 new tokens) says (`PREFILL_CROSSOVER`'s comment).
         Called for every such row before anything is written; another value raises then.
         """
         if self.prefill != "auto":
