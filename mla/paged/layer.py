@@ -84,8 +84,8 @@ PREFILL_MODES = ("auto", *PREFILL_PATHS)
 # benchmarks/lab/results/nvidia-h100-80gb-hbm3-prefill-crossover.json: 4096 cached tokens, bf16,
 # H100), MQA mode stays faster up to 512 new tokens for one sequence (MHA from 1024) and up to
 # 128 for four (MHA from 256): both modes' times follow the call's new tokens in all, which a
-# per-row threshold cannot see. 512 keeps a lone row of up to 511 tokens absorbed (up to 3x
-# faster there) and costs a batch of four 256-token rows 13% (2.74 ms against 2.42).
+# per-row threshold cannot see. 512 keeps a lone row of up to 511 tokens on the faster MQA
+# mode and costs a batch of four 256-token rows little (derivation 7 has the figures).
 PREFILL_CROSSOVER = 512
 
 
