@@ -68,8 +68,8 @@ class MLAAttention(nn.Module):
             raise ValueError("x must hold at least one token per row (shape (b, s>=1, hidden))")
         self.check_cache(cache, b, cache_type)
         lengths = _as_lengths(lengths, b, s)
-        room = cache.max_seq_len - cache.seq_lens
-        over = torch.nonzero(lengths > room).flatten().tolist()
+        held = cache.seq_lens.tolist()                      # host ints: no tensor operators
+        over = [i for i, n in enumerate(lengths.tolist()) if n > cache.max_seq_len - held[i]]
         if over:
             i = over[0]
             raise ValueError(

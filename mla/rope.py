@@ -71,9 +71,11 @@ def rope_cos_sin(config: MLAConfig, positions: torch.Tensor, dtype: torch.dtype
     Both carry YaRN's attention factor, as in HF's implementation.
     """
     inv_freq, factor = _rope_tables(config, positions)  # (r/2,), float
-    angles = positions[..., None].to(torch.float32) * inv_freq  # (..., r/2), float32
-    cos = angles.cos() * factor
-    sin = angles.sin() * factor
+    # (..., r/2) float32: the integer positions are cast to float32 as the product is formed
+    angles = positions[..., None] * inv_freq
+    cos, sin = angles.cos(), angles.sin()
+    if factor != 1.0:   # x · 1.0 is x: the multiply would change nothing
+        cos, sin = cos * factor, sin * factor
     return cos.to(dtype), sin.to(dtype)
 
 

@@ -60,14 +60,18 @@ def round_trip(kind, kv_c, k_pe, scale, dtype=torch.float32):
 
 def rounded_writes(monkeypatch, rounded_cache, kind, scale_of):
     """Make every write into `rounded_cache` (an "auto" cache) store the values rounded through
-    `kind`'s layout, with the scale `scale_of()` (fp8_e4m3) at the time of the write."""
+    `kind`'s layout, with the scale `scale_of()` (fp8_e4m3) at the time of the write. The rows
+    are rounded in place: where an "auto" cache holds the very values the layer wrote, the
+    layer attends with its own copy of them (`PrefillRows.new_latent`), and that is rounded
+    too."""
     real = layer_module.write_slots
 
     def write(kv_c, k_pe, cache, slots):
         if cache is rounded_cache:
             c = kv_c.shape[1]
             rows = round_trip(kind, kv_c, k_pe, scale_of(), kv_c.dtype)
-            kv_c, k_pe = rows[:, :c], rows[:, c:]
+            kv_c.copy_(rows[:, :c])
+            k_pe.copy_(rows[:, c:])
         real(kv_c, k_pe, cache, slots)
 
     monkeypatch.setattr(layer_module, "write_slots", write)

@@ -151,7 +151,7 @@ def _check_context_inputs(fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, 
             f"{fn}: block_table is too short: sequence {i}'s context of {lens[i]} tokens needs {pages[i]} pages "
             f"of {page}, but block_table has {block_table.shape[1]} columns"
         )
-    if not check_values:
+    if not check_values or not any(pages):      # no context: no entry of block_table is read
         return lens, kv_scale
     used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < torch.tensor(
         pages, device=block_table.device

@@ -304,10 +304,14 @@ class PagedLatentCache:
     # ---- the allocator ------------------------------------------------------------------
     def blocks_needed(self, seq_ids: torch.Tensor, new_lens: torch.Tensor) -> torch.Tensor:
         """(n,) int64: pages each listed row must take to hold new_lens more tokens."""
-        total = self.seq_lens[seq_ids] + new_lens
-        held = torch.tensor([self._num_pages[i] for i in seq_ids.tolist()], dtype=torch.int64)
-        return (torch.div(total + self.block_size - 1, self.block_size, rounding_mode="floor")
-                - held).clamp_min(0)
+        return torch.tensor(self._pages_needed(seq_ids.tolist(), new_lens.tolist()),
+                            dtype=torch.int64)
+
+    def _pages_needed(self, rows: list[int], lens: list[int]) -> list[int]:
+        """`blocks_needed` on host ints: rows and lens as lists, one entry a row."""
+        n, held = self.block_size, self.seq_lens.tolist()
+        return [max(0, -(-(held[i] + new_len) // n) - self._num_pages[i])
+                for i, new_len in zip(rows, lens)]
 
     def allocate(self, seq_ids: Sequence[int] | torch.Tensor,
                  new_lens: Sequence[int] | torch.Tensor) -> None:
@@ -317,29 +321,34 @@ class PagedLatentCache:
         is short, before taking any page. Does not change seq_lens (see `append`).
         """
         seq_ids, new_lens = self.check_rows(seq_ids, new_lens)
-        if self.allocate_on_host(seq_ids, new_lens).numel():
+        if self.allocate_on_host(seq_ids, new_lens):
             self.block_table.copy_(self.block_table_cpu)
 
-    def allocate_on_host(self, seq_ids: torch.Tensor, new_lens: torch.Tensor) -> torch.Tensor:
-        """`allocate`'s host half, for checked rows (`check_rows`): takes the pages and writes
-        them into `block_table_cpu` only. Returns the rows whose table grew, (k,) int64; the
-        caller copies `block_table_cpu[grown]` into `block_table` (one transfer it may pack with
-        others). All-or-nothing, as `allocate`.
+    def allocate_on_host(self, seq_ids: torch.Tensor | list[int],
+                         new_lens: torch.Tensor | list[int]) -> list[int]:
+        """`allocate`'s host half, for checked rows (`check_rows`; tensors or lists of host
+        ints): takes the pages and writes them into `block_table_cpu` only. Returns the rows
+        whose table grew, a list; the caller copies `block_table_cpu[grown]` into
+        `block_table` (one transfer it may pack with others). All-or-nothing, as `allocate`.
         """
-        needed = self.blocks_needed(seq_ids, new_lens)
-        total = int(needed.sum())
+        rows = seq_ids.tolist() if isinstance(seq_ids, torch.Tensor) else list(seq_ids)
+        lens = new_lens.tolist() if isinstance(new_lens, torch.Tensor) else list(new_lens)
+        needed = self._pages_needed(rows, lens)
+        total = sum(needed)
         if total > len(self.free_blocks):
             raise OutOfBlocksError(
                 f"out of cache blocks: this call needs {total} more blocks of {self.block_size} "
                 f"tokens but only {len(self.free_blocks)} of {self.num_blocks} are free; free "
                 f"finished sequences (cache.free(i)) or make the cache with more num_blocks")
-        for i, k in zip(seq_ids.tolist(), needed.tolist()):
+        grown = []
+        for i, k in zip(rows, needed):
             if k:
                 start = self._num_pages[i]
                 pages = [self.free_blocks.pop() for _ in range(k)]
                 self.block_table_cpu[i, start:start + k] = torch.tensor(pages, dtype=torch.int32)
                 self._num_pages[i] = start + k
-        return seq_ids[needed > 0]
+                grown.append(i)
+        return grown
 
     def free(self, i: int) -> None:
         """End sequence i: its pages go back to the free list, its row is empty (seq_len 0).
@@ -572,8 +581,16 @@ def slots_of(cache: PagedLatentCache, rows: torch.Tensor, positions: torch.Tenso
     """(T,) int64 slots, block_table[row, pos // n] · n + pos % n, of tokens at `positions` (T,)
     of `rows` (T,), CPU int64, on the host. `slot_mapping` without its checks: for a host plan
     whose rows and positions come from the allocator, every one with its page."""
+    return slots_at(cache, rows * (cache.max_blocks_per_seq * cache.block_size) + positions)
+
+
+def slots_at(cache: PagedLatentCache, table_index: torch.Tensor) -> torch.Tensor:
+    """(T,) int64 slots of tokens at `table_index` (T,) = row · max_blocks · n + pos, CPU
+    int64: with the block table's rows laid end to end, n slots a page, table_index // n is the
+    token's entry of the flattened table and table_index % n (= pos % n) its row in that page.
+    `slots_of` for callers that fold the row into the index themselves."""
     n = cache.block_size
-    return cache.block_table_cpu[rows, positions // n].to(torch.int64) * n + positions % n
+    return (table_index % n).add_(cache.block_table_cpu.view(-1)[table_index // n], alpha=n)
 
 
 def gather_pages(cache: PagedLatentCache, block_table: torch.Tensor, seq_lens: torch.Tensor,

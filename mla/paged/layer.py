@@ -256,10 +256,12 @@ class PagedMLA(MLAAttention):
         """
         lengths = self.check_inputs(x, cache, lengths, cache_type=PagedLatentCache)
         b, s, hidden = x.shape
-        seq_ids = torch.nonzero(lengths).flatten()                   # rows that take part
-        if seq_ids.numel() == 0:
+        kept = [i for i, n in enumerate(lengths.tolist()) if n]      # rows that take part
+        if not kept:
             return x.new_zeros(b, s, hidden)
-        y = self._append_and_attend(x.reshape(b * s, hidden), cache, seq_ids, lengths[seq_ids],
+        seq_ids = torch.tensor(kept)
+        new_lens = lengths if len(kept) == b else lengths[seq_ids]
+        y = self._append_and_attend(x.reshape(b * s, hidden), cache, seq_ids, new_lens,
                                     starts=seq_ids * s)
         return y.view(b, s, hidden)
 
@@ -393,6 +395,8 @@ class PagedMLA(MLAAttention):
         # over their context, one batch a path.
         for path, rows in plan.prefill:
             if o is None:                                          # no gather, no scatter
+                if cache.kv_cache_dtype == "auto":     # the cache holds these very values
+                    rows.new_latent = kv_c_normed[0], k_pe[0]
                 o = self.attend_prefill(path, q_nope, q_pe, cache, rows)      # (N, h, v)
             else:
                 o[rows.tokens] = self.attend_prefill(path, q_nope[rows.tokens], q_pe[rows.tokens],
@@ -440,7 +444,8 @@ class PagedMLA(MLAAttention):
         `path` "absorbed" is MQA mode: `attend_decode` over the rows' pieces of up to 8 new
         tokens. "up-project" is MHA mode (eqs. 42, 44-46), by `chunked_context_prefill`:
             the new tokens over themselves, causal: keys and values up-projected from their
-                latent rows (read back from their slots and dequantised), a group of heads
+                latent rows (`rows.new_latent` where the layer set it, else read back from
+                their slots and dequantised), a group of heads
                 at a time (`head_group`: at most a workspace's worth), one mla_prefill a group
                 (or, where no row has context, torch SDPA as `prefill_backend` chooses);
             the new tokens over their context, non-causal: the contexts gathered from their
@@ -455,11 +460,14 @@ class PagedMLA(MLAAttention):
         if path == "absorbed":
             return self.attend_decode(q_nope, q_pe, cache, rows.pieces)
         w, c = self.weights, self.config.kv_lora_rank
-        latent_new = cache.dequantize(cache.kv_cache.flatten(0, 1)[rows.slots])  # (T_p, c + r)
+        if rows.new_latent is not None:
+            kv_c, k_pe = rows.new_latent                                    # (T_p, c), (T_p, r)
+        else:   # as the cache holds them: an fp8 layout's rows dequantised
+            latent_new = cache.dequantize(cache.kv_cache.flatten(0, 1)[rows.slots])
+            kv_c, k_pe = latent_new[:, :c], latent_new[:, c:]              # (T_p, c), (T_p, r)
         o, _ = chunked_context_prefill(
-            q_nope, q_pe, latent_new[:, :c], latent_new[:, c:],
-            rows.query_start_loc.to(torch.int32), cache.kv_cache, rows.block_table,
-            rows.context_lens.to(torch.int32), W_UK=w.W_UK, W_UV=w.W_UV,
+            q_nope, q_pe, kv_c, k_pe, rows.query_start_loc, cache.kv_cache, rows.block_table,
+            rows.context_lens, W_UK=w.W_UK, W_UV=w.W_UV,
             softmax_scale=self.softmax_scale, workspace_tokens=self.workspace_tokens,
             max_seqlen_q=rows.max_new_len, context_lens_host=rows.context_lens_host,
             backend=self.prefill_backend, kv_cache_dtype=cache.kv_cache_dtype,

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
 from .. import absorbed
 from ..kernels.constants import MAX_GRID_YZ
 from ..kernels.decode import MAX_QUERY_TOKENS
-from .cache import PagedLatentCache, ragged_index, slots_of
+from .cache import PagedLatentCache, ragged_index, slots_at, slots_of
 
 # The two ways a row of several new tokens attends, "up-project" (MHA mode) and "absorbed" (MQA
 # mode): the absorbed tier's prefill modes.
@@ -80,22 +81,24 @@ class DecodeRows:
 class PrefillRows:
     """m rows of a call with several new tokens each, all attending one way.
 
-    tokens: (T_p,) int64, the rows' new tokens among the call's N, row after row.
+    tokens: (T_p,) int64, the rows' new tokens among the call's N, row after row; None = all
+        N tokens of the call, in order (`every_token`).
     slots: (T_p,) int64, the new tokens' cache slots (MHA mode reads their latent rows there).
-    query_start_loc: (m + 1,) int64, row k's tokens are tokens[query_start_loc[k]:...[k+1]].
-    context_lens: (m,) int64, tokens each row held before this call.
+    query_start_loc: (m + 1,) int32, row k's tokens are tokens[query_start_loc[k]:...[k+1]].
+    context_lens: (m,) int32, tokens each row held before this call (both as the kernels take
+        them).
     block_table: (m, max_blocks) int32, each row's pages (the new tokens already written); the
         cache's table itself when the rows are all of its rows, in order.
     max_new_len, max_seq_len: host ints, max(new tokens) and max(context + new tokens).
     context_lens_host: context_lens as host ints (the MHA mode's chunks are planned from them).
     pieces: MQA mode's queries (path "absorbed"): the rows cut into pieces of at most
         MAX_QUERY_TOKENS new tokens; None on the "up-project" path.
-    every_token: the rows hold all N tokens of the call, in order (tokens = 0 .. N - 1): the
-        layer then passes its queries and takes the output as they are, with no gather.
+    new_latent: the new tokens' kv_c (T_p, c) and k_pe (T_p, r) as the cache holds them, where
+        the layer has them at hand (`PagedMLA._run` sets it); None = read back from `slots`.
     All tensors on the cache's device.
     """
 
-    tokens: torch.Tensor
+    tokens: torch.Tensor | None
     slots: torch.Tensor
     query_start_loc: torch.Tensor
     context_lens: torch.Tensor
@@ -104,7 +107,13 @@ class PrefillRows:
     max_seq_len: int
     context_lens_host: list[int]
     pieces: DecodeRows | None = None
-    every_token: bool = False
+    new_latent: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def every_token(self) -> bool:
+        """The rows hold all N tokens of the call, in order: the layer then passes its queries
+        and takes the output as they are, with no gather."""
+        return self.tokens is None
 
 
 @dataclass
@@ -137,9 +146,14 @@ def plan_call(cache: PagedLatentCache, seq_ids: torch.Tensor, new_lens: torch.Te
     Asks `prefill_path` for every row with several new tokens first, then takes the pages
     (all-or-nothing): an error from either leaves the cache as it was. Takes the pages and
     grows the block table; `cache.seq_lens` is the caller's to advance.
+
+    What is per row is worked out on host ints; what is per token takes a few torch operators
+    for the whole call (`ragged_plus_index`): every per-token value of the plan is a value of
+    its row plus the token's place among the call's N.
     """
-    context_lens = cache.seq_lens[seq_ids]                     # (b,) before this call
-    lens, contexts = new_lens.tolist(), context_lens.tolist()  # the same as host ints
+    rows, lens, firsts = seq_ids.tolist(), new_lens.tolist(), starts.tolist()
+    held = cache.seq_lens.tolist()
+    contexts = [held[i] for i in rows]                         # tokens each row held before
     by_path: dict[str, list[int]] = {}                         # path -> its rows k
     for k, (new_len, context_len) in enumerate(zip(lens, contexts)):
         if new_len > 1:
@@ -150,85 +164,111 @@ def plan_call(cache: PagedLatentCache, seq_ids: torch.Tensor, new_lens: torch.Te
             by_path.setdefault(path, []).append(k)
     decode_ks = [k for k, new_len in enumerate(lens) if new_len == 1]
 
-    grown = cache.allocate_on_host(seq_ids, new_lens)          # (g,) rows whose table grew
-    if by_path:
-        token_seq, offsets = ragged_index(new_lens)            # (N,) each, packed order
-    else:                                                      # one token a row: N = b
-        token_seq, offsets = torch.arange(len(lens)), torch.zeros(len(lens), dtype=torch.int64)
-    N = token_seq.numel()
-    packed_starts = torch.cumsum(new_lens, 0) - new_lens       # (b,) first packed token
-    positions = context_lens[token_seq] + offsets              # (N,) seq_lens + j
-    host = dict(positions=positions,
-                slot_mapping=slots_of(cache, seq_ids[token_seq], positions),
-                grown=grown, grown_table=cache.block_table_cpu[grown])
-    if not torch.equal(starts, packed_starts):                 # x's rows are not 0 .. N - 1
-        host["token_rows"] = starts[token_seq] + offsets       # (N,) rows of x
+    grown = cache.allocate_on_host(rows, lens)                 # rows whose table grew
+    packed = list(accumulate(lens, initial=0))                 # (b + 1,) row k: packed[k] ...
+    N = packed[-1]
+    # token p of row k: position p + (context - packed[k]); the row's place in the flattened
+    # block table, row · max_blocks · n + position (`slots_at`); its row of x where x's rows are
+    # not 0 .. N - 1
+    row_slots = cache.max_blocks_per_seq * cache.block_size
+    offsets = [[t - p for t, p in zip(contexts, packed)],
+               [i * row_slots + t - p for i, t, p in zip(rows, contexts, packed)]]
+    moved = firsts != packed[:-1]
+    if moved:
+        offsets.append([f - p for f, p in zip(firsts, packed)])
+    per_token = ragged_plus_index(offsets, lens)               # (2 or 3, N)
+    host: dict[str, torch.Tensor | list[int]] = dict(
+        positions=per_token[0], slot_mapping=slots_at(cache, per_token[1]))
+    if moved:
+        host["token_rows"] = per_token[2]                      # (N,) rows of x
+    if grown:
+        host["grown"] = grown
+        host["grown_table"] = cache.block_table_cpu[grown]     # (g, max_blocks) int32
     if decode_ks:
-        ks = torch.tensor(decode_ks)
-        host["decode_seq_lens"] = context_lens[ks] + 1
-        host["decode_rows"] = seq_ids[ks]
+        decode_rows = [rows[k] for k in decode_ks]
+        host["decode_seq_lens"] = Int32(contexts[k] + 1 for k in decode_ks)
+        if not every_row(cache, decode_rows):
+            host["decode_rows"] = decode_rows
         if len(decode_ks) < N:
-            host["decode_tokens"] = packed_starts[ks]
+            host["decode_tokens"] = [packed[k] for k in decode_ks]
     pieces = {}
     for path, ks in by_path.items():
-        if len(ks) == len(lens):                # every row of the call: tokens 0 .. N - 1
-            host[path + "/tokens"] = torch.arange(N)
-            path_lens, path_contexts, path_rows = new_lens, context_lens, seq_ids
+        path_lens, path_contexts = [lens[k] for k in ks], [contexts[k] for k in ks]
+        if len(ks) < len(lens):                 # not every row: its tokens among the call's N
+            qsl = list(accumulate(path_lens, initial=0))
+            host[path + "/tokens"] = ragged_plus_index(
+                [[packed[k] - q for k, q in zip(ks, qsl)]], path_lens)[0]
         else:
-            ks = torch.tensor(ks)
-            path_lens, path_contexts, path_rows = new_lens[ks], context_lens[ks], seq_ids[ks]
-            p_seq, p_off = ragged_index(path_lens)
-            host[path + "/tokens"] = packed_starts[ks][p_seq] + p_off
-        host[path + "/query_start_loc"] = torch.cat([torch.zeros(1, dtype=torch.int64),
-                                                     torch.cumsum(path_lens, 0)])
-        host[path + "/context_lens"] = path_contexts
-        host[path + "/rows"] = path_rows
+            qsl = packed
+        host[path + "/query_start_loc"] = Int32(qsl)
+        host[path + "/context_lens"] = Int32(path_contexts)
+        path_rows = [rows[k] for k in ks]
+        if not every_row(cache, path_rows):
+            host[path + "/rows"] = path_rows
         if path == "absorbed":                  # MQA mode: queries of <= 8 new tokens
-            s_q, piece_row, piece_seq_lens, query_slots = query_pieces(path_lens, path_contexts)
+            s_q, piece_row, piece_seq_lens, query_slots = query_pieces(
+                torch.tensor(path_lens), torch.tensor(path_contexts))
             pieces[path] = s_q
-            host[path + "/piece_rows"] = path_rows[piece_row]
-            host[path + "/piece_seq_lens"] = piece_seq_lens
+            piece_rows = torch.tensor(path_rows)[piece_row]
+            if not every_row(cache, piece_rows.tolist()):
+                host[path + "/piece_rows"] = piece_rows
+            host[path + "/piece_seq_lens"] = piece_seq_lens.to(torch.int32)
             host[path + "/query_slots"] = query_slots
 
     dev = to_device(host, cache.device)
-    if grown.numel():
-        cache.block_table[dev["grown"]] = dev["grown_table"].to(torch.int32)
+    if grown:
+        cache.block_table[dev["grown"]] = dev["grown_table"]
 
     def block_table(key: str) -> torch.Tensor:
-        """The block-table rows of host[key]'s cache rows: the table itself when they are all of
-        its rows in order."""
-        if torch.equal(host[key], torch.arange(cache.batch_size)):
-            return cache.block_table
-        return cache.block_table[dev[key]]
+        """The block-table rows of host[key]'s cache rows: the table itself where the plan left
+        the key out (the rows are all of the cache's, in order)."""
+        return cache.block_table if key not in dev else cache.block_table[dev[key]]
 
     plan = CallPlan(positions=dev["positions"], slot_mapping=dev["slot_mapping"],
                     token_rows=dev.get("token_rows"), decode=None)
     if decode_ks:
         plan.decode = DecodeRows(tokens=dev.get("decode_tokens"),
                                  block_table=block_table("decode_rows"),
-                                 seq_lens=dev["decode_seq_lens"].to(torch.int32),
+                                 seq_lens=dev["decode_seq_lens"],
                                  num_kv_splits=num_kv_splits,
                                  max_seq_len=max(contexts[k] for k in decode_ks) + 1)
     for path, ks in by_path.items():
-        every_token = len(ks) == len(lens)
-        tokens = dev[path + "/tokens"]
-        rows = PrefillRows(
-            tokens=tokens, slots=plan.slot_mapping if every_token else plan.slot_mapping[tokens],
+        tokens = dev.get(path + "/tokens")
+        prefill_rows = PrefillRows(
+            tokens=tokens, slots=plan.slot_mapping if tokens is None else plan.slot_mapping[tokens],
             query_start_loc=dev[path + "/query_start_loc"],
             context_lens=dev[path + "/context_lens"],
             block_table=block_table(path + "/rows"),
             max_new_len=max(lens[k] for k in ks),
             max_seq_len=max(contexts[k] + lens[k] for k in ks),
-            context_lens_host=[contexts[k] for k in ks], every_token=every_token)
+            context_lens_host=[contexts[k] for k in ks])
         if path in pieces:
-            rows.pieces = DecodeRows(
+            prefill_rows.pieces = DecodeRows(
                 tokens=None, block_table=block_table(path + "/piece_rows"),
-                seq_lens=dev[path + "/piece_seq_lens"].to(torch.int32),
+                seq_lens=dev[path + "/piece_seq_lens"],
                 num_kv_splits=num_kv_splits, s_q=pieces[path],
-                max_seq_len=int(host[path + "/piece_seq_lens"].max()),
+                max_seq_len=prefill_rows.max_seq_len,      # a row's last piece sees all of it
                 query_slots=dev[path + "/query_slots"])
-        plan.prefill.append((path, rows))
+        plan.prefill.append((path, prefill_rows))
     return plan
+
+
+def every_row(cache: PagedLatentCache, rows: list[int]) -> bool:
+    """Whether `rows` (distinct cache rows) are all of the cache's, in order: their block
+    tables are then the cache's table itself, with no gather."""
+    return len(rows) == cache.batch_size and all(i == k for k, i in enumerate(rows))
+
+
+def ragged_plus_index(offsets: list[list[int]], lens: list[int]) -> torch.Tensor:
+    """(len(offsets), N) int64, N = sum(lens): offsets[i][k] + p for each token p of N tokens
+    packed row after row, lens[k] >= 1 of them in row k. Every per-token value of a plan is a
+    value of its row plus the token's place p (positions, slots' table indices, rows of x, a
+    path's tokens), so one repeat over the rows spreads them all."""
+    total = sum(lens)
+    base = torch.tensor(offsets)                                            # (·, b)
+    if total > len(lens) > 1:                   # rows of several tokens: spread each value
+        base = base.repeat_interleave(torch.tensor(lens), dim=1, output_size=total)
+    return base + torch.arange(total)                                       # (·, N)
 
 
 def query_pieces(new_lens: torch.Tensor, context_lens: torch.Tensor
@@ -252,19 +292,54 @@ def query_pieces(new_lens: torch.Tensor, context_lens: torch.Tensor
     return s_q, piece_row, context_lens[piece_row] + piece_end, query_slots
 
 
-def to_device(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Move a call's host-built int64 metadata to `device` in one copy: packed into one buffer
-    (pinned on a GPU, so the copy does not wait for the host), split back into views there."""
-    flat = torch.cat([t.reshape(-1) for t in host.values()]).to(torch.int64)
+class Int32(list):
+    """Host ints that `to_device` moves as int32 (a plain list of ints moves as int64): the
+    kernels' lengths and offsets, which would otherwise take a cast on the device."""
+
+
+def to_device(host: dict[str, torch.Tensor | list[int]], device: torch.device
+              ) -> dict[str, torch.Tensor]:
+    """Move a call's host-built metadata to `device` in one copy, split back into views there.
+
+    Each value is a CPU tensor (int32 stays int32, any other integer dtype becomes int64), a
+    list of host ints (int64) or an `Int32` list. Everything is packed into one int32 buffer,
+    the int64 values first as pairs of int32 words (so their views stay 8-byte aligned), each
+    kind's lists joined into one tensor; on a GPU the buffer is pinned, so the copy does not
+    wait for the host.
+    """
+    tensors = {torch.int64: [], torch.int32: []}           # dtype -> [(key, tensor)]
+    lists = {torch.int64: [], torch.int32: []}             # dtype -> [(key, host ints)]
+    for key, value in host.items():
+        if isinstance(value, torch.Tensor):
+            tensors[torch.int32 if value.dtype == torch.int32 else torch.int64].append((key, value))
+        else:
+            lists[torch.int32 if isinstance(value, Int32) else torch.int64].append((key, value))
+    words, places, size = [], {}, {}       # the buffer's parts; key -> (dtype, first, n, shape)
+    for dtype in (torch.int64, torch.int32):
+        at, joined = 0, []                 # a kind's lists follow its tensors, as one tensor
+        for key, t in tensors[dtype]:
+            words.append(t.to(dtype).reshape(-1).contiguous().view(torch.int32))
+            places[key] = dtype, at, t.numel(), t.shape
+            at += t.numel()
+        for key, values in lists[dtype]:
+            joined += values
+            places[key] = dtype, at, len(values), None
+            at += len(values)
+        if joined:
+            words.append(torch.tensor(joined, dtype=dtype).view(torch.int32))
+        size[dtype] = at
     if device.type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
+        pinned = torch.empty(sum(w.numel() for w in words), dtype=torch.int32, pin_memory=True)
+        flat = torch.cat(words, out=pinned).to(device, non_blocking=True)
     else:
-        flat = flat.to(device)
-    out, at = {}, 0
-    for key, t in host.items():
-        n = t.numel()
-        out[key] = flat[at:at + n] if t.dim() == 1 else flat[at:at + n].view(t.shape)
-        at += n
+        flat = torch.cat(words).to(device)
+    wide = 2 * size[torch.int64]
+    sections = {torch.int64: flat[:wide].view(torch.int64), torch.int32: flat[wide:]}
+    out = {}
+    for key in host:
+        dtype, at, n, shape = places[key]
+        view = sections[dtype][at:at + n]
+        out[key] = view if shape is None or len(shape) == 1 else view.view(shape)
     return out
 
 
@@ -284,14 +359,15 @@ def decode_step_inputs(cache: PagedLatentCache, out: dict | None = None
     rows, ones = cache.check_rows(torch.arange(b), torch.ones(b, dtype=torch.int64))
     grown = cache.allocate_on_host(rows, ones)
     positions = cache.seq_lens.clone()                           # (b,) before the step
-    dev = to_device(dict(slot_mapping=slots_of(cache, rows, positions),
-                         positions=positions, grown=grown,
-                         grown_table=cache.block_table_cpu[grown]), cache.device)
-    if grown.numel():
-        cache.block_table[dev["grown"]] = dev["grown_table"].to(torch.int32)
+    host = dict(slot_mapping=slots_of(cache, rows, positions), positions=positions,
+                seq_lens_after=(positions + 1).to(torch.int32))
+    if grown:
+        host.update(grown=grown, grown_table=cache.block_table_cpu[grown])
+    dev = to_device(host, cache.device)
+    if grown:
+        cache.block_table[dev["grown"]] = dev["grown_table"]
     cache.seq_lens += 1
-    values = dict(slot_mapping=dev["slot_mapping"], positions=dev["positions"],
-                  seq_lens_after=(dev["positions"] + 1).to(torch.int32))
+    values = {k: dev[k] for k in names}
     if out is None:
         return values
     for k in names:
