@@ -156,6 +156,23 @@ __device__ __forceinline__ uint32_t e4m3x2_to(uint32_t a, uint32_t b, uint32_t l
   }
 }
 
+// Four e4m3 bytes -> their values in T as two T pairs: bytes 0, 1 in b0 and 2, 3 in b1 (each pair's
+// lower byte in its low half), as e4m3x2_to<T>(v, v, 0, 1) and (v, v, 2, 3) give them. fp16 on
+// sm_89 and later converts each half of v in place, with no byte permute.
+template <typename T>
+__device__ __forceinline__ void e4m3x4_to(uint32_t v, uint32_t& b0, uint32_t& b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if constexpr (std::is_same_v<T, __half>) {
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n cvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
+        : "=r"(b0), "=r"(b1)
+        : "r"(v));
+    return;
+  }
+#endif
+  b0 = e4m3x2_to<T>(v, v, 0, 1);
+  b1 = e4m3x2_to<T>(v, v, 2, 3);
+}
+
 // Two bf16 values (4 bytes, the first in the low half) -> T: as they are for bf16, each rounded
 // to nearest even for fp16 (a bf16 is the top half of the float of the same value).
 template <typename T>
