@@ -563,6 +563,31 @@ def test_gpu_sm80_fp8_matches_reference_and_triton(kind, dtype, heads, block_siz
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_sm80_fp8_bf16_values_outside_fp16s_range(kind):
+    # On sm_89+ the sm_80 kernel's fp8 products run in fp16 (65504 at most, normal from 2^-14):
+    # bf16 q comes in times a power of two, fp8_ds_mla's p x scale times one set a tile at a time.
+    # A q 2^20 and 2^-40 times its size (the softmax scale the inverse: the same scores), and cached
+    # values 2^16 times larger (their scales; the softmax scale 2^-16 times, so the scores stay
+    # spread), past fp16's range, give the reference's answer.
+    args = _cuda_case(kind, torch.bfloat16, 16, 64, seed=5)
+    for k in (20, -40):
+        scaled = dict(args, q=args["q"] * 2.0**k, softmax_scale=args["softmax_scale"] * 2.0**-k)
+        _check_against_reference_and_triton(scaled, "cuda-sm80", (None, 1, 5))
+    big = dict(args, kv_cache=args["kv_cache"].clone(), softmax_scale=args["softmax_scale"] * 2.0**-16)
+    if kind == "fp8_e4m3":
+        big["kv_scale"] = args["kv_scale"] * 2.0**16
+    else:  # the four float32 group scales of every row
+        big["kv_cache"][..., 512:528].view(torch.float32).mul_(2.0**16)
+    values = dequantised(big)
+    assert values[values.isfinite()].abs().max() > 2 * 65504  # past fp16's range
+    ref_out, ref_lse = _reference_in_q_dtype(big, "cuda-sm80")  # float32, no rounding of values
+    for splits in (None, 1, 5):
+        out, lse = mla_decode(**big, num_kv_splits=splits, _backend="cuda-sm80")
+        assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [64, 128])
 @pytest.mark.parametrize("heads", [16, 64, 100, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
