@@ -182,11 +182,9 @@ struct Shape {
   static constexpr int kPVDims = kC / WARPS;         // output dims a warp in p . V
   static constexpr int kRowThreads = kThreads / kHeads;      // softmax threads a head row
   static constexpr int kRowTok = TILE / kRowThreads;         // tokens a softmax thread
-  static constexpr int kLoads = TILE * kVecsPerRow / kThreads;  // 16-byte copies a thread a tile
   static_assert(WARPS % 4 == 0 && kQKTok % 16 == 0, "q . k: whole pairs of n-tiles a warp");
   static_assert(kPVDims % 16 == 0 && TILE % 16 == 0, "p . V: whole n-tile pairs and k-steps");
   static_assert(kRowThreads <= 32 && 32 % kRowThreads == 0 && kRowTok % 2 == 0, "softmax rows");
-  static_assert(TILE * kVecsPerRow % kThreads == 0, "tile loads split evenly over the threads");
   static constexpr size_t kTileBytes = size_t(TILE) * kRowStride * 2;  // one tile in q's dtype
   static constexpr size_t kRestBytes = size_t(kHeads) * kRowStride * 2  // q
                                        + size_t(4) * kHeads * kRedStride * 4  // partial scores
@@ -312,13 +310,19 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
     const int64_t page = bt_row[tok0 / page_size];
     const KV* src = kv + page * skp + static_cast<int64_t>(tok0 % page_size) * skn;
     if constexpr (F == CacheFormat::kAuto) {
-      T* dst = kv_s + stage * kTile * kRowStride;
+      // kRowsAPass rows at a time, thread tid on vectors tid % kCols + kCols m (m = 0, 1, ...) of
+      // row tid / kCols of each pass: one row pointer a pass, the vectors at constant offsets
+      constexpr int kCols = 8, kRowsAPass = kThreads / kCols;
+      static_assert(kVecsPerRow % kCols == 0 && kTile % kRowsAPass == 0, "whole rows a pass, whole passes a tile");
+      const int r = tid / kCols, v0 = (tid % kCols) * 8;  // this thread's row in a pass, first value
 #pragma unroll
-      for (int k = 0; k < S::kLoads; ++k) {
-        const int i = tid + k * kThreads;
-        const int row = i / kVecsPerRow, col = (i % kVecsPerRow) * 8;
+      for (int pass = 0; pass < kTile / kRowsAPass; ++pass) {
+        const int row = pass * kRowsAPass + r;
         const bool ok = tok0 + row < end;
-        cp_async16(smem_addr(dst + row * kRowStride + col), ok ? src + row * skn + col : kv, ok);
+        const T* from = ok ? src + row * skn + v0 : kv;
+        const uint32_t to = smem_addr(kv_s + (stage * kTile + row) * kRowStride + v0);
+#pragma unroll
+        for (int m = 0; m < kVecsPerRow / kCols; ++m) cp_async16(to + m * kCols * 16, from + m * kCols * 8, ok);
       }
     } else {
       // kRowsAPass rows at a time, thread tid on piece tid % kRowPieces of row tid / kRowPieces
@@ -620,10 +624,16 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
             uint32_t v[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) v[i] = *reinterpret_cast<const uint32_t*>(rows[i] + d);
+            // b0 of n-block j is byte j of rows 0 and 1, b1 byte j of rows 2 and 3: two byte
+            // permutes a row pair put bytes j of both rows side by side, j = 0, 1 in one word and
+            // j = 2, 3 in the other, and each word converts as two pairs
+            uint32_t b0[4], b1[4];
+            e4m3x4_to<MT>(__byte_perm(v[0], v[1], 0x5140), b0[0], b0[1]);
+            e4m3x4_to<MT>(__byte_perm(v[0], v[1], 0x7362), b0[2], b0[3]);
+            e4m3x4_to<MT>(__byte_perm(v[2], v[3], 0x5140), b1[0], b1[1]);
+            e4m3x4_to<MT>(__byte_perm(v[2], v[3], 0x7362), b1[2], b1[3]);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              mma16816<MT>(acc[4 * q4 + j], pf, e4m3x2_to<MT>(v[0], v[1], j, 4 + j), e4m3x2_to<MT>(v[2], v[3], j, 4 + j));
-            }
+            for (int j = 0; j < 4; ++j) mma16816<MT>(acc[4 * q4 + j], pf, b0[j], b1[j]);
           }
         }
       }
