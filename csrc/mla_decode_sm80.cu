@@ -156,17 +156,6 @@ constexpr bool kE4M3ToHalfInOne = true;
 template <typename T, CacheFormat F>
 using MmaType = std::conditional_t<F != CacheFormat::kAuto && kE4M3ToHalfInOne, __half, T>;
 
-// The power of two K that takes x >= 0 to [2^14, 2^15) (fp16's largest finite value is 65504, its
-// smallest normal 2^-14), at most 2^126; 1 for an infinite or NaN x. Scaling by K is exact and
-// keeps every value of a set whose largest magnitude is x finite in fp16, and exact there down to
-// x 2^-28 for values of 11 significant bits or fewer (bf16 has 8).
-__device__ __forceinline__ float fp16_range_scale(float x) {
-  const int e = static_cast<int>(__float_as_uint(x) >> 23) & 0xFF;  // x's biased exponent
-  if (e == 0xFF) return 1.f;
-  const int k = min(14 - (e - 127), 126);                           // x 2^k in [2^14, 2^15)
-  return __uint_as_float(static_cast<uint32_t>(k + 127) << 23);
-}
-
 // A launch shape: TILE tokens a step, STAGES tiles in shared memory, WARPS warps a CTA, and
 // MIN_BLOCKS CTAs an SM for __launch_bounds__. Warps split q . k as (WARPS / 4 token groups) x
 // (4 dim quarters) and p . V by output dims (512 / WARPS each); 2 * WARPS threads a head row do

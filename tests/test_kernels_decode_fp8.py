@@ -563,17 +563,31 @@ def test_gpu_sm80_fp8_matches_reference_and_triton(kind, dtype, heads, block_siz
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda-sm80", "cuda-sm90"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_gpu_sm80_fp8_bf16_values_outside_fp16s_range(kind):
-    # On sm_89+ the sm_80 kernel's fp8 products run in fp16 (65504 at most, normal from 2^-14):
-    # bf16 q comes in times a power of two, fp8_ds_mla's p x scale times one set a tile at a time.
-    # A q 2^20 and 2^-40 times its size (the softmax scale the inverse: the same scores), and cached
-    # values 2^16 times larger (their scales; the softmax scale 2^-16 times, so the scores stay
-    # spread), past fp16's range, give the reference's answer.
-    args = _cuda_case(kind, torch.bfloat16, 16, 64, seed=5)
+def test_gpu_cuda_fp8_bf16_q_outside_fp16s_range(kind, backend):
+    # Where a CUDA kernel's fp8 products run in fp16 (the sm_80 kernel on sm_89+ for both layouts,
+    # the wgmma kernel on fp8_e4m3), bf16 q comes in times a power of two that brings it into
+    # fp16's range (65504 at most, normal from 2^-14). A q 2^20 and 2^-40 times its size (the
+    # softmax scale the inverse: the same scores) gives the reference's answer.
+    heads, lengths = 16, SM80_LENGTHS
+    if backend == "cuda-sm90":
+        _skip_unless_sm90()
+        heads, lengths = 64, SM90_LENGTHS
+    args = _cuda_case(kind, torch.bfloat16, heads, 64, seed=5, seq_lens=lengths)
     for k in (20, -40):
         scaled = dict(args, q=args["q"] * 2.0**k, softmax_scale=args["softmax_scale"] * 2.0**-k)
-        _check_against_reference_and_triton(scaled, "cuda-sm80", (None, 1, 5))
+        _check_against_reference_and_triton(scaled, backend, (None, 1, 5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_sm80_fp8_cached_values_outside_fp16s_range(kind):
+    # On sm_89+ the sm_80 kernel's fp8 products run in fp16, fp8_ds_mla's p x scale times a power
+    # of two set a tile at a time. Cached values 2^16 times larger (their scales; the softmax
+    # scale 2^-16 times, so the scores stay spread), past fp16's range, give the reference's
+    # answer with bf16 q.
+    args = _cuda_case(kind, torch.bfloat16, 16, 64, seed=5)
     big = dict(args, kv_cache=args["kv_cache"].clone(), softmax_scale=args["softmax_scale"] * 2.0**-16)
     if kind == "fp8_e4m3":
         big["kv_scale"] = args["kv_scale"] * 2.0**16
