@@ -156,6 +156,34 @@ __device__ __forceinline__ uint32_t e4m3x2_to(uint32_t a, uint32_t b, uint32_t l
   }
 }
 
+// Four e4m3 bytes -> their values in T as two T pairs: bytes 0, 1 in b0 and 2, 3 in b1 (each pair's
+// lower byte in its low half), as e4m3x2_to<T>(v, v, 0, 1) and (v, v, 2, 3) give them. fp16 on
+// sm_89 and later converts each half of v in place, with no byte permute.
+template <typename T>
+__device__ __forceinline__ void e4m3x4_to(uint32_t v, uint32_t& b0, uint32_t& b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if constexpr (std::is_same_v<T, __half>) {
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n cvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
+        : "=r"(b0), "=r"(b1)
+        : "r"(v));
+    return;
+  }
+#endif
+  b0 = e4m3x2_to<T>(v, v, 0, 1);
+  b1 = e4m3x2_to<T>(v, v, 2, 3);
+}
+
+// The power of two K that takes x >= 0 to [2^14, 2^15) (fp16's largest finite value is 65504, its
+// smallest normal 2^-14), at most 2^126; 1 for an infinite or NaN x. Scaling by K is exact and
+// keeps every value of a set whose largest magnitude is x finite in fp16, and exact there down to
+// x 2^-28 for values of 11 significant bits or fewer (bf16 has 8).
+__device__ __forceinline__ float fp16_range_scale(float x) {
+  const int e = static_cast<int>(__float_as_uint(x) >> 23) & 0xFF;  // x's biased exponent
+  if (e == 0xFF) return 1.f;
+  const int k = min(14 - (e - 127), 126);                           // x 2^k in [2^14, 2^15)
+  return __uint_as_float(static_cast<uint32_t>(k + 127) << 23);
+}
+
 // Two bf16 values (4 bytes, the first in the low half) -> T: as they are for bf16, each rounded
 // to nearest even for fp16 (a bf16 is the top half of the float of the same value).
 template <typename T>

@@ -24,11 +24,17 @@
 //   fp8_ds_mla: warp dq's partial score over latent group dq times the token's group scale, in
 //   float32, before the rope part (bf16 values, unscaled) is added; in p . V warp w's dims are
 //   latent group w, so it multiplies p by the token's scale of group w in float32 before
-//   rounding p to q's dtype.
+//   rounding p to the products' type.
+// On sm_89 and later the fp8 products run in fp16 whatever q's dtype (MmaType): e4m3 becomes
+// fp16 in one instruction a pair, where bf16 takes four, and with the conversions that few the
+// loop is no longer bound by them. bf16 q enters them times a power of two that brings the CTA's
+// largest |q| into fp16's range (exact), fp8_ds_mla's p x scale times a power of two set a tile
+// at a time (fp16_range_scale).
 // So on fp8_ds_mla the result is the attention over the dequantised cache with the scales
 // applied in float32 to the scores and the probabilities: closer to the float32 reference on the
 // dequantised cache than rounding e4m3 x scale to q's dtype (the Triton kernel's values), and
-// not bit-identical to the Triton kernel. fp8_e4m3's values are the Triton kernel's.
+// not bit-identical to the Triton kernel. On fp8_e4m3 the scores are the Triton kernel's (exact
+// products either way) and p is rounded to fp16 rather than bf16 where the products are fp16.
 //
 // Fragments from stored bytes (mma.m16n8k16: lane = 4 g + c holds B rows k = 2c, 2c + 1 (b0) and
 // 2c + 8, 2c + 9 (b1) of column n = g; A and C as usual). The sum over k is order-free, so within
@@ -136,6 +142,20 @@ __device__ __forceinline__ int fp8_byte(int dim) {
   return F == CacheFormat::kFp8DsMla && dim >= kC ? kDsMlaRope + 2 * (dim - kC) : dim;
 }
 
+// The products' type on a cache of layout F with q in T: T itself, except on fp8 caches where the
+// GPU converts e4m3 to fp16 in one instruction (cvt.rn.f16x2.e4m3x2, sm_89 and later): there both
+// products run in fp16 whatever q's dtype, since the bf16 route from e4m3 takes four instructions
+// for two values (the integer route of mla_decode_fp8.cuh) and the conversions, not the bytes,
+// bound the loop. fp16 holds every e4m3 value exactly and p in [0, 1] to 11 bits (bf16: 8); q and
+// p . V's scaled p are brought into its range by powers of two (fp16_range_scale).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+constexpr bool kE4M3ToHalfInOne = false;
+#else
+constexpr bool kE4M3ToHalfInOne = true;
+#endif
+template <typename T, CacheFormat F>
+using MmaType = std::conditional_t<F != CacheFormat::kAuto && kE4M3ToHalfInOne, __half, T>;
+
 // A launch shape: TILE tokens a step, STAGES tiles in shared memory, WARPS warps a CTA, and
 // MIN_BLOCKS CTAs an SM for __launch_bounds__. Warps split q . k as (WARPS / 4 token groups) x
 // (4 dim quarters) and p . V by output dims (512 / WARPS each); 2 * WARPS threads a head row do
@@ -151,11 +171,9 @@ struct Shape {
   static constexpr int kPVDims = kC / WARPS;         // output dims a warp in p . V
   static constexpr int kRowThreads = kThreads / kHeads;      // softmax threads a head row
   static constexpr int kRowTok = TILE / kRowThreads;         // tokens a softmax thread
-  static constexpr int kLoads = TILE * kVecsPerRow / kThreads;  // 16-byte copies a thread a tile
   static_assert(WARPS % 4 == 0 && kQKTok % 16 == 0, "q . k: whole pairs of n-tiles a warp");
   static_assert(kPVDims % 16 == 0 && TILE % 16 == 0, "p . V: whole n-tile pairs and k-steps");
   static_assert(kRowThreads <= 32 && 32 % kRowThreads == 0 && kRowTok % 2 == 0, "softmax rows");
-  static_assert(TILE * kVecsPerRow % kThreads == 0, "tile loads split evenly over the threads");
   static constexpr size_t kTileBytes = size_t(TILE) * kRowStride * 2;  // one tile in q's dtype
   static constexpr size_t kRestBytes = size_t(kHeads) * kRowStride * 2  // q
                                        + size_t(4) * kHeads * kRedStride * 4  // partial scores
@@ -238,11 +256,16 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
     int64_t sob, int64_t soh, int64_t sos, int64_t slb, int64_t slh, int64_t sls) {
   constexpr int kTile = S::kTile, kStages = S::kStages, kThreads = S::kThreads;
   using L = Smem<S, F>;
+  using MT = MmaType<T, F>;  // the products' type
+  static_assert(std::is_same_v<MT, T> || std::is_same_v<T, __nv_bfloat16>, "q is bf16 where the types differ");
+  // fp8_ds_mla with fp16 products: p x group scale enters p . V in fp16, each tile's times a power
+  // of two (p_scale) that keeps the tile's largest product in range
+  constexpr bool kTileScale = F == CacheFormat::kFp8DsMla && std::is_same_v<MT, __half>;
   extern __shared__ __align__(128) unsigned char smem[];
   T* kv_s = reinterpret_cast<T*>(smem);                               // (L::kTiles, kTile, kRowStride)
   T* q_s = kv_s + L::kTiles * kTile * kRowStride;                     // (kHeads, kRowStride)
   float* red_s = reinterpret_cast<float*>(q_s + kHeads * kRowStride);  // (4, kHeads, kRedStride)
-  T* p_s = reinterpret_cast<T*>(red_s + 4 * kHeads * S::kRedStride);  // (kHeads, kPStride)
+  MT* p_s = reinterpret_cast<MT*>(red_s + 4 * kHeads * S::kRedStride);  // (kHeads, kPStride)
   float* pf_s = reinterpret_cast<float*>(p_s);  // fp8_ds_mla: p in float32 there instead
   float* alpha_s = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(p_s) +
                                             kHeads * S::kPStride * L::kPBytes);  // (kHeads,)
@@ -276,24 +299,40 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
     const int64_t page = bt_row[tok0 / page_size];
     const KV* src = kv + page * skp + static_cast<int64_t>(tok0 % page_size) * skn;
     if constexpr (F == CacheFormat::kAuto) {
-      T* dst = kv_s + stage * kTile * kRowStride;
+      // kRowsAPass rows at a time, thread tid on vectors tid % kCols + kCols m (m = 0, 1, ...) of
+      // row tid / kCols of each pass: one row pointer a pass, the vectors at constant offsets
+      constexpr int kCols = 8, kRowsAPass = kThreads / kCols;
+      static_assert(kVecsPerRow % kCols == 0 && kTile % kRowsAPass == 0, "whole rows a pass, whole passes a tile");
+      const int r = tid / kCols, v0 = (tid % kCols) * 8;  // this thread's row in a pass, first value
 #pragma unroll
-      for (int k = 0; k < S::kLoads; ++k) {
-        const int i = tid + k * kThreads;
-        const int row = i / kVecsPerRow, col = (i % kVecsPerRow) * 8;
+      for (int pass = 0; pass < kTile / kRowsAPass; ++pass) {
+        const int row = pass * kRowsAPass + r;
         const bool ok = tok0 + row < end;
-        cp_async16(smem_addr(dst + row * kRowStride + col), ok ? src + row * skn + col : kv, ok);
+        const T* from = ok ? src + row * skn + v0 : kv;
+        const uint32_t to = smem_addr(kv_s + (stage * kTile + row) * kRowStride + v0);
+#pragma unroll
+        for (int m = 0; m < kVecsPerRow / kCols; ++m) cp_async16(to + m * kCols * 16, from + m * kCols * 8, ok);
       }
     } else {
-      constexpr int kRowBytes = kStoredRowBytes<F>, kPieces = kTile * kRowBytes / 16;
-      unsigned char* dst = raw_s + stage * kTile * kRawStride<F>;
+      // kRowsAPass rows at a time, thread tid on piece tid % kRowPieces of row tid / kRowPieces
+      // of each pass (the last threads idle): a pass steps both pointers by whole rows, with no
+      // division or 64-bit multiply a piece
+      constexpr int kRowPieces = kStoredRowBytes<F> / 16;  // 36 or 41
+      constexpr int kRowsAPass = kThreads / kRowPieces;
+      const int r = tid / kRowPieces;
+      if (r < kRowsAPass) {
+        const int col = (tid % kRowPieces) * 16;
+        const KV* from = src + r * skn + col;
+        uint32_t to = smem_addr(raw_s + (stage * kTile + r) * kRawStride<F> + col);
 #pragma unroll
-      for (int k = 0; k < (kPieces + kThreads - 1) / kThreads; ++k) {
-        const int i = tid + k * kThreads;
-        if (kPieces % kThreads == 0 || i < kPieces) {
-          const int row = i / (kRowBytes / 16), col = (i % (kRowBytes / 16)) * 16;
-          const bool ok = tok0 + row < end;
-          cp_async16(smem_addr(dst + row * kRawStride<F> + col), ok ? src + row * skn + col : kv, ok);
+        for (int pass = 0; pass < (kTile + kRowsAPass - 1) / kRowsAPass; ++pass) {
+          const int row = pass * kRowsAPass + r;
+          if (kTile % kRowsAPass == 0 || row < kTile) {
+            const bool ok = tok0 + row < end;
+            cp_async16(to, ok ? from : kv, ok);
+          }
+          from += kRowsAPass * skn;
+          to += kRowsAPass * kRawStride<F>;
         }
       }
     }
@@ -310,13 +349,39 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
   float scale_e4m3 = 1.f;  // fp8_e4m3: the cache's one scale, on the scores and the output
   if constexpr (F == CacheFormat::kFp8E4M3) scale_e4m3 = *kv_scale;
   scale_log2 *= scale_e4m3;
-  // fp8_ds_mla with fp16 q: p x group scale is rounded to fp16, whose subnormals start at 2^-14;
-  // a small group scale (an amax near 0.03) would put it there and lose bits, so it is taken
-  // 2^8 larger, exactly, and the output 2^8 smaller (it overflows only past a scale of 256,
-  // where e4m3 x scale itself passes fp16's 65504 from 146 on). bf16 has float's range.
-  constexpr float kPScale = F == CacheFormat::kFp8DsMla && !std::is_same_v<T, __nv_bfloat16> ? 256.f : 1.f;
   cp_async_wait<kStages - 1>();  // the q group (the oldest) has landed
   __syncthreads();
+  // bf16 q entering fp16 products: q x q_scale, a power of two that brings the CTA's largest |q|
+  // into fp16's range (fp16_range_scale); the scores come out q_scale times too large, and the
+  // softmax scale takes 1 / q_scale. fp8_ds_mla's rope part stays in bf16 products (its cached
+  // values are bf16), with q x q_scale there too, exact in bf16.
+  float q_scale = 1.f;
+  if constexpr (!std::is_same_v<MT, T>) {
+    float top = 0.f;
+    for (int i = tid; i < kHeads * kVecsPerRow; i += kThreads) {
+      const uint4 v = *reinterpret_cast<const uint4*>(q_s + (i / kVecsPerRow) * kRowStride + (i % kVecsPerRow) * 8);
+      for (const uint32_t w : {v.x, v.y, v.z, v.w}) {
+        top = fmaxf(top, fmaxf(fabsf(__uint_as_float(w << 16)), fabsf(__uint_as_float(w & 0xFFFF0000u))));
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+    if (lane == 0) red_s[warp] = top;  // red_s is free until the first tile's partial scores
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < S::kWarps; ++w) top = fmaxf(top, red_s[w]);
+    q_scale = fp16_range_scale(top);
+    scale_log2 /= q_scale;  // exact: a power of two
+  }
+  // two q values (a fragment register) -> the products' type, times q_scale; `rope` keeps T
+  auto q_pair = [&](uint32_t two, bool rope) -> uint32_t {
+    if constexpr (std::is_same_v<MT, T>) {
+      return two;
+    } else {
+      const float x = __uint_as_float(two << 16) * q_scale, y = __uint_as_float(two & 0xFFFF0000u) * q_scale;
+      return rope ? pack_pair<T>(x, y) : pack_pair<MT>(x, y);
+    }
+  };
   uint32_t qf[kQKSteps][4];
 #pragma unroll
   for (int ks = 0; ks < kQKSteps; ++ks) {
@@ -329,16 +394,19 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
       const int d = fp8_qk_dim(dq, ks) + 4 * (lane & 3);
       const uint2 lo = *reinterpret_cast<const uint2*>(q_s + (lane >> 2) * kRowStride + d);
       const uint2 hi = *reinterpret_cast<const uint2*>(q_s + ((lane >> 2) + 8) * kRowStride + d);
-      qf[ks][0] = lo.x;
-      qf[ks][1] = hi.x;
-      qf[ks][2] = lo.y;
-      qf[ks][3] = hi.y;
+      const bool rope = F == CacheFormat::kFp8DsMla && ks == kQKLatentSteps;
+      qf[ks][0] = q_pair(lo.x, rope);
+      qf[ks][1] = q_pair(hi.x, rope);
+      qf[ks][2] = q_pair(lo.y, rope);
+      qf[ks][3] = q_pair(hi.y, rope);
     }
   }
 
   // softmax rows: kRowThreads neighbouring lanes a head row, kRowTok tokens each
   const int srow = tid / S::kRowThreads, scol = (tid % S::kRowThreads) * S::kRowTok;
   float m_row = -INFINITY, l_row = 0.f;  // log2 units
+  // what p . V's p is multiplied by before rounding (kTileScale: this warp's, set a tile at a time)
+  float p_scale = kTileScale ? 0x1p126f : 1.f;
   float acc[S::kPVDims / 8][4];          // (16, kPVDims) of the output
 #pragma unroll
   for (int j = 0; j < S::kPVDims / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
@@ -394,17 +462,15 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
 #pragma unroll
         for (int j = 0; j < S::kQKN; ++j) {
           const unsigned char* row = raw + (tq * S::kQKTok + j * 8 + (lane >> 2)) * kRawStride<F>;
-          uint32_t b0, b1;
-          if (F == CacheFormat::kFp8DsMla && ks == kQKLatentSteps) {  // 4 bf16 rope values
+          if (F == CacheFormat::kFp8DsMla && ks == kQKLatentSteps) {  // 4 bf16 rope values, in T
             const uint2 v = *reinterpret_cast<const uint2*>(row + fp8_byte<F>(d));
-            b0 = bf16x2_to<T>(v.x);
-            b1 = bf16x2_to<T>(v.y);
-          } else {  // 4 e4m3 values
+            mma16816<T>(s[j], qf[ks], bf16x2_to<T>(v.x), bf16x2_to<T>(v.y));
+          } else {  // 4 e4m3 values, in MT
             const uint32_t v = *reinterpret_cast<const uint32_t*>(row + fp8_byte<F>(d));
-            b0 = e4m3x2_to<T>(v, v, 0, 1);
-            b1 = e4m3x2_to<T>(v, v, 2, 3);
+            uint32_t b0, b1;
+            e4m3x4_to<MT>(v, b0, b1);
+            mma16816<MT>(s[j], qf[ks], b0, b1);
           }
-          mma16816<T>(s[j], qf[ks], b0, b1);
         }
       }
     }
@@ -469,7 +535,24 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
 
     // -- acc = acc * alpha + p . V over this warp's kPVDims output dims
     {
-      const float a_lo = alpha_s[lane >> 2], a_hi = alpha_s[(lane >> 2) + 8];
+      float a_lo = alpha_s[lane >> 2], a_hi = alpha_s[(lane >> 2) + 8];
+      if constexpr (kTileScale) {
+        // p x scale <= the tile's largest scale of this warp's group (p <= 1; zero-filled rows
+        // read 0), which p_scale takes into fp16's range; p_scale only shrinks, so earlier tiles'
+        // products stay in range, and acc follows it (a ratio of powers of two: exact)
+        const int group = warp * S::kPVDims / kGroup;
+        float top = 0.f;
+        for (int i = lane; i < kTile; i += 32) {
+          top = fmaxf(top, *reinterpret_cast<const float*>(raw + i * kRawStride<F> + kDsMlaScales + 4 * group));
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+        const float next = fminf(p_scale, fp16_range_scale(top));
+        const float ratio = next / p_scale;
+        a_lo *= ratio;
+        a_hi *= ratio;
+        p_scale = next;
+      }
 #pragma unroll
       for (int j = 0; j < S::kPVDims / 8; ++j) {
         acc[j][0] *= a_lo;
@@ -503,23 +586,23 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
           uint32_t pf[4];  // a0 / a1: head rows g / g + 8 at tokens 2c, 2c + 1; a2 / a3 at 2c + 8, 2c + 9
           if constexpr (F == CacheFormat::kFp8DsMla) {
             // this warp's dims lie in one latent group: p times each token's scale of it (times
-            // kPScale), in float32, rounded once to T (masked tokens' p is 0, and so their product)
+            // p_scale), in float32, rounded once to MT (masked tokens' p is 0, and so their product)
             static_assert(kGroup % S::kPVDims == 0, "a warp's p . V dims in one scale group");
             const int group = warp * S::kPVDims / kGroup;
             float sc[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-              sc[i] = kPScale * *reinterpret_cast<const float*>(rows[i] + kDsMlaScales + 4 * group);
+              sc[i] = p_scale * *reinterpret_cast<const float*>(rows[i] + kDsMlaScales + 4 * group);
             }
             const float* pr = pf_s + g * S::kPStride + k0 + 2 * c;
             const float2 p0 = *reinterpret_cast<const float2*>(pr);
             const float2 p1 = *reinterpret_cast<const float2*>(pr + 8 * S::kPStride);
             const float2 p2 = *reinterpret_cast<const float2*>(pr + 8);
             const float2 p3 = *reinterpret_cast<const float2*>(pr + 8 * S::kPStride + 8);
-            pf[0] = pack_pair<T>(p0.x * sc[0], p0.y * sc[1]);
-            pf[1] = pack_pair<T>(p1.x * sc[0], p1.y * sc[1]);
-            pf[2] = pack_pair<T>(p2.x * sc[2], p2.y * sc[3]);
-            pf[3] = pack_pair<T>(p3.x * sc[2], p3.y * sc[3]);
+            pf[0] = pack_pair<MT>(p0.x * sc[0], p0.y * sc[1]);
+            pf[1] = pack_pair<MT>(p1.x * sc[0], p1.y * sc[1]);
+            pf[2] = pack_pair<MT>(p2.x * sc[2], p2.y * sc[3]);
+            pf[3] = pack_pair<MT>(p3.x * sc[2], p3.y * sc[3]);
           } else {
             ldmatrix_x4(pf, smem_addr(p_s + (lane & 15) * S::kPStride + k0 + ((lane >> 4) << 3)));
           }
@@ -530,10 +613,16 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
             uint32_t v[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) v[i] = *reinterpret_cast<const uint32_t*>(rows[i] + d);
+            // b0 of n-block j is byte j of rows 0 and 1, b1 byte j of rows 2 and 3: two byte
+            // permutes a row pair put bytes j of both rows side by side, j = 0, 1 in one word and
+            // j = 2, 3 in the other, and each word converts as two pairs
+            uint32_t b0[4], b1[4];
+            e4m3x4_to<MT>(__byte_perm(v[0], v[1], 0x5140), b0[0], b0[1]);
+            e4m3x4_to<MT>(__byte_perm(v[0], v[1], 0x7362), b0[2], b0[3]);
+            e4m3x4_to<MT>(__byte_perm(v[2], v[3], 0x5140), b1[0], b1[1]);
+            e4m3x4_to<MT>(__byte_perm(v[2], v[3], 0x7362), b1[2], b1[3]);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              mma16816<T>(acc[4 * q4 + j], pf, e4m3x2_to<T>(v[0], v[1], j, 4 + j), e4m3x2_to<T>(v[2], v[3], j, 4 + j));
-            }
+            for (int j = 0; j < 4; ++j) mma16816<MT>(acc[4 * q4 + j], pf, b0[j], b1[j]);
           }
         }
       }
@@ -553,7 +642,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
   __syncthreads();
   const int r = lane >> 2;
   const float l_lo = l_s[r], l_hi = l_s[r + 8];
-  const float out_scale = scale_e4m3 / kPScale;  // the cache's one scale; fp16 ds_mla's 2^-8
+  const float out_scale = scale_e4m3 / p_scale;  // the cache's one scale; this warp's 1 / p_scale
   const float inv_lo = l_lo > 0.f ? out_scale / l_lo : 0.f, inv_hi = l_hi > 0.f ? out_scale / l_hi : 0.f;
   const int64_t out_at = b * sob + static_cast<int64_t>(split) * sos;
   auto write = [&](int64_t at, float x, float y) {

@@ -36,8 +36,9 @@
 // block groups are copied by cp.async instead of TMA, the stored bytes staged inside the group's
 // own blocks, and the warpgroup that copies a group turns it into the swizzled layout in q's dtype
 // there before it completes the group's mbarrier (finish_fp8_blocks), with the values of the Triton
-// kernel: fp8_e4m3's e4m3 values as they are (exact in bf16 and fp16; the cache's one scale is
-// folded into the softmax scale and the output), fp8_ds_mla's e4m3 x its group's scale in float32
+// kernel: fp8_e4m3's e4m3 values as they are (exact in fp16, which its products run in whatever
+// q's dtype, q brought into range by a power of two; the cache's one scale is folded into the
+// softmax scale and the output), fp8_ds_mla's e4m3 x its group's scale in float32
 // rounded once to q's dtype and its bf16 rope values converted. A group's copies are issued where
 // a TMA copy would be and finished (waited for, converted, the mbarrier completed) later, so the
 // copies' latency and the conversion overlap other work: warpgroup 0 converts the next A's blocks
@@ -412,8 +413,15 @@ __device__ __forceinline__ void finish_fp8_blocks(unsigned char* blocks, int val
     uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
     if (stored) {
       const uint4 v = *reinterpret_cast<const uint4*>(blocks + piece_at);
-      lo = e4m3x8_to<T>(make_uint2(v.x, v.y), scale);
-      hi = e4m3x8_to<T>(make_uint2(v.z, v.w), scale);
+      if constexpr (!ds_mla && !kIsBf16<T>) {  // fp8_e4m3 into fp16: exact, one cvt a pair
+        e4m3x4_to<T>(v.x, lo.x, lo.y);
+        e4m3x4_to<T>(v.y, lo.z, lo.w);
+        e4m3x4_to<T>(v.z, hi.x, hi.y);
+        e4m3x4_to<T>(v.w, hi.z, hi.w);
+      } else {
+        lo = e4m3x8_to<T>(make_uint2(v.x, v.y), scale);
+        hi = e4m3x8_to<T>(make_uint2(v.z, v.w), scale);
+      }
     }
     *reinterpret_cast<uint4*>(blocks + piece_at) = lo;
     *reinterpret_cast<uint4*>(blocks + (piece_at ^ 16)) = hi;
@@ -469,6 +477,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     int64_t sob, int64_t soh, int64_t sos, int64_t slb, int64_t slh, int64_t sls,
     const float* __restrict__ kv_scale) {  // (1,): the fp8_e4m3 cache's scale; not read otherwise
 #ifdef MLA_SM90A
+  // The products' type: T, except fp8_e4m3 with bf16 q, whose products run in fp16: e4m3 becomes
+  // fp16 exactly in one instruction a pair, where bf16 takes a float round trip of five, and the
+  // conversions run in the warpgroups that issue the products. q enters them times a power of two
+  // that brings the CTA's largest |q| into fp16's range (exact); P in [0, 1] takes 11 significant
+  // bits there (bf16: 8). fp8_ds_mla keeps T: its values, e4m3 x a group scale, have no bound
+  // fp16 could hold.
+  using MT = std::conditional_t<F == CacheFormat::kFp8E4M3 && kIsBf16<T>, __half, T>;
   extern __shared__ unsigned char smem_raw[];
   // the swizzle pattern repeats every 1024 bytes: the layouts start on such a boundary
   const uint32_t raw = smem_u32(smem_raw);
@@ -567,7 +582,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   auto finish_blocks = [&](int buf, int t, auto J0, auto Pending) {
     if constexpr (F != CacheFormat::kAuto) {
       constexpr int j0 = decltype(J0)::value;
-      finish_fp8_blocks<T, F, j0, decltype(Pending)::value>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes,
+      finish_fp8_blocks<MT, F, j0, decltype(Pending)::value>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes,
                                                              end - (start + t * kN), wtid, wg, bar(buf, j0));
     }
   };
@@ -586,7 +601,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
         const uint32_t off = (j * kBlockBytes + ks * 32) >> 4;
-        mma_s<T>(s, q_desc + off, k_desc + off, j | ks);
+        mma_s<MT>(s, q_desc + off, k_desc + off, j | ks);
       }
     }
     wgmma_commit();
@@ -596,7 +611,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   // holds one only: with one new token, a partial tile). With a positive scale (the rule) S stays
   // unscaled: the max is taken first and exponentiate folds the scale into one FFMA a score.
   const bool prescale = !(scale_log2 > 0.f);  // a softmax scale <= 0: scale S first
-  const float exp_mult = prescale ? 1.f : scale_log2;
+  float exp_mult = prescale ? 1.f : scale_log2;  // (bf16 q in fp16 products: set again below)
   auto row_max = [&](float (&s)[32], int tok0, float& mx0, float& mx1) {
     if (prescale) {
 #pragma unroll
@@ -664,10 +679,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   auto fragments = [&](const float (&p)[32], float f0, float f1, uint32_t (&pf)[4][4]) {
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      pf[ks][0] = pack(p[8 * ks + 0] * f0, p[8 * ks + 1] * f0, T{});  // row0,     tokens 16ks + 2c
-      pf[ks][1] = pack(p[8 * ks + 2] * f1, p[8 * ks + 3] * f1, T{});  // row0 + 8, tokens 16ks + 2c
-      pf[ks][2] = pack(p[8 * ks + 4] * f0, p[8 * ks + 5] * f0, T{});  // row0,     tokens 16ks + 8 + 2c
-      pf[ks][3] = pack(p[8 * ks + 6] * f1, p[8 * ks + 7] * f1, T{});  // row0 + 8, tokens 16ks + 8 + 2c
+      pf[ks][0] = pack(p[8 * ks + 0] * f0, p[8 * ks + 1] * f0, MT{});  // row0,     tokens 16ks + 2c
+      pf[ks][1] = pack(p[8 * ks + 2] * f1, p[8 * ks + 3] * f1, MT{});  // row0 + 8, tokens 16ks + 2c
+      pf[ks][2] = pack(p[8 * ks + 4] * f0, p[8 * ks + 5] * f0, MT{});  // row0,     tokens 16ks + 8 + 2c
+      pf[ks][3] = pack(p[8 * ks + 6] * f1, p[8 * ks + 7] * f1, MT{});  // row0 + 8, tokens 16ks + 8 + 2c
     }
   };
   // ---- the fragments -> a swizzled (64 heads, 64 tokens) block (vector j of row r: tokens 8j ..)
@@ -747,6 +762,35 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     }
     // q landed (a cache in T: the tiles' copies are in no group; fp8: landed, finished above) ...
     cp_async_wait_all();
+    if constexpr (!std::is_same_v<MT, T>) {
+      // ... bf16 q -> fp16 x q_scale in place, each thread its own 16-byte chunks (the swizzle
+      // moves whole chunks): the CTA's largest |q| first (l_s is free until the end) ...
+      __syncthreads();
+      float top = 0.f;
+      for (int i = tid; i < kMatBytes / 16; i += kThreads) {
+        const uint4 v = *reinterpret_cast<const uint4*>(smem + 16 * i);
+        for (const uint32_t w : {v.x, v.y, v.z, v.w}) {
+          top = fmaxf(top, fmaxf(fabsf(__uint_as_float(w << 16)), fabsf(__uint_as_float(w & 0xFFFF0000u))));
+        }
+      }
+#pragma unroll
+      for (int x = 16; x > 0; x >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, x));
+      if (lane == 0) l_s[tid >> 5] = top;
+      __syncthreads();
+#pragma unroll
+      for (int w = 0; w < kThreads / 32; ++w) top = fmaxf(top, l_s[w]);
+      const float q_scale = fp16_range_scale(top);
+      for (int i = tid; i < kMatBytes / 16; i += kThreads) {
+        uint4* chunk = reinterpret_cast<uint4*>(smem + 16 * i);
+        uint4 v = *chunk;
+        for (uint32_t* w : {&v.x, &v.y, &v.z, &v.w}) {
+          *w = pack(__uint_as_float(*w << 16) * q_scale, __uint_as_float(*w & 0xFFFF0000u) * q_scale, MT{});
+        }
+        *chunk = v;
+      }
+      scale_log2 /= q_scale;  // the scores come out q_scale times too large (exact: a power of two)
+      if (!prescale) exp_mult = scale_log2;
+    }
     fence_async_shared();  // ... visible to wgmma ...
   }
   __syncthreads();         // ... everyone's
@@ -794,7 +838,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       fragments(s, 1.f, 1.f, pf);
       wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) mma_o_reg<T>(o, pf[ks], v_desc(0, ks));
+      for (int ks = 0; ks < 4; ++ks) mma_o_reg<MT>(o, pf[ks], v_desc(0, ks));
       wgmma_commit();
       wgmma_wait<0>();
       pin(o);
@@ -816,7 +860,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       l1 *= sb1;
       wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) mma_o_smem<T>(o, desc_k(pb_s + ks * 32), v_desc(1, ks));
+      for (int ks = 0; ks < 4; ++ks) mma_o_smem<MT>(o, desc_k(pb_s + ks * 32), v_desc(1, ks));
       wgmma_commit();
       if (more) {
         // fp8: the next A's blocks 0-3 converted while P_B . V_B runs (it reads P_B and buffer 1)
@@ -856,14 +900,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       fence_async_shared();
       wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) mma_o_reg<T>(o, pf[ks], v_desc(1, ks));
+      for (int ks = 0; ks < 4; ++ks) mma_o_reg<MT>(o, pf[ks], v_desc(1, ks));
       wgmma_commit();
       bar_arrive(kBarPB);
       // -- O_R += P_A . V_A[:, 256:], P_A from warpgroup 0 (relative to m_B; V_A's blocks landed
       // before warpgroup 0's S_A waited on them, as above)
       bar_sync(kBarPA);
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) mma_o_smem<T>(o, desc_k(pa_s + ks * 32), v_desc(0, ks));
+      for (int ks = 0; ks < 4; ++ks) mma_o_smem<MT>(o, desc_k(pa_s + ks * 32), v_desc(0, ks));
       wgmma_commit();
       // buffer 1's blocks 4-8 are done with (S_B, V_B's right half): the next B's; then
       // buffer 0's (V_A's right half, P_A): the next A's

@@ -563,6 +563,45 @@ def test_gpu_sm80_fp8_matches_reference_and_triton(kind, dtype, heads, block_siz
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda-sm80", "cuda-sm90"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_cuda_fp8_bf16_q_outside_fp16s_range(kind, backend):
+    # Where a CUDA kernel's fp8 products run in fp16 (the sm_80 kernel on sm_89+ for both layouts,
+    # the wgmma kernel on fp8_e4m3), bf16 q comes in times a power of two that brings it into
+    # fp16's range (65504 at most, normal from 2^-14). A q 2^20 and 2^-40 times its size (the
+    # softmax scale the inverse: the same scores) gives the reference's answer.
+    heads, lengths = 16, SM80_LENGTHS
+    if backend == "cuda-sm90":
+        _skip_unless_sm90()
+        heads, lengths = 64, SM90_LENGTHS
+    args = _cuda_case(kind, torch.bfloat16, heads, 64, seed=5, seq_lens=lengths)
+    for k in (20, -40):
+        scaled = dict(args, q=args["q"] * 2.0**k, softmax_scale=args["softmax_scale"] * 2.0**-k)
+        _check_against_reference_and_triton(scaled, backend, (None, 1, 5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_sm80_fp8_cached_values_outside_fp16s_range(kind):
+    # On sm_89+ the sm_80 kernel's fp8 products run in fp16, fp8_ds_mla's p x scale times a power
+    # of two set a tile at a time. Cached values 2^16 times larger (their scales; the softmax
+    # scale 2^-16 times, so the scores stay spread), past fp16's range, give the reference's
+    # answer with bf16 q.
+    args = _cuda_case(kind, torch.bfloat16, 16, 64, seed=5)
+    big = dict(args, kv_cache=args["kv_cache"].clone(), softmax_scale=args["softmax_scale"] * 2.0**-16)
+    if kind == "fp8_e4m3":
+        big["kv_scale"] = args["kv_scale"] * 2.0**16
+    else:  # the four float32 group scales of every row
+        big["kv_cache"][..., 512:528].view(torch.float32).mul_(2.0**16)
+    values = dequantised(big)
+    assert values[values.isfinite()].abs().max() > 2 * 65504  # past fp16's range
+    ref_out, ref_lse = _reference_in_q_dtype(big, "cuda-sm80")  # float32, no rounding of values
+    for splits in (None, 1, 5):
+        out, lse = mla_decode(**big, num_kv_splits=splits, _backend="cuda-sm80")
+        assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [64, 128])
 @pytest.mark.parametrize("heads", [16, 64, 100, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -4,23 +4,28 @@
 
 ``csrc/mla_decode_sm80.cu`` builds its mma B fragments on an fp8 cache straight from the stored
 bytes in shared memory, in a permuted k order (q . k) and a permuted dim order (p . V), and
-converts e4m3 to q's dtype with integer operations (``mla_decode_fp8.cuh``). No GPU checks that
-before it runs, so this script replays it: the index maps below are the CUDA expressions line by
-line (``fp8_qk_dim``, ``fp8_byte``, ``kRawStride``, the lane's loads, ``e4m3x2_to``, ``bf16x2_to``,
-the epilogue's columns), the shared memory is the bytes the copies leave there (rows past the
-split's end zero-filled, row padding and q's padding poisoned with NaN bytes), and each
+converts e4m3 to the products' type (``mla_decode_fp8.cuh``): before sm_89 q's dtype, by integer
+operations; from sm_89 fp16 whatever q's dtype, by cvt, bf16 q times a power of two
+(``fp16_range_scale``) and fp8_ds_mla's p x scale times a power of two set a tile at a time. No GPU
+checks that before it runs, so this script replays it: the index maps below are the CUDA
+expressions line by line (``fp8_qk_dim``, ``fp8_byte``, ``kRawStride``, the lane's loads, the byte
+permutes, ``e4m3x2_to`` / ``e4m3x4_to``, ``bf16x2_to``, ``q_pair``, the tile's ``p_scale``, the
+epilogue's columns), the shared memory is the bytes the copies leave there (rows past the split's
+end zero-filled, row padding and q's padding poisoned with NaN bytes), and each
 ``mma.m16n8k16`` is computed in float64 from the fragment registers the lanes hold, by the PTX
-fragment layout. It prints, for each layout and each e4m3 conversion (bf16; fp16 by integer
-operations before sm_89 and by cvt after):
+fragment layout. It prints, for each layout and each of the kernel's cases (``CASES``: q's
+dtype, the GPU, the conversion):
 
 1. the conversions against torch's float8_e4m3fn -> bfloat16 / float16 on all 256 bytes (bit for
    bit on the 254 finite ones);
 2. one tile's scores S (16 heads x 32 tokens) and output O (16 x 512) against a direct float64
-   computation of the same step on the dequantised tile (maps right: equal to rounding order);
+   computation of the same step on the dequantised tile (maps right: equal to rounding order),
+   also with bf16 q 2^20 and 2^-40 times its size (the softmax scale the inverse);
 3. the shared-memory bank conflicts of every fragment load;
-4. on the GPU tests' own fp8_ds_mla cases, how far the kernel's arithmetic (scales applied in
-   float32 to the scores and p) lands from the Triton kernel's (e4m3 x scale rounded to q's
-   dtype) and from the tests' reference, beside the tests' tolerances.
+4. on the GPU tests' own fp8_ds_mla cases, how far the kernel's arithmetic on sm_89+ (scales
+   applied in float32 to the scores and p, p x scale rounded to fp16) lands from the Triton
+   kernel's (e4m3 x scale rounded to q's dtype) and from the tests' reference, beside the tests'
+   tolerances.
 """
 
 from __future__ import annotations
@@ -42,7 +47,25 @@ STORED = {"fp8_e4m3": 576, "fp8_ds_mla": 656}  # kStoredRowBytes
 RAW_STRIDE = {"fp8_e4m3": 576 + 16, "fp8_ds_mla": 656}  # kRawStride
 PV_DIMS = C // WARPS  # kPVDims
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-ROUTES = [("bf16", "bf16"), ("fp16", "fp16-int"), ("fp16", "fp16-cvt")]  # (q's dtype, e4m3 conversion)
+ROUTES = [("bf16", "bf16"), ("fp16", "fp16-int"), ("fp16", "fp16-cvt")]  # (products' dtype, e4m3 conversion)
+# The kernel's cases (MmaType): q's dtype, the GPU, and the e4m3 conversion its products take: before
+# sm_89 the products run in q's dtype; from sm_89 in fp16 whatever q's dtype (bf16 q times q_scale)
+CASES = [("bf16", "sm_80", "bf16"), ("fp16", "sm_80", "fp16-int"), ("bf16", "sm_89+", "fp16-cvt"),
+         ("fp16", "sm_89+", "fp16-cvt")]
+
+
+def mma_dtype(route: str) -> torch.dtype:
+    """The products' dtype of an e4m3 conversion route."""
+    return torch.bfloat16 if route == "bf16" else torch.float16
+
+
+def fp16_range_scale(x: float) -> float:
+    """fp16_range_scale (mla_decode_fp8.cuh): the power of two taking x >= 0 to [2^14, 2^15), at
+    most 2^126; 1 for inf or NaN."""
+    e = int(np.float32(x).view(np.uint32) >> 23) & 0xFF
+    if e == 0xFF:
+        return 1.0
+    return 2.0 ** min(14 - (e - 127), 126)
 
 # ---------------------------------------------------------------------------------------------
 # The CUDA index maps and conversions, as written in csrc/
@@ -194,16 +217,25 @@ def a_fragment_rowmajor(m_bits):
 # One tile through the kernel's fp8 path
 
 
-def kernel_scores(kind, route, q_bits, raw):
-    """The q . k part: each warp dq's partial scores through red_s, summed over dq: (16, 32)."""
-    dtype = DTYPES["bf16" if route == "bf16" else "fp16"]
+def kernel_scores(kind, route, q_bits, raw, q_dtype):
+    """The q . k part: each warp dq's partial scores through red_s, summed over dq: (16, 32), and
+    divided by q_scale (the kernel folds 1 / q_scale into the softmax scale)."""
+    dtype = mma_dtype(route)
+    q_scale = 1.0
+    if dtype != q_dtype:  # bf16 q into fp16 products: times the power of two of its largest |q|
+        q_scale = fp16_range_scale(np.abs(t_values(q_bits[:, :D], q_dtype)).max())
     red = np.zeros((4, HEADS, TILE))
     for dq in range(4):
         qf = []
         for ks in range(QK_STEPS):  # q's A fragments: 64-bit loads of rows g and g + 8 at dim d
             d = fp8_qk_dim(dq, ks) + 4 * CC
-            lo = pack(q_bits[G, d], q_bits[G, d + 1]), pack(q_bits[G, d + 2], q_bits[G, d + 3])
-            hi = pack(q_bits[G + 8, d], q_bits[G + 8, d + 1]), pack(q_bits[G + 8, d + 2], q_bits[G + 8, d + 3])
+            # q_pair: each value times q_scale, rounded to the step's products' type (the rope
+            # step of fp8_ds_mla stays in q's dtype)
+            step = q_dtype if kind == "fp8_ds_mla" and ks == QK_LATENT_STEPS else dtype
+            qb = t_bits((t_values(q_bits, q_dtype) * q_scale).astype(np.float32), step) if q_scale != 1.0 \
+                or step != q_dtype else q_bits
+            lo = pack(qb[G, d], qb[G, d + 1]), pack(qb[G, d + 2], qb[G, d + 3])
+            hi = pack(qb[G + 8, d], qb[G + 8, d + 1]), pack(qb[G + 8, d + 2], qb[G + 8, d + 3])
             qf.append([lo[0], hi[0], lo[1], hi[1]])
         s = np.zeros((TILE // 8, 32, 4))
         for ks in range(QK_STEPS):
@@ -218,35 +250,40 @@ def kernel_scores(kind, route, q_bits, raw):
             d = fp8_qk_dim(dq, ks) + 4 * CC
             for j in range(TILE // 8):
                 row = (j * 8 + G) * raw.stride
-                if kind == "fp8_ds_mla" and ks == QK_LATENT_STEPS:
+                if kind == "fp8_ds_mla" and ks == QK_LATENT_STEPS:  # in q's dtype
                     vx, vy = raw.word(row + fp8_byte(kind, d), "qk rope (64-bit)", 8)
-                    b0, b1 = bf16x2_to(dtype, vx), bf16x2_to(dtype, vy)
-                else:
+                    mma16816(s[j], qf[ks], bf16x2_to(q_dtype, vx), bf16x2_to(q_dtype, vy), q_dtype)
+                else:  # e4m3x4_to: the word's bytes 0, 1 and 2, 3 as two pairs
                     v = raw.word(row + fp8_byte(kind, d), "qk e4m3")
-                    b0, b1 = e4m3x2_to(route, v, v, 0, 1), e4m3x2_to(route, v, v, 2, 3)
-                mma16816(s[j], qf[ks], b0, b1, dtype)
+                    mma16816(s[j], qf[ks], e4m3x2_to(route, v, v, 0, 1), e4m3x2_to(route, v, v, 2, 3), dtype)
         for j in range(TILE // 8):  # the red_s writes: rows g, g + 8, tokens 8j + 2c, + 1
             tok = j * 8 + CC * 2
             red[dq, G, tok], red[dq, G, tok + 1] = s[j, :, 0], s[j, :, 1]
             red[dq, G + 8, tok], red[dq, G + 8, tok + 1] = s[j, :, 2], s[j, :, 3]
-    return red.sum(axis=0)
+    return red.sum(axis=0) / q_scale
 
 
-def p_scale_of(kind, dtype):
-    """The kernel's kPScale: fp8_ds_mla with fp16 q takes p x scale 2^8 larger (clear of fp16's
-    subnormals) and the output 2^8 smaller; 1 otherwise."""
-    return 256.0 if kind == "fp8_ds_mla" and dtype == torch.float16 else 1.0
+def p_scales(kind, dtype, raw):
+    """Each warp's p_scale for the tile (one tile: the first, from 2^126): fp8_ds_mla in fp16
+    products takes p x scale times the power of two of the tile's largest scale of its group; 1
+    otherwise. (4,) float32, warp w's is group w's."""
+    if kind != "fp8_ds_mla" or dtype != torch.float16:
+        return np.ones(WARPS, dtype=np.float32)
+    lane = np.arange(32)  # lane i reads token i's scale of the warp's group (TILE = 32)
+    top = [raw.float32(lane * raw.stride + DS_SCALES + 4 * w, "pv tile scale").max() for w in range(WARPS)]
+    return np.array([min(2.0**126, fp16_range_scale(t)) for t in top], dtype=np.float32)
 
 
 def kernel_output(kind, route, p32, raw):
     """The p . V part: p (16, 32) float32 as the softmax leaves it -> out (16, 512) before 1 / l
-    (and with fp8_ds_mla's kPScale taken back out, as the kernel's epilogue does)."""
-    dtype = DTYPES["bf16" if route == "bf16" else "fp16"]
-    p_scale = p_scale_of(kind, dtype)
+    (and with fp8_ds_mla's p_scale taken back out, as the kernel's epilogue does)."""
+    dtype = mma_dtype(route)
+    p_scale_w = p_scales(kind, dtype, raw)
     out = np.full((HEADS, C), np.nan)
     written = np.zeros((HEADS, C), dtype=int)
-    p_bits = t_bits(p32, dtype)  # p_s in T (fp8_e4m3)
+    p_bits = t_bits(p32, dtype)  # p_s in the products' type (fp8_e4m3)
     for w in range(WARPS):
+        p_scale = p_scale_w[w]
         acc = np.zeros((PV_DIMS // 8, 32, 4))
         for ks in range(TILE // 16):
             k0 = ks * 16
@@ -269,9 +306,14 @@ def kernel_output(kind, route, p32, raw):
             for q4 in range(PV_DIMS // 32):
                 d = w * PV_DIMS + q4 * 32 + 4 * G
                 v = [raw.word(rows[i] + d, "pv e4m3") for i in range(4)]
+                # two permutes a row pair put bytes j of both rows side by side (j = 0, 1 in
+                # one word, 2, 3 in the other); e4m3x4_to converts each word as two pairs
+                b = []
+                for r0, r1 in ((v[0], v[1]), (v[2], v[3])):
+                    words = byte_perm(r0, r1, 0x5140), byte_perm(r0, r1, 0x7362)
+                    b.append([e4m3x2_to(route, x, x, lo, lo + 1) for x in words for lo in (0, 2)])
                 for j in range(4):
-                    mma16816(acc[4 * q4 + j], pf, e4m3x2_to(route, v[0], v[1], j, 4 + j),
-                             e4m3x2_to(route, v[2], v[3], j, 4 + j), dtype)
+                    mma16816(acc[4 * q4 + j], pf, b[0][j], b[1][j], dtype)
         for q4 in range(PV_DIMS // 32):  # the epilogue: lane c's dims col .. col + 7 in pairs
             col = w * PV_DIMS + q4 * 32 + CC * 8
             for half in range(2):
@@ -281,31 +323,31 @@ def kernel_output(kind, route, p32, raw):
                     for pair in range(2):
                         for x in range(2):
                             at = col + 4 * e + 2 * pair + x
-                            out[h, at] = acc[4 * q4 + 2 * pair + x, :, k]
+                            out[h, at] = acc[4 * q4 + 2 * pair + x, :, k] / p_scale
                             np.add.at(written, (h, at), 1)
     assert (written == 1).all(), "the epilogue writes every (head, dim) once"
-    return out / p_scale
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
 # The direct computation on the dequantised tile
 
 
-def direct(kind, dtype, q_bits, rows, valid, kv_scale, p32):
+def direct(kind, dtype, q_bits, rows, valid, kv_scale, p32, q_dtype, p_scale_w):
     """S (16, valid) and O (16, 512) from the definitions, in float64: the dequantised values
     (e4m3 x scale in float64; fp8_e4m3 unscaled, as the kernel folds its scale elsewhere), and
-    for O the kernel's p in q's dtype (fp8_ds_mla: p x group scale in float32, rounded once)."""
-    q = t_values(q_bits[:, :D], dtype)  # (16, 576)
+    for O the kernel's p in the products' type `dtype` (fp8_ds_mla: p x group scale x the warp's
+    p_scale in float32, rounded once)."""
+    q = t_values(q_bits[:, :D], q_dtype)  # (16, 576)
     rows = rows[:valid]
     e4 = e4m3_values(rows[:, :C])  # (valid, 512)
     if kind == "fp8_ds_mla":
         scale = rows[:, DS_SCALES: DS_SCALES + 16].copy().view(np.float32).astype(np.float64)  # (valid, 4)
         rope_bf16 = rows[:, DS_ROPE: DS_ROPE + 2 * R].copy().view(np.uint16)
-        rope = t_values(t_bits(t_values(rope_bf16, torch.bfloat16), dtype), dtype)  # bf16 -> T
+        rope = t_values(t_bits(t_values(rope_bf16, torch.bfloat16), q_dtype), q_dtype)  # bf16 -> q's dtype
         k = np.concatenate([e4 * np.repeat(scale, GROUP, axis=1), rope], axis=1)
-        p_scale = np.float32(p_scale_of(kind, dtype))
-        pq = np.stack([t_values(t_bits(p32[:, :valid].astype(np.float32) * (p_scale * scale[:, g].astype(np.float32)),
-                                       dtype), dtype) / float(p_scale)
+        pq = np.stack([t_values(t_bits(p32[:, :valid].astype(np.float32) * (p_scale_w[g] * scale[:, g].astype(np.float32)),
+                                       dtype), dtype) / float(p_scale_w[g])
                        for g in range(4)])  # (4 groups, 16, valid)
         o = np.concatenate([pq[g] @ e4[:, g * GROUP:(g + 1) * GROUP] for g in range(4)], axis=1)
     else:
@@ -368,32 +410,35 @@ def check_tile(seed=0):
             stored = fp8.quantize_ds_mla(kv_c, k_pe)
             deq32 = torch.cat(fp8.dequantize_ds_mla(stored, C, R), dim=-1).double().numpy()
             rows = stored.numpy()
-        for dtype_name, route in ROUTES:
-            dtype = DTYPES[dtype_name]
-            for valid in (32, 19):
-                q = torch.randn(HEADS, D, generator=gen)
+        for q_name, arch, route in CASES:
+            q_dtype, dtype = DTYPES[q_name], mma_dtype(route)
+            for valid, q_size in ((32, 1.0), (19, 1.0), (32, 2.0**20), (32, 2.0**-40)):
+                q = torch.randn(HEADS, D, generator=gen) * q_size
+                if q_size != 1.0 and q_dtype == torch.float16:
+                    continue  # fp16 q holds neither
                 q_bits = np.full((HEADS, K_ROW_STRIDE), 0x7FFF, dtype=np.uint16)  # padding: NaN
-                q_bits[:, :D] = t_bits(q.numpy(), dtype)
+                q_bits[:, :D] = t_bits(q.numpy(), q_dtype)
                 raw = Raw(kind, rows, valid)
-                s = kernel_scores(kind, route, q_bits, raw)
+                s = kernel_scores(kind, route, q_bits, raw, q_dtype)
                 assert not np.isnan(s).any() and (s[:, valid:] == 0).all(), "zero-filled rows score 0"
                 # the softmax as the kernel's: -inf past the split, p = exp2(v - m) in float32
-                v = np.where(np.arange(TILE) < valid, s * kv_scale * (D ** -0.5) * math.log2(math.e), -np.inf)
+                v = np.where(np.arange(TILE) < valid, s * kv_scale * (D ** -0.5 / q_size) * math.log2(math.e), -np.inf)
                 p32 = np.exp2(v - v.max(axis=1, keepdims=True)).astype(np.float32)
                 o = kernel_output(kind, route, p32, raw)
-                s_ref, o_ref = direct(kind, dtype, q_bits, rows, valid, kv_scale, p32)
+                s_ref, o_ref = direct(kind, dtype, q_bits, rows, valid, kv_scale, p32, q_dtype,
+                                      p_scales(kind, dtype, raw))
                 err_s = np.abs(s[:, :valid] - s_ref).max() / np.abs(s_ref).max()
                 err_o = np.abs(o - o_ref).max() / np.abs(o_ref).max()
                 # against mla.kernels.fp8's own float32 dequantisation of the same bytes
-                q64 = t_values(q_bits[:, :D], dtype)
+                q64 = t_values(q_bits[:, :D], q_dtype)
                 deq = deq32[:valid].copy()
-                if kind == "fp8_ds_mla" and dtype == torch.float16:  # the kernel's bf16 rope -> fp16
-                    deq[:, C:] = t_values(t_bits(deq[:, C:], dtype), dtype)
+                if kind == "fp8_ds_mla" and q_dtype == torch.float16:  # the kernel's bf16 rope -> fp16
+                    deq[:, C:] = t_values(t_bits(deq[:, C:], q_dtype), q_dtype)
                 s_fp8 = q64 @ deq.T
                 err_fp8 = np.abs(s[:, :valid] * kv_scale - s_fp8).max() / np.abs(s_fp8).max()
                 o_exact = p32[:, :valid].astype(np.float64) @ deq[:, :C]  # p unrounded, values x scale
                 err_exact = np.abs(o * (kv_scale if kind == "fp8_e4m3" else 1.0) - o_exact).max() / np.abs(o_exact).max()
-                print(f"   {kind:10s} {dtype_name} {route:8s} valid {valid:2d}: S {err_s:.1e}, O {err_o:.1e} "
+                print(f"   {kind:10s} q {q_name} x 2^{int(math.log2(q_size)):<3d} {arch:5s} {route:8s} valid {valid:2d}: S {err_s:.1e}, O {err_o:.1e} "
                       f"(S vs fp8.dequantize_* {err_fp8:.1e}; O vs unrounded p {err_exact:.1e})")
                 assert err_s < 1e-12 and err_o < 1e-12 and not np.isnan(o).any()
                 assert err_fp8 < 1e-6
@@ -419,7 +464,9 @@ def conflict(addr, size):
 def attention_ways(q, rows, dtype, softmax_scale):
     """One sequence's (out, lse) four ways, float64 but for the roundings named: "kernel" (scores
     scale x (q . e4m3) per group + q_rope . rope, p x the token's group scale rounded once to
-    q's dtype), "triton" (values e4m3 x scale rounded to q's dtype, p rounded), "reference" (the
+    fp16, the products' type on sm_89+, times p_scale: here one for the sequence, the power of
+    two of its largest scale of the group, where the kernel sets it a tile at a time, which
+    changes nothing unless a product lands among fp16's subnormals), "triton" (values e4m3 x scale rounded to q's dtype, p rounded), "reference" (the
     tests' _reference_in_q_dtype: those values, p not rounded), "exact" (values e4m3 x scale)."""
     e4 = e4m3_values(rows[:, :C])  # (n, 512)
     scale = rows[:, DS_SCALES: DS_SCALES + 16].copy().view(np.float32).astype(np.float64)  # (n, 4)
@@ -439,7 +486,9 @@ def attention_ways(q, rows, dtype, softmax_scale):
         p = np.exp(z - m)
         l = p.sum(axis=1)
         if name == "kernel":
-            o = np.concatenate([t_values(t_bits((p * scale[None, :, g]).astype(np.float32), dtype), dtype)
+            k = [fp16_range_scale(scale[:, g].max()) for g in range(4)]
+            o = np.concatenate([t_values(t_bits((p * (k[g] * scale[None, :, g])).astype(np.float32), torch.float16),
+                                         torch.float16) / k[g]
                                 @ e4[:, g * GROUP:(g + 1) * GROUP] for g in range(4)], axis=1)
         elif name == "triton":
             o = t_values(t_bits(p.astype(np.float32), dtype), dtype) @ rounded
@@ -454,7 +503,7 @@ def check_semantics():
     make_fp8_case at V3 sizes, seeds and lengths as the tests pick them), through attention_ways."""
     from tests.test_kernels_decode_fp8 import SM80_LENGTHS, SM90_LENGTHS, make_fp8_case
 
-    print("4. fp8_ds_mla on the sm_80 GPU tests' cases: the kernel's arithmetic vs the Triton kernel's")
+    print("4. fp8_ds_mla on the sm_80 GPU tests' cases: the kernel's arithmetic on sm_89+ vs the Triton kernel's")
     print("   (the tests: lse within 5e-3 for this kernel's ds_mla, 1e-3 for the rest), vs the Triton-")
     print("   rounded reference (lse 1e-2; out 1e-2 of its largest |out| for both), and the kernel's and")
     print("   Triton's vs the exact attention on the dequantised cache (the tests' reference for this")

@@ -110,7 +110,8 @@ def mla_decode(
             scores and the output; ds_mla values times their group's scale in float32, rounded
             once (exact for float32 q). ``"cuda-sm90"`` computes the same values into its tiles
             in shared memory; ``"cuda-sm80"`` reads the e4m3 values exactly into its mma
-            fragments and applies ds_mla's group scales in float32 to the scores and p. Both run
+            fragments (fp16 products on sm_89 and later, q brought into fp16's range by a power
+            of two) and applies ds_mla's group scales in float32 to the scores and p. Both run
             fp8 caches by default where they apply (``mla.kernels.backends``).
         kv_scale: ``"fp8_e4m3"`` only (None otherwise): the cache's one scale, a float or a
             1-element float32 tensor on q's device or the CPU, finite and at least 2^-126
