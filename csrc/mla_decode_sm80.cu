@@ -49,8 +49,8 @@
 //
 // Why a second kernel: at 16 heads the Triton program holds 255 registers and spills (each warp
 // keeps the whole (16, 576) query and a full tile's operand fragments) and keeps one tile in
-// flight. Here the fragments are loaded a k-step at a time (229-236 registers on sm_90 by nvcc
-// version, 254 on sm_80, no spills), the query's fragments stay in registers, and on an
+// flight. Here the fragments are loaded a k-step at a time (165-184 registers with nvcc 13, for
+// sm_90 and sm_80, no spills), the query's fragments stay in registers, and on an
 // H100/H200 (228 KiB of shared memory an SM) two CTAs share an SM, each with a tile in flight
 // while it computes the other (an A100 fits one; GPUs with less than the 103 KiB a block needs,
 // sm_86/89/120, run the Triton kernel on a cache in q's dtype; the fp8 shapes' 67-72 KiB fit them,
