@@ -243,6 +243,7 @@ __global__ void concat_and_cache_mla_kernel(
 constexpr int kDsMlaWarps = 8;            // tokens a block of 256 threads
 constexpr int kDsMlaValuesPerLane = 16;   // 32 lanes x 16 = 512 latent values a sweep
 constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kDsMlaRopeAhead = 2;        // rope values a lane reads before the slot: r <= 64 all
 
 // max(a, b) where a NaN wins: the combine of torch.amax, associative so any reduction order
 // gives the same bits.
@@ -290,27 +291,31 @@ __global__ void concat_and_cache_ds_mla_kernel(
   const int lane = threadIdx.x % 32;
   const int64_t token = static_cast<int64_t>(blockIdx.x) * kDsMlaWarps + threadIdx.x / 32;
   if (token >= num_tokens) return;
-  const int64_t slot = slot_mapping[token];
-  // -1 is padding; slots past the cache are rejected by the Python wrapper, skipped here so a
-  // direct caller of torch.ops.mla cannot write out of bounds
-  if (slot < 0 || slot >= num_slots) return;
-
   const int64_t c = kv_lora_rank, r = rope_dim, groups = c / kDsMlaGroup;
-  uint8_t* row = kv_cache + slot * (c + 4 * groups + 2 * r);
   const in_t* src_c = kv_c + token * stride_kv_c;
   const in_t* src_r = k_pe + token * stride_k_pe;
 
-  // ---- the latent, 512 values (4 groups) a sweep
-  for (int64_t base = 0; base < c; base += 32 * kDsMlaValuesPerLane) {
-    const int64_t e = base + lane * kDsMlaValuesPerLane;  // this lane's first value
-    const bool active = e < c;  // c is a multiple of 128: a group's 8 lanes agree
-    float x[kDsMlaValuesPerLane];
-    if (active) {
+  // ---- the token's first sweep of latent values, its first 2 x 32 rope values and its slot are
+  // asked for together, and the sweep's group scales computed, before the slot is tested: a
+  // warp makes one round trip to memory before it stores, not one for the slot and one for the
+  // values. A padding token's values are read and dropped.
+  float x[kDsMlaValuesPerLane];
+  auto load_sweep = [&](int64_t e) {  // this lane's 16 values from e, zeros past c
+    if (e < c) {
       load16<in_t, VEC_IN>(src_c + e, x);
     } else {
 #pragma unroll
       for (int t = 0; t < kDsMlaValuesPerLane; ++t) x[t] = 0.0f;
     }
+  };
+  load_sweep(lane * kDsMlaValuesPerLane);
+  float pe[kDsMlaRopeAhead];
+#pragma unroll
+  for (int k = 0; k < kDsMlaRopeAhead; ++k) pe[k] = lane + 32 * k < r ? to_float(src_r[lane + 32 * k]) : 0.0f;
+  const int64_t slot = slot_mapping[token];
+
+  // group g's scale of the values in x: the amax over the group's 8 lanes (three xor-shuffles)
+  auto sweep_scale = [&]() {
     float amax = 0.0f;
 #pragma unroll
     for (int t = 0; t < kDsMlaValuesPerLane; ++t) amax = nan_max(fabsf(x[t]), amax);
@@ -323,7 +328,22 @@ __global__ void concat_and_cache_ds_mla_kernel(
     const float min_scale = __int_as_float(0x00800000);  // 2^-126, the smallest normal float
     if (scale < min_scale) scale = min_scale;
     if (isnan(scale)) scale = __int_as_float(0x7fc00000);  // the positive quiet NaN, as on the CPU
-    if (!active) continue;
+    return scale;
+  };
+  float scale = sweep_scale();
+  // -1 is padding; slots past the cache are rejected by the Python wrapper, skipped here so a
+  // direct caller of torch.ops.mla cannot write out of bounds
+  if (slot < 0 || slot >= num_slots) return;
+  uint8_t* row = kv_cache + slot * (c + 4 * groups + 2 * r);
+
+  // ---- the latent, 512 values (4 groups) a sweep
+  for (int64_t base = 0; base < c; base += 32 * kDsMlaValuesPerLane) {
+    const int64_t e = base + lane * kDsMlaValuesPerLane;  // this lane's first value
+    if (base > 0) {
+      load_sweep(e);
+      scale = sweep_scale();
+    }
+    if (e >= c) continue;  // c is a multiple of 128: a group's 8 lanes agree
 
     float v[kDsMlaValuesPerLane];
     if (reciprocal_divides(scale)) {  // all but groups of tiny values, NaN or inf: see divide
@@ -351,10 +371,11 @@ __global__ void concat_and_cache_ds_mla_kernel(
     }
   }
 
-  // ---- the rope part in bf16, lanes striding over its r values
+  // ---- the rope part in bf16, lanes striding over its r values (the first kDsMlaRopeAhead of
+  // each lane read above)
   uint8_t* rope = row + c + 4 * groups;
-  for (int64_t e = lane; e < r; e += 32) {
-    const __nv_bfloat16 y = to_bf16(src_r[e]);
+  auto store_rope = [&](int64_t e, float value) {
+    const __nv_bfloat16 y = to_bf16(value);
     if constexpr (VEC_OUT) {
       reinterpret_cast<__nv_bfloat16*>(rope)[e] = y;
     } else {
@@ -362,7 +383,12 @@ __global__ void concat_and_cache_ds_mla_kernel(
       rope[2 * e] = static_cast<uint8_t>(bits);
       rope[2 * e + 1] = static_cast<uint8_t>(bits >> 8);
     }
+  };
+#pragma unroll
+  for (int k = 0; k < kDsMlaRopeAhead; ++k) {
+    if (lane + 32 * k < r) store_rope(lane + 32 * k, pe[k]);
   }
+  for (int64_t e = lane + 32 * kDsMlaRopeAhead; e < r; e += 32) store_rope(e, to_float(src_r[e]));
 }
 
 template <typename in_t>
