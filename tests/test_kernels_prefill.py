@@ -813,7 +813,8 @@ def test_gpu_sdpa_prefill_stores_no_score():
 def test_gpu_layer_prefill_backends_agree(workspace, monkeypatch):
     """V2-Lite in bf16: prompts of one length (auto takes SDPA on the GPU), then ragged prompts
     (auto keeps the kernel), each prefill_backend against the absorbed tier; with a 300-token
-    workspace step 1 runs in head groups (cuDNN and the kernel on strided head views)."""
+    workspace step 1 runs in head groups (cuDNN and the kernel on strided head views). Every
+    row is at least PREFILL_CROSSOVER tokens long, so every row up-projects."""
     import mla
 
     ran = []
@@ -824,7 +825,7 @@ def test_gpu_layer_prefill_backends_agree(workspace, monkeypatch):
     weights = MLAWeights(cfg, dtype=torch.bfloat16, device="cuda", seed=0)
     absorbed = mla.build(weights, "absorbed")
     assert choose_prefill_backend("auto", "cuda", equal_rows=True) == "sdpa"
-    for lengths in ([700, 700], [700, 90]):
+    for lengths in ([700, 700], [700, 600]):
         x = torch.randn(2, 700, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
         with torch.no_grad():
             ref = absorbed(x, absorbed.new_cache(2, 700), lengths)
@@ -835,7 +836,7 @@ def test_gpu_layer_prefill_backends_agree(workspace, monkeypatch):
                 assert torch.isfinite(out).all() and rel_err(out, ref) < 2e-2, (backend, lengths)
                 took_sdpa = backend == "sdpa" or (backend == "auto" and lengths[0] == lengths[1])
                 assert bool(ran) == took_sdpa, (backend, lengths, ran)
-                if workspace and took_sdpa:                        # 1400 or 790 tokens, 16 heads
+                if workspace and took_sdpa:                        # 1400 or 1300 tokens, 16 heads
                     assert len(ran) == -(-cfg.num_heads // head_group(sum(lengths), cfg.num_heads, workspace)) > 1
 
 
