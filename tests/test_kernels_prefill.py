@@ -445,7 +445,7 @@ def test_chunked_context_without_context_on_each_backend(news, monkeypatch):
     """No context: "sdpa" runs SDPA (no lse), "triton" the kernel, "auto" as the rule says for
     this device; the same output."""
     ran = []
-    for name in ("sdpa_prefill", "mla_prefill"):
+    for name in ("_sdpa_prefill_latent", "mla_prefill"):
         real = getattr(context_module, name)
         monkeypatch.setattr(context_module, name,
                             lambda *a, _real=real, _name=name, **k: ran.append(_name) or _real(*a, **k))
@@ -457,13 +457,13 @@ def test_chunked_context_without_context_on_each_backend(news, monkeypatch):
         out, lse = chunked_context_prefill(**case, backend=backend)
         assert rel_err(out, ref_out) < 1e-5, backend
         runs_sdpa = (auto if backend == "auto" else backend) == "sdpa"
-        assert ran == (["sdpa_prefill"] if runs_sdpa else ["mla_prefill"]), backend
+        assert ran == (["_sdpa_prefill_latent"] if runs_sdpa else ["mla_prefill"]), backend
         assert (lse is None) == runs_sdpa
 
 
 def test_chunked_context_with_context_stays_on_the_kernel(monkeypatch):
     """One row with context is enough: every row needs the lse for the merge."""
-    monkeypatch.setattr(context_module, "sdpa_prefill", lambda *a, **k: pytest.fail("SDPA ran with context"))
+    monkeypatch.setattr(context_module, "_sdpa_prefill_latent", lambda *a, **k: pytest.fail("SDPA ran with context"))
     case, context_rows = make_context_case([6, 6], [0, 9], page=4)
     ref_out, ref_lse = context_reference(case, context_rows)
     for backend in PREFILL_BACKENDS:
@@ -508,6 +508,33 @@ def test_sdpa_joins_adjacent_query_parts_without_a_copy():
     assert torch.equal(leaf.grad, torch.ones_like(leaf))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_keys_values_are_the_up_projection_in_sdpas_layout(dtype):
+    """One matmul gives k = [W_UK kv_c | k_pe] and v = W_UV kv_c for a head group, as views of
+    one buffer with contiguous heads (what SDPA reads without a copy); k's rope part is k_pe
+    itself, and kv_b_proj's weight and the latent rows are left as they were."""
+    from mla.kernels.sdpa import _latent_keys_values
+    gen = torch.Generator().manual_seed(1)
+    t, h, d, r, dv, c = 37, 5, 16, 8, 12, 24
+    w = torch.randn(h, d + dv, c, generator=gen).to(dtype)               # kv_b_proj's (h, d + v, c)
+    kv_c, k_pe = torch.randn(t, c, generator=gen).to(dtype), torch.randn(t, r, generator=gen).to(dtype)
+    before = [x.clone() for x in (w, kv_c, k_pe)]
+    for h0, h1 in ((0, h), (1, 4)):
+        W_UK, W_UV = w[h0:h1, :d], w[h0:h1, d:]
+        k, v = _latent_keys_values(kv_c.to(DEVICE), k_pe.to(DEVICE), W_UK.to(DEVICE), W_UV.to(DEVICE))
+        g = h1 - h0
+        assert k.shape == (t, g, d + r) and v.shape == (t, g, dv) and k.dtype == v.dtype == dtype
+        assert k.stride()[1:] == (d + r, 1) and v.stride()[1:] == (dv, 1)
+        assert k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+        k_nope_ref = torch.einsum("tc,gdc->tgd", kv_c.double(), W_UK.double())
+        v_ref = torch.einsum("tc,gvc->tgv", kv_c.double(), W_UV.double())
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert rel_err(k[..., :d].cpu(), k_nope_ref) < tol and rel_err(v.cpu(), v_ref) < tol
+        assert torch.equal(k[..., d:].cpu(), k_pe[:, None].expand(-1, g, -1))
+    for x, x0 in zip((w, kv_c, k_pe), before):
+        assert torch.equal(x, x0)
+
+
 def test_head_group_rule():
     assert head_group(100, 8, 16384) == 8              # a short prompt: every head at once
     assert head_group(32768, 128, 16384) == 64         # twice the workspace: half the heads
@@ -542,7 +569,7 @@ def test_chunked_context_in_head_groups(backend, contexts, monkeypatch):
     """A budget below total_q x h token-heads cuts step 1 into head groups (5 heads: 2, 2, 1):
     the same out and lse as the reference, each group's keys and values only its heads'."""
     seen = []
-    name = "sdpa_prefill" if backend == "sdpa" else "mla_prefill"
+    name = "_sdpa_prefill_latent" if backend == "sdpa" else "mla_prefill"
     real = getattr(context_module, name)
     monkeypatch.setattr(context_module, name,
                         lambda *a, **k: seen.append((a[0].shape[1], a[2].shape[0])) or real(*a, **k))
@@ -580,7 +607,7 @@ def test_layer_prefill_backend_option(monkeypatch):
     import mla
 
     ran = []
-    for name in ("sdpa_prefill", "mla_prefill"):
+    for name in ("_sdpa_prefill_latent", "mla_prefill"):
         real = getattr(context_module, name)
         monkeypatch.setattr(context_module, name,
                             lambda *a, _real=real, _name=name, **k: ran.append(_name) or _real(*a, **k))
@@ -617,8 +644,8 @@ def test_layer_prefill_backend_option(monkeypatch):
         # the equal prompts as the option says; the extend on the kernel (the new tokens, then
         # one context chunk); the ragged prompts on SDPA only where forced ("auto" keeps ragged
         # rows on the kernel)
-        first = "sdpa_prefill" if sdpa_if_no_context[backend] == "sdpa" else "mla_prefill"
-        last = "sdpa_prefill" if backend == "sdpa" else "mla_prefill"
+        first = "_sdpa_prefill_latent" if sdpa_if_no_context[backend] == "sdpa" else "mla_prefill"
+        last = "_sdpa_prefill_latent" if backend == "sdpa" else "mla_prefill"
         assert runs == [[first], ["mla_prefill", "mla_prefill"], [last]], backend
     for bad in ("cudnn", None, True, "SDPA"):
         with pytest.raises(ValueError, match="prefill_backend must be one of"):
@@ -786,18 +813,19 @@ def test_gpu_sdpa_prefill_stores_no_score():
 def test_gpu_layer_prefill_backends_agree(workspace, monkeypatch):
     """V2-Lite in bf16: prompts of one length (auto takes SDPA on the GPU), then ragged prompts
     (auto keeps the kernel), each prefill_backend against the absorbed tier; with a 300-token
-    workspace step 1 runs in head groups (cuDNN and the kernel on strided head views)."""
+    workspace step 1 runs in head groups (cuDNN and the kernel on strided head views). Every
+    row is at least PREFILL_CROSSOVER tokens long, so every row up-projects."""
     import mla
 
     ran = []
-    real_sdpa = context_module.sdpa_prefill
-    monkeypatch.setattr(context_module, "sdpa_prefill",
+    real_sdpa = context_module._sdpa_prefill_latent
+    monkeypatch.setattr(context_module, "_sdpa_prefill_latent",
                         lambda *a, **k: ran.append("sdpa") or real_sdpa(*a, **k))
     cfg = MLAConfig.from_preset("deepseek-v2-lite")
     weights = MLAWeights(cfg, dtype=torch.bfloat16, device="cuda", seed=0)
     absorbed = mla.build(weights, "absorbed")
     assert choose_prefill_backend("auto", "cuda", equal_rows=True) == "sdpa"
-    for lengths in ([700, 700], [700, 90]):
+    for lengths in ([700, 700], [700, 600]):
         x = torch.randn(2, 700, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
         with torch.no_grad():
             ref = absorbed(x, absorbed.new_cache(2, 700), lengths)
@@ -808,7 +836,7 @@ def test_gpu_layer_prefill_backends_agree(workspace, monkeypatch):
                 assert torch.isfinite(out).all() and rel_err(out, ref) < 2e-2, (backend, lengths)
                 took_sdpa = backend == "sdpa" or (backend == "auto" and lengths[0] == lengths[1])
                 assert bool(ran) == took_sdpa, (backend, lengths, ran)
-                if workspace and took_sdpa:                        # 1400 or 790 tokens, 16 heads
+                if workspace and took_sdpa:                        # 1400 or 1300 tokens, 16 heads
                     assert len(ran) == -(-cfg.num_heads // head_group(sum(lengths), cfg.num_heads, workspace)) > 1
 
 

@@ -1,8 +1,8 @@
 """New tokens over a paged cached context in bounded memory, and the log-sum-exp merge.
 
 ``chunked_context_prefill``: the new tokens attend to themselves causally (one ``mla_prefill`` a
-group of heads, ``head_group``; ``sdpa_prefill`` instead where no sequence has context and its
-``backend`` says so), and to their context, gathered from the paged latent cache and
+group of heads, ``head_group``; torch SDPA instead, as ``sdpa_prefill`` runs it, where no
+sequence has context and its ``backend`` says so), and to their context, gathered from the paged latent cache and
 up-projected by W_UK and W_UV a chunk of at most ``workspace_tokens`` tokens at a time,
 non-causally (one ``mla_prefill`` a chunk); the pieces are merged by
 ``merge_attention_states``. Peak memory grows with the new tokens and the workspace, never with
@@ -21,7 +21,7 @@ import triton
 
 from . import fp8
 from .prefill import _check_prefill_inputs, _check_tensor, mla_prefill
-from .sdpa import PREFILL_BACKENDS, _joined, choose_prefill_backend, sdpa_prefill
+from .sdpa import PREFILL_BACKENDS, _joined, _sdpa_prefill_latent, choose_prefill_backend
 
 __all__ = ["chunked_context_prefill", "merge_attention_states", "head_group",
            "DEFAULT_WORKSPACE_TOKENS"]
@@ -292,11 +292,11 @@ def chunked_context_prefill(
 
     def attend_new(h0: int, h1: int):
         """Heads h0 .. h1 - 1 of the new tokens over themselves: out (total_q, g, v), lse or None."""
-        k_nope_new, v_new = up_project(kv_c, h0, h1)
         q_n, q_r = q_nope[:, h0:h1], q_pe[:, h0:h1]
-        if on_sdpa:
-            return sdpa_prefill(q_n, q_r, k_nope_new, k_pe, v_new, cu_seqlens_q, softmax_scale=softmax_scale,
-                                max_seqlen_q=max_seqlen_q), None
+        if on_sdpa:   # keys [k_nope | k_pe] made in SDPA's layout by the up-projection itself
+            return _sdpa_prefill_latent(q_n, q_r, kv_c, k_pe, W_UK[h0:h1], W_UV[h0:h1], cu_seqlens_q,
+                                        softmax_scale=softmax_scale, max_seqlen_q=max_seqlen_q), None
+        k_nope_new, v_new = up_project(kv_c, h0, h1)
         return mla_prefill(q_n, q_r, k_nope_new, k_pe, v_new, cu_seqlens_q, cu_seqlens_q,
                            softmax_scale=softmax_scale, causal=True, max_seqlen_q=max_seqlen_q,
                            max_seqlen_k=max_seqlen_q)

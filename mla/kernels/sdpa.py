@@ -3,7 +3,9 @@
 ``sdpa_prefill`` takes ``mla_prefill``'s arguments for new tokens attending causally to
 themselves (no cached context) and runs them through ``scaled_dot_product_attention``: cuDNN
 (then memory-efficient attention) on a GPU, faster there than the Triton kernel on long prompts.
-It returns no log-sum-exp, so it serves only calls with nothing to merge.
+It returns no log-sum-exp, so it serves only calls with nothing to merge. The paged layer's
+path (``chunked_context_prefill``) starts from the new tokens' latent rows instead and
+up-projects them straight into the key layout SDPA reads (``_latent_keys_values``).
 ``choose_prefill_backend`` says which of the two such a call runs on (``PREFILL_BACKENDS``).
 
 Shape letters as in ``mla.kernels.prefill``; m rows of one length in a batched call.
@@ -141,22 +143,68 @@ def sdpa_prefill(
         max_seqlen_q, max_seqlen_q, check_values,
     )
     total_q, h, _ = q_nope.shape
-    b = cu_seqlens_q.shape[0] - 1
     if total_q == 0 or h == 0:
         return q_nope.new_empty(total_q, h, v.shape[2])
     q = _joined(q_nope, q_pe)                                                   # (total_q, h, d + r)
     k = torch.cat([k_nope, k_pe[:, None].expand(-1, h, -1)], dim=-1)            # (total_q, h, d + r)
+    return _attend_rows(q, k, v, cu_seqlens_q, max_seqlen_q, float(softmax_scale))
+
+
+def _latent_keys_values(kv_c: torch.Tensor, k_pe: torch.Tensor, W_UK: torch.Tensor, W_UV: torch.Tensor):
+    """Keys k = [W_UK kv_c | k_pe] (t, g, d + r) and values W_UV kv_c (t, g, v) of t latent rows
+    kv_c (t, c), k_pe (t, r), for the g heads of W_UK (g, d, c) and W_UV (g, v, c) (eqs. 42, 45):
+    one matmul, whose output holds k in the layout SDPA reads.
+
+    The matmul's weight is kv_b_proj's rows in another order, with r zero rows after each head's
+    key rows: [W_UK_1; 0; W_UK_2; 0; ...; W_UV_1; ...; W_UV_g]. A latent row's output is then
+    every head's [k_nope | 0], then every head's v: k is its first g (d + r) columns once k_pe
+    is written into the zeros, v the rest, each head's values contiguous. Joining k_nope and
+    k_pe by a concatenation would read every key and write it a second time; the zero rows cost
+    r / (d + v) more matmul work instead (1/4 at DeepSeek's sizes).
+    """
+    g, d, c = W_UK.shape
+    r, dv = k_pe.shape[1], W_UV.shape[1]
+    w = W_UK.new_zeros(g * (d + r + dv), c)                                     # (g·(d+r+v), c)
+    w[:g * (d + r)].view(g, d + r, c)[:, :d] = W_UK
+    w[g * (d + r):].view(g, dv, c).copy_(W_UV)
+    kv = kv_c @ w.T                                                             # (t, g·(d+r+v))
+    k = kv[:, :g * (d + r)].view(-1, g, d + r)                                  # (t, g, d + r)
+    k[..., d:] = k_pe[:, None]
+    return k, kv[:, g * (d + r):].view(-1, g, dv)                               # (t, g, v)
+
+
+def _sdpa_prefill_latent(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                         W_UK: torch.Tensor, W_UV: torch.Tensor, cu_seqlens_q: torch.Tensor, *,
+                         softmax_scale: float, max_seqlen_q: int) -> torch.Tensor:
+    """``sdpa_prefill`` of new tokens given by their latent rows: q_nope (total_q, g, d), q_pe
+    (total_q, g, r), kv_c (total_q, c), k_pe (total_q, r), the g heads' W_UK (g, d, c) and W_UV
+    (g, v, c) -> out (total_q, g, v). Keys and values come from ``_latent_keys_values``. For
+    ``chunked_context_prefill``, which has checked the arguments: nothing is checked here."""
+    total_q, h, _ = q_nope.shape
+    if total_q == 0 or h == 0:
+        return q_nope.new_empty(total_q, h, W_UV.shape[1])
+    k, v = _latent_keys_values(kv_c, k_pe, W_UK, W_UV)
+    return _attend_rows(_joined(q_nope, q_pe), k, v, cu_seqlens_q, max_seqlen_q, float(softmax_scale))
+
+
+def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 max_seqlen_q: int, scale: float) -> torch.Tensor:
+    """Packed rows attending causally to themselves: q, k (total_q, h, d + r), v (total_q, h, v)
+    -> (total_q, h, v). Rows of equal length (``total_q == b * max_seqlen_q``) in one batched
+    SDPA call, ragged rows in one call a row (their offsets read on the host)."""
+    total_q = q.shape[0]
+    b = cu_seqlens_q.shape[0] - 1
 
     def attend(lo: int, hi: int, m: int) -> torch.Tensor:
         """Tokens lo .. hi - 1, m rows of (hi - lo) / m tokens each, in one call: (hi - lo, h, v)."""
         q_m, k_m, v_m = (t[lo:hi].unflatten(0, (m, -1)).transpose(1, 2) for t in (q, k, v))  # (m, h, s, ·)
-        o = _causal_sdpa(q_m, k_m, v_m, float(softmax_scale))                   # (m, h, s, v)
+        o = _causal_sdpa(q_m, k_m, v_m, scale)                                  # (m, h, s, v)
         return o.transpose(1, 2).flatten(0, 1)                                  # (m·s, h, v)
 
     if b * max_seqlen_q == total_q:   # b rows of at most max_seqlen_q tokens: all of that length
         # SDPA's output is token-major, as q is: the answer itself unless v was padded
         return attend(0, total_q, b).contiguous()
-    out = q_nope.new_empty(total_q, h, v.shape[2])
+    out = q.new_empty(total_q, q.shape[1], v.shape[2])
     cu = cu_seqlens_q.tolist()
     for lo, hi in zip(cu, cu[1:]):
         if hi > lo:
