@@ -228,11 +228,13 @@ __global__ void concat_and_cache_mla_kernel(
 // three xor-shuffles (4, 2, 1) give each of them the group's amax. Each lane then stores its
 // 16 e4m3 bytes as one 16-byte vector, and the first lane of each group the group's scale.
 //
-//   for each warp (token i), slot = slot_mapping[i]; skip if slot < 0 or slot >= num_slots
+//   for each warp (token i):
 //     for base in 0, 512, ... < c:                       (lanes past c idle but shuffle)
 //       x[0:16] = kv_c[i, base + 16 l : base + 16 l + 16]
 //       amax = max |x| over the 8 lanes of the group    (NaN wins, as in torch.amax)
 //       scale = max(amax / 448, 2^-126)                 (NaN stored as 0x7FC00000)
+//       (first sweep: slot = slot_mapping[i] read beside x; skip the token if slot < 0 or
+//        slot >= num_slots)
 //       row[base + 16 l : ... + 16] = e4m3(clamp(x / scale, -448, 448))   (NaN as 0x7F)
 //       row[c + 4 g] = scale                            (lane 8k, g = (base + 16 l) / 128)
 //     row[c + 4 c/128 + 2 e] = bf16(k_pe[i, e])  for e = l, l + 32, ...   (NaN as 0x7FC0)

@@ -88,6 +88,7 @@ def _namespace() -> dict:
         "prefill_table": prefill_table,
         "prefill_row": prefill_row,
         "prefill_rows": prefill_rows,
+        "H100_PREFILL": H100_PREFILL,
         "generate_table": generate_table,
         "capacity_table": capacity_table,
         "fp8_accuracy_table": fp8_accuracy_table,
@@ -365,6 +366,7 @@ def measured_section() -> str:
 
 
 PREFILL_RESULTS = "h200-prefill.json"
+H100_PREFILL = "nvidia-h100-80gb-hbm3-prefill.json"  # the newest run, of the layer as it is now
 CROSSOVER_RESULTS = "h200-prefill-crossover.json"  # benchmarks/lab/prefill_crossover.py's
 
 
