@@ -233,8 +233,8 @@ __global__ void concat_and_cache_mla_kernel(
 //       x[0:16] = kv_c[i, base + 16 l : base + 16 l + 16]
 //       amax = max |x| over the 8 lanes of the group    (NaN wins, as in torch.amax)
 //       scale = max(amax / 448, 2^-126)                 (NaN stored as 0x7FC00000)
-//       (first sweep: slot = slot_mapping[i] read beside x; skip the token if slot < 0 or
-//        slot >= num_slots)
+//       (first sweep: slot = slot_mapping[i] and lane l's first kDsMlaRopeAhead rope values
+//        read beside x; skip the token if slot < 0 or slot >= num_slots)
 //       row[base + 16 l : ... + 16] = e4m3(clamp(x / scale, -448, 448))   (NaN as 0x7F)
 //       row[c + 4 g] = scale                            (lane 8k, g = (base + 16 l) / 128)
 //     row[c + 4 c/128 + 2 e] = bf16(k_pe[i, e])  for e = l, l + 32, ...   (NaN as 0x7FC0)
@@ -297,10 +297,10 @@ __global__ void concat_and_cache_ds_mla_kernel(
   const in_t* src_c = kv_c + token * stride_kv_c;
   const in_t* src_r = k_pe + token * stride_k_pe;
 
-  // ---- the token's first sweep of latent values, its first 2 x 32 rope values and its slot are
-  // asked for together, and the sweep's group scales computed, before the slot is tested: a
-  // warp makes one round trip to memory before it stores, not one for the slot and one for the
-  // values. A padding token's values are read and dropped.
+  // ---- the token's first sweep of latent values, its first kDsMlaRopeAhead x 32 rope values and
+  // its slot are asked for together, and the sweep's group scales computed, before the slot is
+  // tested: a warp makes one round trip to memory before it stores, not one for the slot and
+  // one for the values. A padding token's values are read and dropped.
   float x[kDsMlaValuesPerLane];
   auto load_sweep = [&](int64_t e) {  // this lane's 16 values from e, zeros past c
     if (e < c) {
@@ -313,7 +313,9 @@ __global__ void concat_and_cache_ds_mla_kernel(
   load_sweep(lane * kDsMlaValuesPerLane);
   float pe[kDsMlaRopeAhead];
 #pragma unroll
-  for (int k = 0; k < kDsMlaRopeAhead; ++k) pe[k] = lane + 32 * k < r ? to_float(src_r[lane + 32 * k]) : 0.0f;
+  for (int k = 0; k < kDsMlaRopeAhead; ++k) {
+    pe[k] = lane + 32 * k < r ? to_float(src_r[lane + 32 * k]) : 0.0f;
+  }
   const int64_t slot = slot_mapping[token];
 
   // group g's scale of the values in x: the amax over the group's 8 lanes (three xor-shuffles)

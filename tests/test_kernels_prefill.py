@@ -516,12 +516,13 @@ def test_latent_keys_values_are_the_up_projection_in_sdpas_layout(dtype):
     from mla.kernels.sdpa import _latent_keys_values
     gen = torch.Generator().manual_seed(1)
     t, h, d, r, dv, c = 37, 5, 16, 8, 12, 24
-    w = torch.randn(h, d + dv, c, generator=gen).to(dtype)               # kv_b_proj's (h, d + v, c)
-    kv_c, k_pe = torch.randn(t, c, generator=gen).to(dtype), torch.randn(t, r, generator=gen).to(dtype)
+    w = torch.randn(h, d + dv, c, generator=gen).to(dtype).to(DEVICE)    # kv_b_proj's (h, d + v, c)
+    kv_c = torch.randn(t, c, generator=gen).to(dtype).to(DEVICE)
+    k_pe = torch.randn(t, r, generator=gen).to(dtype).to(DEVICE)
     before = [x.clone() for x in (w, kv_c, k_pe)]
     for h0, h1 in ((0, h), (1, 4)):
         W_UK, W_UV = w[h0:h1, :d], w[h0:h1, d:]
-        k, v = _latent_keys_values(kv_c.to(DEVICE), k_pe.to(DEVICE), W_UK.to(DEVICE), W_UV.to(DEVICE))
+        k, v = _latent_keys_values(kv_c, k_pe, W_UK, W_UV)
         g = h1 - h0
         assert k.shape == (t, g, d + r) and v.shape == (t, g, dv) and k.dtype == v.dtype == dtype
         assert k.stride()[1:] == (d + r, 1) and v.stride()[1:] == (dv, 1)
@@ -529,10 +530,31 @@ def test_latent_keys_values_are_the_up_projection_in_sdpas_layout(dtype):
         k_nope_ref = torch.einsum("tc,gdc->tgd", kv_c.double(), W_UK.double())
         v_ref = torch.einsum("tc,gvc->tgv", kv_c.double(), W_UV.double())
         tol = 1e-5 if dtype == torch.float32 else 1e-2
-        assert rel_err(k[..., :d].cpu(), k_nope_ref) < tol and rel_err(v.cpu(), v_ref) < tol
-        assert torch.equal(k[..., d:].cpu(), k_pe[:, None].expand(-1, g, -1))
+        assert rel_err(k[..., :d], k_nope_ref) < tol and rel_err(v, v_ref) < tol
+        assert torch.equal(k[..., d:], k_pe[:, None].expand(-1, g, -1))
     for x, x0 in zip((w, kv_c, k_pe), before):
         assert torch.equal(x, x0)
+
+
+@pytest.mark.parametrize("d, r, dv", [(16, 8, 12), (12, 6, 16), (10, 5, 7)])
+def test_chunked_context_sdpa_with_head_dims_not_multiples_of_8(d, r, dv):
+    """The SDPA path's keys and values are views into rows of g (d + r + v) values; with widths
+    that are not multiples of 8 they are copied (SDPA's GPU kernels read 16-byte-aligned rows)
+    and padded where needed. Heads one a group, so the views' rows are as narrow as they get."""
+    case, context_rows = make_context_case([9, 9], [0, 0], page=4, h=3, d=d, r=r, dv=dv)
+    ref_out, _ = context_reference(case, context_rows)
+    for workspace in (64, 3):                          # every head at once; one head a group
+        out, lse = chunked_context_prefill(**case, workspace_tokens=workspace, backend="sdpa")
+        assert lse is None and out.shape == (18, 3, dv) and rel_err(out, ref_out) < 1e-5, workspace
+
+
+def test_chunked_context_bad_value_width_raises_before_any_work():
+    """W_UV with no value dims is refused by name, whichever backend would run the call."""
+    case, _ = make_context_case([5, 3], [0, 0], page=16)
+    case["W_UV"] = case["W_UV"][:, :0]
+    for backend in PREFILL_BACKENDS:
+        with pytest.raises(ValueError, match=r"chunked_context_prefill: W_UV must be \(h=2, v >= 1, c=24\)"):
+            chunked_context_prefill(**case, backend=backend)
 
 
 def test_head_group_rule():

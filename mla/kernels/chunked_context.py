@@ -1,8 +1,8 @@
 """New tokens over a paged cached context in bounded memory, and the log-sum-exp merge.
 
 ``chunked_context_prefill``: the new tokens attend to themselves causally (one ``mla_prefill`` a
-group of heads, ``head_group``; torch SDPA instead, as ``sdpa_prefill`` runs it, where no
-sequence has context and its ``backend`` says so), and to their context, gathered from the paged latent cache and
+group of heads, ``head_group``; torch SDPA instead where no sequence has context and its
+``backend`` says so, the keys up-projected in SDPA's layout), and to their context, gathered from the paged latent cache and
 up-projected by W_UK and W_UV a chunk of at most ``workspace_tokens`` tokens at a time,
 non-causally (one ``mla_prefill`` a chunk); the pieces are merged by
 ``merge_attention_states``. Peak memory grows with the new tokens and the workspace, never with
@@ -101,8 +101,8 @@ def _check_context_inputs(fn, q_nope, q_pe, kv_c, k_pe, cu_seqlens_q, kv_cache, 
     _check_tensor(fn, "W_UV", W_UV, ("h", "v", "c"), q_nope.dtype)
     if tuple(W_UK.shape) != (h, d, c):
         raise ValueError(f"{fn}: W_UK must be (h={h}, d={d}, c={c}), got {tuple(W_UK.shape)}")
-    if W_UV.shape[0] != h or W_UV.shape[2] != c:
-        raise ValueError(f"{fn}: W_UV must be (h={h}, v, c={c}), got {tuple(W_UV.shape)}")
+    if W_UV.shape[0] != h or W_UV.shape[1] < 1 or W_UV.shape[2] != c:
+        raise ValueError(f"{fn}: W_UV must be (h={h}, v >= 1, c={c}), got {tuple(W_UV.shape)}")
     _check_tensor(fn, "kv_cache", kv_cache, ("num_blocks", "n", "width"))
     kind = fp8.canonical_kv_cache_dtype(kv_cache_dtype)
     if kind != "auto":
@@ -213,7 +213,8 @@ def chunked_context_prefill(
 
     Step 1 runs on a group of heads at a time (``head_group``), so the new tokens' keys and
     values, like a context chunk, take at most ``max(workspace_tokens * h, total_q) * (d + v)``
-    values. Memory beyond the inputs: O(total_q * h * v) for the output and the merge, and that
+    values (``(d + r + v)`` on SDPA, whose keys carry the rope part, beside the group's
+    reordered up-projection weight). Memory beyond the inputs: O(total_q * h * v) for the output and the merge, and that
     workspace for keys and values; nothing of size new tokens x context.
 
     Args:
@@ -242,7 +243,7 @@ def chunked_context_prefill(
             q's device or the CPU, finite and at least 2^-126 (``mla.kernels.fp8.check_e4m3_scale``;
             a GPU tensor's value is trusted where the host lengths are).
         backend: what runs step 1 when no sequence has context (``PREFILL_BACKENDS``): "triton"
-            (``mla_prefill``, the default), "sdpa" (``sdpa_prefill``) or "auto"
+            (``mla_prefill``, the default), "sdpa" (torch SDPA, as ``sdpa_prefill`` calls it) or "auto"
             (``choose_prefill_backend``). With context, step 1 always runs on ``mla_prefill``:
             the merge needs its log-sum-exp.
 

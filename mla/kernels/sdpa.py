@@ -8,7 +8,8 @@ path (``chunked_context_prefill``) starts from the new tokens' latent rows inste
 up-projects them straight into the key layout SDPA reads (``_latent_keys_values``).
 ``choose_prefill_backend`` says which of the two such a call runs on (``PREFILL_BACKENDS``).
 
-Shape letters as in ``mla.kernels.prefill``; m rows of one length in a batched call.
+Shape letters as in ``mla.kernels.prefill``; m rows of one length in a batched call; t latent
+rows, g heads of a group, c latent dim.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from .prefill import _check_prefill_inputs
 __all__ = ["sdpa_prefill", "choose_prefill_backend", "PREFILL_BACKENDS"]
 
 # What runs the new tokens' causal attention over themselves when a call has no cached context:
-# "triton" (mla_prefill), "sdpa" (sdpa_prefill) or "auto" (choose_prefill_backend's rule).
+# "triton" (mla_prefill), "sdpa" (torch SDPA, as sdpa_prefill calls it) or "auto"
+# (choose_prefill_backend's rule).
 PREFILL_BACKENDS = ("auto", "triton", "sdpa")
 
 # SDPA's backends on a GPU, in priority order: cuDNN (the fastest at DeepSeek's head dims on an
@@ -45,7 +47,7 @@ def choose_prefill_backend(backend: str, device: torch.device | str, *, equal_ro
         device: where the call runs.
         equal_rows: whether every row has the same number of new tokens (one batched SDPA call).
 
-    Returns "triton" (``mla_prefill``) or "sdpa" (``sdpa_prefill``). "auto" is "sdpa" on a CUDA
+    Returns "triton" (``mla_prefill``) or "sdpa" (torch SDPA). "auto" is "sdpa" on a CUDA
     device with equal rows: there the layer's SDPA path is faster than the kernel on prompts of
     8k tokens and more, and within the timing spread of a host-bound call below (the figures:
     ``docs/derivations/prefill.md``, from ``benchmarks/results/h200-prefill.json``).
@@ -105,6 +107,31 @@ def _joined(a: torch.Tensor, b: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cat([a, b], dim=dim)
 
 
+def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 max_seqlen_q: int, scale: float) -> torch.Tensor:
+    """Packed rows attending causally to themselves: q, k (total_q, h, d + r), v (total_q, h, v)
+    -> (total_q, h, v). Rows of equal length (``total_q == b * max_seqlen_q``) in one batched
+    SDPA call, ragged rows in one call a row (their offsets read on the host)."""
+    total_q = q.shape[0]
+    b = cu_seqlens_q.shape[0] - 1
+
+    def attend(lo: int, hi: int, m: int) -> torch.Tensor:
+        """Tokens lo .. hi - 1, m rows of (hi - lo) / m tokens each, in one call: (hi - lo, h, v)."""
+        q_m, k_m, v_m = (t[lo:hi].unflatten(0, (m, -1)).transpose(1, 2) for t in (q, k, v))  # (m, h, s, ·)
+        o = _causal_sdpa(q_m, k_m, v_m, scale)                                  # (m, h, s, v)
+        return o.transpose(1, 2).flatten(0, 1)                                  # (m·s, h, v)
+
+    if b * max_seqlen_q == total_q:   # b rows of at most max_seqlen_q tokens: all of that length
+        # SDPA's output is token-major, as q is: the answer itself unless v was padded
+        return attend(0, total_q, b).contiguous()
+    out = q.new_empty(total_q, q.shape[1], v.shape[2])
+    cu = cu_seqlens_q.tolist()
+    for lo, hi in zip(cu, cu[1:]):
+        if hi > lo:
+            out[lo:hi] = attend(lo, hi, 1)
+    return out
+
+
 def sdpa_prefill(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -150,7 +177,8 @@ def sdpa_prefill(
     return _attend_rows(q, k, v, cu_seqlens_q, max_seqlen_q, float(softmax_scale))
 
 
-def _latent_keys_values(kv_c: torch.Tensor, k_pe: torch.Tensor, W_UK: torch.Tensor, W_UV: torch.Tensor):
+def _latent_keys_values(kv_c: torch.Tensor, k_pe: torch.Tensor, W_UK: torch.Tensor,
+                        W_UV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys k = [W_UK kv_c | k_pe] (t, g, d + r) and values W_UV kv_c (t, g, v) of t latent rows
     kv_c (t, c), k_pe (t, r), for the g heads of W_UK (g, d, c) and W_UV (g, v, c) (eqs. 42, 45):
     one matmul, whose output holds k in the layout SDPA reads.
@@ -159,13 +187,16 @@ def _latent_keys_values(kv_c: torch.Tensor, k_pe: torch.Tensor, W_UK: torch.Tens
     key rows: [W_UK_1; 0; W_UK_2; 0; ...; W_UV_1; ...; W_UV_g]. A latent row's output is then
     every head's [k_nope | 0], then every head's v: k is its first g (d + r) columns once k_pe
     is written into the zeros, v the rest, each head's values contiguous. Joining k_nope and
-    k_pe by a concatenation would read every key and write it a second time; the zero rows cost
-    r / (d + v) more matmul work instead (1/4 at DeepSeek's sizes).
+    k_pe by a concatenation would read every key and write it a second time; instead the zero
+    rows cost r / (d + v) more matmul work (1/4 at DeepSeek's sizes), and the reordered weight
+    is built at each call (three operators: its rope rows zeroed, W_UK and W_UV copied in).
     """
     g, d, c = W_UK.shape
     r, dv = k_pe.shape[1], W_UV.shape[1]
-    w = W_UK.new_zeros(g * (d + r + dv), c)                                     # (g·(d+r+v), c)
-    w[:g * (d + r)].view(g, d + r, c)[:, :d] = W_UK
+    w = W_UK.new_empty(g * (d + r + dv), c)                                     # (g·(d+r+v), c)
+    w_k = w[:g * (d + r)].view(g, d + r, c)
+    w_k[:, :d] = W_UK
+    w_k[:, d:] = 0
     w[g * (d + r):].view(g, dv, c).copy_(W_UV)
     kv = kv_c @ w.T                                                             # (t, g·(d+r+v))
     k = kv[:, :g * (d + r)].view(-1, g, d + r)                                  # (t, g, d + r)
@@ -184,29 +215,8 @@ def _sdpa_prefill_latent(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.T
     if total_q == 0 or h == 0:
         return q_nope.new_empty(total_q, h, W_UV.shape[1])
     k, v = _latent_keys_values(kv_c, k_pe, W_UK, W_UV)
+    if k.shape[-1] % 8 or v.shape[-1] % 8:
+        # views into rows of g (d + r + v) values may start or step off a 16-byte boundary,
+        # which SDPA's GPU kernels need: copied, then padded by _causal_sdpa where a width needs it
+        k, v = k.contiguous(), v.contiguous()
     return _attend_rows(_joined(q_nope, q_pe), k, v, cu_seqlens_q, max_seqlen_q, float(softmax_scale))
-
-
-def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                 max_seqlen_q: int, scale: float) -> torch.Tensor:
-    """Packed rows attending causally to themselves: q, k (total_q, h, d + r), v (total_q, h, v)
-    -> (total_q, h, v). Rows of equal length (``total_q == b * max_seqlen_q``) in one batched
-    SDPA call, ragged rows in one call a row (their offsets read on the host)."""
-    total_q = q.shape[0]
-    b = cu_seqlens_q.shape[0] - 1
-
-    def attend(lo: int, hi: int, m: int) -> torch.Tensor:
-        """Tokens lo .. hi - 1, m rows of (hi - lo) / m tokens each, in one call: (hi - lo, h, v)."""
-        q_m, k_m, v_m = (t[lo:hi].unflatten(0, (m, -1)).transpose(1, 2) for t in (q, k, v))  # (m, h, s, ·)
-        o = _causal_sdpa(q_m, k_m, v_m, scale)                                  # (m, h, s, v)
-        return o.transpose(1, 2).flatten(0, 1)                                  # (m·s, h, v)
-
-    if b * max_seqlen_q == total_q:   # b rows of at most max_seqlen_q tokens: all of that length
-        # SDPA's output is token-major, as q is: the answer itself unless v was padded
-        return attend(0, total_q, b).contiguous()
-    out = q.new_empty(total_q, q.shape[1], v.shape[2])
-    cu = cu_seqlens_q.tolist()
-    for lo, hi in zip(cu, cu[1:]):
-        if hi > lo:
-            out[lo:hi] = attend(lo, hi, 1)
-    return out

@@ -152,8 +152,9 @@ class PagedMLA(MLAAttention):
             when no row of the call has cached context: "auto" (default: torch SDPA on a CUDA
             device when every such row has the same length, else the Triton kernel; see
             `mla.kernels.sdpa.choose_prefill_backend`), "triton" (`mla_prefill`, the flash
-            kernel) or "sdpa" (`sdpa_prefill`: cuDNN attention on a GPU; ragged rows take one
-            call a row, their offsets read on the host, one sync). A call in which any row has
+            kernel) or "sdpa" (torch SDPA, cuDNN attention on a GPU, on keys the up-projection
+            writes in its layout; ragged rows take one call a row, their offsets read on the
+            host, one sync). A call in which any row has
             cached context runs on the Triton kernels, whose log-sum-exp the merge needs.
         kv_cache_dtype: the layout of caches from `new_cache` (`mla.kernels.fp8`): "auto" (the
             weights' dtype, c + r values a token), "fp8_e4m3" (alias "fp8": c + r bytes and one
