@@ -24,7 +24,13 @@ Each gets ``us`` (median wall time of a call, ``--calls`` calls after warm-up; o
 synchronize after each), ``ops`` and ``compute_ops`` (aten operators one call dispatches, and
 those that are not views or metadata: on a GPU the ones that launch a kernel or copy), and for
 the layer ``sections_us``: the median time of the plan, RoPE's cos / sin, the cache write and the
-attention. Prints one line a row and writes ``--out`` (JSON).
+attention. With ``--attention`` the layer is timed again on each listed attention, its whole
+call and its attention section (``by_attention``): "sdpa" (SDPA's GPU backends in the layer's
+order, cuDNN first), "efficient" (SDPA's memory-efficient backend alone), "triton" (the flash
+prefill kernel; on the CPU its interpreter, so time it on a GPU). Prints one line a row and
+writes ``--out`` (JSON).
+
+    PYTHONPATH=. python3 benchmarks/lab/probe_layer_host.py --device cuda --attention sdpa,efficient,triton
 """
 
 from __future__ import annotations
@@ -36,11 +42,15 @@ import statistics
 import time
 
 import torch
+from torch.nn.attention import SDPBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla
+import mla.kernels.sdpa as sdpa_module
 import mla.paged.layer as paged_layer
 from benchmarks.bench_prefill import torch_layer
+
+ATTENTIONS = ("sdpa", "efficient", "triton")
 
 # aten operators that make no kernel: views, metadata, host scalars.
 NOT_COMPUTE = {"view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze", "permute",
@@ -101,13 +111,42 @@ def sections(layer, call, calls: int, sync) -> dict:
     return {name: 1e6 * statistics.median(ts) for name, ts in spent.items()}
 
 
+def by_attention(weights, attention: str, x: torch.Tensor, calls: int, sync) -> dict:
+    """The layer's whole call and its attention section on one of ``ATTENTIONS``."""
+    layer = mla.build(weights, "paged", block_size=64, prefill="up-project",
+                      prefill_backend="triton" if attention == "triton" else "sdpa")
+    b, s = x.shape[:2]
+    cache = layer.new_cache(b, s)
+    cache.allocate(torch.arange(b), torch.full((b,), s))
+
+    def call():
+        cache.seq_lens[:] = 0
+        return layer(x, cache)
+
+    saved = sdpa_module._SDPA_CUDA_BACKENDS
+    if attention == "efficient":
+        sdpa_module._SDPA_CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION]
+    try:
+        for _ in range(10):
+            call()
+        sync()
+        return dict(layer_us=wall_us(call, calls, sync),
+                    attend_us=sections(layer, call, calls, sync)["attend"])
+    finally:
+        sdpa_module._SDPA_CUDA_BACKENDS = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--shapes", default="1x64,4x64,1x256")
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--attention", default="", help=f"comma-separated, of {ATTENTIONS}")
     args = parser.parse_args()
+    attentions = [a for a in args.attention.split(",") if a]
+    if any(a not in ATTENTIONS for a in attentions):
+        parser.error(f"--attention takes {ATTENTIONS}, got {args.attention!r}")
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.set_num_threads(1)
@@ -141,13 +180,16 @@ def main() -> None:
             row["layer_sections_us"] = sections(layer, call, args.calls, sync)
             y, y_ref = call(), torch_layer(layer, x)
             row["max_abs_diff"] = (y - y_ref).abs().max().item()
+            row["by_attention"] = {a: by_attention(weights, a, x, args.calls, sync) for a in attentions}
         row["layer_over_torch_layer"] = row["layer_us"] / row["torch_layer_us"]
         rows.append(row)
         print(f"{b}x{s}: layer {row['layer_us']:.0f} us ({row['layer_compute_ops']} compute ops of "
               f"{row['layer_ops']}), torch layer {row['torch_layer_us']:.0f} us "
               f"({row['torch_layer_compute_ops']} of {row['torch_layer_ops']}), ratio "
               f"{row['layer_over_torch_layer']:.2f}; sections "
-              + ", ".join(f"{k} {v:.0f}" for k, v in row["layer_sections_us"].items()))
+              + ", ".join(f"{k} {v:.0f}" for k, v in row["layer_sections_us"].items())
+              + "".join(f"; {a}: layer {r['layer_us']:.0f}, attend {r['attend_us']:.0f}"
+                        for a, r in row["by_attention"].items()))
     result = dict(device=str(device), torch=torch.__version__, rows=rows)
     if args.out:
         with open(args.out, "w") as f:
