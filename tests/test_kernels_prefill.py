@@ -863,6 +863,19 @@ def test_gpu_layer_prefill_backends_agree(workspace, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d, r, dv", [(16, 8, 12), (12, 6, 16)])
+def test_gpu_chunked_context_sdpa_head_dims_not_multiples_of_8(d, r, dv):
+    """The layer's SDPA path in bf16 on cuDNN / memory-efficient attention with widths that are
+    not multiples of 8, one head a group: its key and value views are copied to aligned rows."""
+    case, context_rows = make_context_case([33, 33], [0, 0], page=16, h=3, d=d, r=r, dv=dv,
+                                           dtype=torch.bfloat16, device="cuda")
+    ref_out, _ = context_reference(case, context_rows)
+    for workspace in (100, 11):                        # every head at once; one head a group
+        out, _ = chunked_context_prefill(**case, workspace_tokens=workspace, backend="sdpa")
+        assert out.shape == (66, 3, dv) and rel_err(out, ref_out) < 2e-2, workspace
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gpu_sdpa_prefill_head_dims_not_multiples_of_8(dtype):
     """v of 12 dims (cuDNN and memory-efficient take multiples of 8: padded, then cut); float32
