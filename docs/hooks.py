@@ -366,7 +366,7 @@ def measured_section() -> str:
 
 
 PREFILL_RESULTS = "h200-prefill.json"
-H100_PREFILL = "nvidia-h100-80gb-hbm3-prefill.json"  # the H100 run of 2026-12-05, after the H200 file's
+H100_PREFILL = "nvidia-h100-80gb-hbm3-prefill.json"  # the layer with every change the H200 file lacks
 CROSSOVER_RESULTS = "h200-prefill-crossover.json"  # benchmarks/lab/prefill_crossover.py's
 
 

@@ -2,10 +2,10 @@
 
 ``chunked_context_prefill``: the new tokens attend to themselves causally (one ``mla_prefill`` a
 group of heads, ``head_group``; torch SDPA instead where no sequence has context and its
-``backend`` says so, the keys up-projected in SDPA's layout), and to their context, gathered from the paged latent cache and
-up-projected by W_UK and W_UV a chunk of at most ``workspace_tokens`` tokens at a time,
-non-causally (one ``mla_prefill`` a chunk); the pieces are merged by
-``merge_attention_states``. Peak memory grows with the new tokens and the workspace, never with
+``backend`` says so, the keys up-projected in SDPA's layout), and to their context, gathered
+from the paged latent cache and up-projected by W_UK and W_UV a chunk of at most
+``workspace_tokens`` tokens at a time, non-causally (one ``mla_prefill`` a chunk); the pieces
+are merged by ``merge_attention_states``. Peak memory grows with the new tokens and the workspace, never with
 new tokens x context.
 
 Shape letters: b sequences, h heads, g heads of a group, d nope dim, r rope dim, v value dim,
@@ -214,8 +214,8 @@ def chunked_context_prefill(
     Step 1 runs on a group of heads at a time (``head_group``), so the new tokens' keys and
     values, like a context chunk, take at most ``max(workspace_tokens * h, total_q) * (d + v)``
     values (``(d + r + v)`` on SDPA, whose keys carry the rope part, beside the group's
-    reordered up-projection weight). Memory beyond the inputs: O(total_q * h * v) for the output and the merge, and that
-    workspace for keys and values; nothing of size new tokens x context.
+    reordered up-projection weight). Memory beyond the inputs: O(total_q * h * v) for the output
+    and the merge, and that workspace for keys and values; nothing of size new tokens x context.
 
     Args:
         q_nope: (total_q, h, d), q_pe: (total_q, h, r): the new tokens' queries, packed.
@@ -243,8 +243,8 @@ def chunked_context_prefill(
             q's device or the CPU, finite and at least 2^-126 (``mla.kernels.fp8.check_e4m3_scale``;
             a GPU tensor's value is trusted where the host lengths are).
         backend: what runs step 1 when no sequence has context (``PREFILL_BACKENDS``): "triton"
-            (``mla_prefill``, the default), "sdpa" (torch SDPA, as ``sdpa_prefill`` calls it) or "auto"
-            (``choose_prefill_backend``). With context, step 1 always runs on ``mla_prefill``:
+            (``mla_prefill``, the default), "sdpa" (torch SDPA, as ``sdpa_prefill`` calls it) or
+            "auto" (``choose_prefill_backend``). With context, step 1 always runs on ``mla_prefill``:
             the merge needs its log-sum-exp.
 
     Returns:
@@ -269,17 +269,6 @@ def chunked_context_prefill(
     c, r, dv = kv_c.shape[1], k_pe.shape[1], W_UV.shape[1]
     page = kv_cache.shape[1]
     device = q_nope.device
-    # kv_b_proj's two factors as one (h * (d + v), c) matrix (its weight itself, when W_UK and
-    # W_UV are views of it): one matmul up-projects a latent row into every head's key and
-    # value; k_nope and v are views into its output
-    W_kv = _joined(W_UK, W_UV, dim=1).reshape(h * (d + dv), c)                 # (h·(d+v), c)
-
-    def up_project(latent_c, h0=0, h1=h):                                      # (t, c)
-        """Heads h0 .. h1 - 1's keys and values of the latent rows (one matmul)."""
-        w = W_kv[h0 * (d + dv): h1 * (d + dv)]                                  # (g·(d+v), c)
-        kv = (latent_c @ w.T).view(-1, h1 - h0, d + dv)                         # (t, g, d + v)
-        return kv[..., :d], kv[..., d:]                                         # (t, g, d), (t, g, v)
-
     # ---- 1. the new tokens over themselves, causal (bottom-right: s_i keys for s_i queries),
     # g heads at a time: their keys and values, up-projected, hold at most workspace_tokens x h
     # token-heads (a context chunk's worth; one head a group at the least), so a long prompt's
@@ -290,6 +279,17 @@ def chunked_context_prefill(
     equal_rows = (cu_seqlens_q.shape[0] - 1) * max_seqlen_q == total_q
     on_sdpa = total_context == 0 and choose_prefill_backend(backend, device, equal_rows=equal_rows) == "sdpa"
     g = head_group(total_q, h, workspace_tokens)
+    # kv_b_proj's two factors as one (h * (d + v), c) matrix (its weight itself, when W_UK and
+    # W_UV are views of it): one matmul up-projects a latent row into every head's key and
+    # value; k_nope and v are views into its output. The SDPA path up-projects in its own layout
+    # (``_latent_keys_values``) and has no context: it needs none of this
+    W_kv = None if on_sdpa else _joined(W_UK, W_UV, dim=1).reshape(h * (d + dv), c)  # (h·(d+v), c)
+
+    def up_project(latent_c, h0=0, h1=h):                                      # (t, c)
+        """Heads h0 .. h1 - 1's keys and values of the latent rows (one matmul)."""
+        w = W_kv[h0 * (d + dv): h1 * (d + dv)]                                  # (g·(d+v), c)
+        kv = (latent_c @ w.T).view(-1, h1 - h0, d + dv)                         # (t, g, d + v)
+        return kv[..., :d], kv[..., d:]                                         # (t, g, d), (t, g, v)
 
     def attend_new(h0: int, h1: int):
         """Heads h0 .. h1 - 1 of the new tokens over themselves: out (total_q, g, v), lse or None."""

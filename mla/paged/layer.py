@@ -154,8 +154,8 @@ class PagedMLA(MLAAttention):
             `mla.kernels.sdpa.choose_prefill_backend`), "triton" (`mla_prefill`, the flash
             kernel) or "sdpa" (torch SDPA, cuDNN attention on a GPU, on keys the up-projection
             writes in its layout; ragged rows take one call a row, their offsets read on the
-            host, one sync). A call in which any row has
-            cached context runs on the Triton kernels, whose log-sum-exp the merge needs.
+            host, one sync). A call in which any row has cached context runs on the Triton
+            kernels, whose log-sum-exp the merge needs.
         kv_cache_dtype: the layout of caches from `new_cache` (`mla.kernels.fp8`): "auto" (the
             weights' dtype, c + r values a token), "fp8_e4m3" (alias "fp8": c + r bytes and one
             float32 scale for the cache) or "fp8_ds_mla" (FlashMLA's 656-byte token: the latent
