@@ -278,12 +278,16 @@ def measure(fn, reset=lambda: None, budget_ms=2000.0, most=10) -> dict:
                            host_ms=statistics.median(host), triton_compiles=compiles["n"]))
 
 
-def _event_ms(fn) -> float:
-    """fn() timed by CUDA events, from an idle GPU (synchronised before and after)."""
+def _event_ms(fn, host: list | None = None) -> float:
+    """fn() timed by CUDA events, from an idle GPU (synchronised before and after); with
+    ``host``, the time fn() takes to return (the host issuing it, ms) is appended to it."""
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    begin = time.perf_counter()
     fn()
+    if host is not None:
+        host.append(1e3 * (time.perf_counter() - begin))
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end)
@@ -543,7 +547,7 @@ def run(args) -> dict:
 
     import mla
     from benchmarks.timing import matmul_TFLOPs
-    from mla.kernels.sdpa import choose_prefill_backend
+    from mla.kernels.sdpa import PREFILL_KERNEL_UP_TO, choose_prefill_backend
 
     t0 = time.time()
     cfg = mla.MLAConfig.from_preset(args.preset)
@@ -591,7 +595,10 @@ def run(args) -> dict:
     return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version(), config=args.preset, dtype="bfloat16", block_size=64,
                 matmul_TFLOPs=matmul, prefill=layers["auto"].prefill,
-                prefill_backend_auto=choose_prefill_backend("auto", "cuda", equal_rows=True),
+                prefill_backend_auto={
+                    f"{b}x{s}": choose_prefill_backend("auto", "cuda", equal_rows=True, new_tokens=b * s)
+                    for b, s, t in args.shapes if t == 0},
+                prefill_kernel_up_to=PREFILL_KERNEL_UP_TO,
                 inductor_compile_threads=os.environ.get("TORCHINDUCTOR_COMPILE_THREADS"),
                 rows=rows, wall_s=time.time() - t0)
 
