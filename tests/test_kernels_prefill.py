@@ -28,7 +28,7 @@ from mla.kernels import chunked_context as context_module
 from mla.kernels import sdpa as sdpa_module
 from mla.kernels.chunked_context import chunked_context_prefill, head_group, merge_attention_states
 from mla.kernels.prefill import mla_prefill, mla_prefill_reference
-from mla.kernels.sdpa import PREFILL_BACKENDS, choose_prefill_backend, sdpa_prefill
+from mla.kernels.sdpa import PREFILL_BACKENDS, PREFILL_KERNEL_UP_TO, choose_prefill_backend, sdpa_prefill
 from mla.naive import attend_up_projected
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -423,21 +423,25 @@ def test_sdpa_prefill_bad_input_raises_naming_the_argument():
 
 
 def test_choose_prefill_backend_rule():
-    """"auto": SDPA on a CUDA device when the rows have equal lengths, else the kernel; a forced
-    backend stays as it is anywhere; another value raises."""
+    """"auto": SDPA on a CUDA device when the rows have equal lengths and the call has more than
+    PREFILL_KERNEL_UP_TO new tokens, else the kernel; a forced backend stays as it is anywhere;
+    another value raises."""
     assert PREFILL_BACKENDS == ("auto", "triton", "sdpa")
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert choose_prefill_backend("auto", cuda, equal_rows=True) == "sdpa"
-    assert choose_prefill_backend("auto", "cuda:1", equal_rows=True) == "sdpa"
-    assert choose_prefill_backend("auto", cuda, equal_rows=False) == "triton"
-    assert choose_prefill_backend("auto", cpu, equal_rows=True) == "triton"
+    many, few = PREFILL_KERNEL_UP_TO + 1, PREFILL_KERNEL_UP_TO
+    assert choose_prefill_backend("auto", cuda, equal_rows=True, new_tokens=many) == "sdpa"
+    assert choose_prefill_backend("auto", "cuda:1", equal_rows=True, new_tokens=many) == "sdpa"
+    assert choose_prefill_backend("auto", cuda, equal_rows=True, new_tokens=few) == "triton"
+    assert choose_prefill_backend("auto", cuda, equal_rows=False, new_tokens=many) == "triton"
+    assert choose_prefill_backend("auto", cpu, equal_rows=True, new_tokens=many) == "triton"
     for device in (cuda, cpu):
         for equal_rows in (True, False):
-            assert choose_prefill_backend("triton", device, equal_rows=equal_rows) == "triton"
-            assert choose_prefill_backend("sdpa", device, equal_rows=equal_rows) == "sdpa"
+            for n in (few, many):
+                assert choose_prefill_backend("triton", device, equal_rows=equal_rows, new_tokens=n) == "triton"
+                assert choose_prefill_backend("sdpa", device, equal_rows=equal_rows, new_tokens=n) == "sdpa"
     for bad in ("cudnn", "", None, "SDPA"):
         with pytest.raises(ValueError, match="backend must be one of"):
-            choose_prefill_backend(bad, cuda, equal_rows=True)
+            choose_prefill_backend(bad, cuda, equal_rows=True, new_tokens=many)
 
 
 @pytest.mark.parametrize("news", [[12, 12], [5, 30]])
@@ -451,7 +455,7 @@ def test_chunked_context_without_context_on_each_backend(news, monkeypatch):
                             lambda *a, _real=real, _name=name, **k: ran.append(_name) or _real(*a, **k))
     case, context_rows = make_context_case(news, [0, 0], page=16)
     ref_out, _ = context_reference(case, context_rows)
-    auto = choose_prefill_backend("auto", DEVICE, equal_rows=news[0] == news[1])
+    auto = choose_prefill_backend("auto", DEVICE, equal_rows=news[0] == news[1], new_tokens=sum(news))
     for backend in ("sdpa", "triton", "auto"):
         ran.clear()
         out, lse = chunked_context_prefill(**case, backend=backend)
@@ -643,7 +647,7 @@ def test_layer_prefill_backend_option(monkeypatch):
     # two sequences of calls on fresh caches: equal prompts then an extend; ragged prompts
     sessions = ([[9, 9, 0], [4, 0, 7]], [[5, 1, 12]])
     sdpa_if_no_context = {"sdpa": "sdpa", "triton": "triton",
-                          "auto": choose_prefill_backend("auto", DEVICE, equal_rows=True)}
+                          "auto": choose_prefill_backend("auto", DEVICE, equal_rows=True, new_tokens=18)}
     gen = torch.Generator().manual_seed(0)
     xs = [[torch.randn(3, max(lengths), cfg.hidden_size, generator=gen).to(DEVICE) for lengths in calls]
           for calls in sessions]
@@ -833,10 +837,11 @@ def test_gpu_sdpa_prefill_stores_no_score():
 @pytest.mark.gpu
 @pytest.mark.parametrize("workspace", [None, 300])
 def test_gpu_layer_prefill_backends_agree(workspace, monkeypatch):
-    """V2-Lite in bf16: prompts of one length (auto takes SDPA on the GPU), then ragged prompts
-    (auto keeps the kernel), each prefill_backend against the absorbed tier; with a 300-token
-    workspace step 1 runs in head groups (cuDNN and the kernel on strided head views). Every
-    row is at least PREFILL_CROSSOVER tokens long, so every row up-projects."""
+    """V2-Lite in bf16: prompts of one length, more than PREFILL_KERNEL_UP_TO tokens in all
+    (auto takes SDPA on the GPU), then ragged prompts (auto keeps the kernel), each
+    prefill_backend against the absorbed tier; with a 300-token workspace step 1 runs in head
+    groups (cuDNN and the kernel on strided head views). Every row is at least
+    PREFILL_CROSSOVER tokens long, so every row up-projects."""
     import mla
 
     ran = []
@@ -846,19 +851,19 @@ def test_gpu_layer_prefill_backends_agree(workspace, monkeypatch):
     cfg = MLAConfig.from_preset("deepseek-v2-lite")
     weights = MLAWeights(cfg, dtype=torch.bfloat16, device="cuda", seed=0)
     absorbed = mla.build(weights, "absorbed")
-    assert choose_prefill_backend("auto", "cuda", equal_rows=True) == "sdpa"
-    for lengths in ([700, 700], [700, 600]):
-        x = torch.randn(2, 700, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
+    assert choose_prefill_backend("auto", "cuda", equal_rows=True, new_tokens=2200) == "sdpa"
+    for lengths in ([1100, 1100], [1100, 1000]):
+        x = torch.randn(2, 1100, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
         with torch.no_grad():
-            ref = absorbed(x, absorbed.new_cache(2, 700), lengths)
+            ref = absorbed(x, absorbed.new_cache(2, 1100), lengths)
             for backend in PREFILL_BACKENDS:
                 layer = mla.build(weights, "paged", prefill_backend=backend, workspace_tokens=workspace)
                 ran.clear()
-                out = layer(x, layer.new_cache(2, 700), lengths)
+                out = layer(x, layer.new_cache(2, 1100), lengths)
                 assert torch.isfinite(out).all() and rel_err(out, ref) < 2e-2, (backend, lengths)
                 took_sdpa = backend == "sdpa" or (backend == "auto" and lengths[0] == lengths[1])
                 assert bool(ran) == took_sdpa, (backend, lengths, ran)
-                if workspace and took_sdpa:                        # 1400 or 1300 tokens, 16 heads
+                if workspace and took_sdpa:                        # 2200 tokens, 16 heads
                     assert len(ran) == -(-cfg.num_heads // head_group(sum(lengths), cfg.num_heads, workspace)) > 1
 
 

@@ -277,7 +277,8 @@ def chunked_context_prefill(
     total_q = q_nope.shape[0]
     total_context = sum(lens)
     equal_rows = (cu_seqlens_q.shape[0] - 1) * max_seqlen_q == total_q
-    on_sdpa = total_context == 0 and choose_prefill_backend(backend, device, equal_rows=equal_rows) == "sdpa"
+    on_sdpa = total_context == 0 and choose_prefill_backend(
+        backend, device, equal_rows=equal_rows, new_tokens=total_q) == "sdpa"
     g = head_group(total_q, h, workspace_tokens)
     # kv_b_proj's two factors as one (h * (d + v), c) matrix (its weight itself, when W_UK and
     # W_UV are views of it): one matmul up-projects a latent row into every head's key and

@@ -23,12 +23,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .prefill import _check_prefill_inputs
 
-__all__ = ["sdpa_prefill", "choose_prefill_backend", "PREFILL_BACKENDS"]
+__all__ = ["sdpa_prefill", "choose_prefill_backend", "PREFILL_BACKENDS", "PREFILL_KERNEL_UP_TO"]
 
 # What runs the new tokens' causal attention over themselves when a call has no cached context:
 # "triton" (mla_prefill), "sdpa" (torch SDPA, as sdpa_prefill calls it) or "auto"
 # (choose_prefill_backend's rule).
 PREFILL_BACKENDS = ("auto", "triton", "sdpa")
+
+# "auto" keeps a call of at most this many new tokens in all on the kernel: such a call is bound
+# by the host, and the kernel's path issues less there than SDPA's (the figures:
+# docs/derivations/prefill.md).
+PREFILL_KERNEL_UP_TO = 2048
 
 # SDPA's backends on a GPU, in priority order: cuDNN (the fastest at DeepSeek's head dims on an
 # H200, benchmarks/results/h200-prefill.json), then memory-efficient (any float dtype). Both are
@@ -39,28 +44,31 @@ _SDPA_CUDA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTIO
 _SDPA_SET_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
 
 
-def choose_prefill_backend(backend: str, device: torch.device | str, *, equal_rows: bool) -> str:
+def choose_prefill_backend(backend: str, device: torch.device | str, *, equal_rows: bool,
+                           new_tokens: int) -> str:
     """What runs a call's causal self-attention of new tokens without cached context.
 
     Args:
         backend: "triton" or "sdpa" (returned as they are), or "auto".
         device: where the call runs.
         equal_rows: whether every row has the same number of new tokens (one batched SDPA call).
+        new_tokens: the call's new tokens, all rows together.
 
     Returns "triton" (``mla_prefill``) or "sdpa" (torch SDPA). "auto" is "sdpa" on a CUDA
-    device with equal rows: there the layer's SDPA path is faster than the kernel on prompts of
-    8k tokens and more, and within the timing spread of a host-bound call below (the figures:
-    ``docs/derivations/prefill.md``, from ``benchmarks/results/h200-prefill.json``).
-    Else "triton": ragged rows would take one SDPA call a row and a host read of their offsets,
-    where the kernel takes them in one launch; and on the CPU the paged tier is the kernels'
-    test bench (Triton's interpreter runs the code the GPU runs), where SDPA would stand in for
-    the kernel under test.
+    device with equal rows and more than ``PREFILL_KERNEL_UP_TO`` new tokens: from 4k tokens on
+    the layer's SDPA path is the faster (the figures: ``docs/derivations/prefill.md``). Else
+    "triton": a call of fewer tokens is bound by the host, where the kernel's path issues less;
+    ragged rows would take one SDPA call a row and a host read of their offsets, where the
+    kernel takes them in one launch; and on the CPU the paged tier is the kernels' test bench
+    (Triton's interpreter runs the code the GPU runs), where SDPA would stand in for the kernel
+    under test.
     """
     if backend not in PREFILL_BACKENDS:
         raise ValueError(f"prefill backend must be one of {PREFILL_BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend
-    return "sdpa" if torch.device(device).type == "cuda" and equal_rows else "triton"
+    on_gpu = torch.device(device).type == "cuda"
+    return "sdpa" if on_gpu and equal_rows and new_tokens > PREFILL_KERNEL_UP_TO else "triton"
 
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

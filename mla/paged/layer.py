@@ -150,7 +150,8 @@ class PagedMLA(MLAAttention):
             the default is fixed and the option lets a server size it.
         prefill_backend: what runs the up-projected new tokens' causal attention over themselves
             when no row of the call has cached context: "auto" (default: torch SDPA on a CUDA
-            device when every such row has the same length, else the Triton kernel; see
+            device when every such row has the same length and the call has more than
+            `mla.kernels.sdpa.PREFILL_KERNEL_UP_TO` new tokens, else the Triton kernel; see
             `mla.kernels.sdpa.choose_prefill_backend`), "triton" (`mla_prefill`, the flash
             kernel) or "sdpa" (torch SDPA, cuDNN attention on a GPU, on keys the up-projection
             writes in its layout; ragged rows take one call a row, their offsets read on the
