@@ -863,7 +863,7 @@ def test_gpu_layer_prefill_backends_agree(workspace, monkeypatch):
                 assert torch.isfinite(out).all() and rel_err(out, ref) < 2e-2, (backend, lengths)
                 took_sdpa = backend == "sdpa" or (backend == "auto" and lengths[0] == lengths[1])
                 assert bool(ran) == took_sdpa, (backend, lengths, ran)
-                if workspace and took_sdpa:                        # 2200 tokens, 16 heads
+                if workspace and took_sdpa:                        # 2200 or 2100 tokens, 16 heads
                     assert len(ran) == -(-cfg.num_heads // head_group(sum(lengths), cfg.num_heads, workspace)) > 1
 
 

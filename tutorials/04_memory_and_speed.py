@@ -461,8 +461,9 @@ for name, data in concat.items():
 #
 # The prefill benchmark times, at DeepSeek-V3 sizes in bf16, $b$ prompts of $s$ new tokens over
 # $t$ cached ones: the paged tier's whole layer call, its attention alone (under the default
-# `prefill_backend="auto"`: on a prompt of more than 2,048 tokens in rows of one length, SDPA
-# over the new tokens, on a shorter one the Triton kernel; over a
+# `prefill_backend="auto"`: on a call of more than 2,048 new tokens in rows of one length, SDPA
+# over the new tokens, on a smaller one the Triton kernel (the committed results predate that
+# rule: their "auto" is SDPA on every such prompt); over a
 # cached context, the Triton flash prefill over the new tokens and the context chunks, merged by
 # log-sum-exp), the same attention forced onto the Triton kernel on the prompts, and torch's
 # `scaled_dot_product_attention` (cuDNN, efficient, flash) and FlexAttention on up-projected keys

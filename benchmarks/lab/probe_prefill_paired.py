@@ -6,14 +6,15 @@ with the SDPA layer (``layer_ms`` and ``paired_calls`` at 1 x 1024 in
 For prompts of ``--shapes`` (DeepSeek-V3 sizes, bf16, an empty cache) it times, with
 ``bench_prefill``'s own timers and inputs:
 
-- ``alone``: the paged layer ("auto") by ``measure`` (the bench's ``layer_ms``), and the SDPA
-  layer (``sdpa_layer_ms``);
-- ``pairs``: ``measure_pair`` of the layer against itself on a second cache (``layer|layer``),
-  against a second paged layer on the same weights (``layer|layer2``), against the SDPA layer
-  as the bench pairs them (``layer|sdpa_layer``), the SDPA layer against itself, and the layer
-  on the flash kernel (``prefill_backend="triton"``) against the SDPA layer
-  (``layer_triton|sdpa_layer``): whether short prompts would gain from the kernel's shorter
-  host path;
+- ``alone``: the paged layer on its SDPA path by ``measure`` (what the bench's ``layer_ms``
+  timed then), and the SDPA layer (``sdpa_layer_ms``);
+- ``pairs``: ``measure_pair`` of the layer on its SDPA path (``prefill_backend="sdpa"``; the
+  runs in ``benchmarks/lab/results`` had it as "auto", which took SDPA on these prompts then)
+  against itself on a second cache (``layer|layer``), against a second paged layer on the same
+  weights (``layer|layer2``), against the SDPA layer as the bench pairs them
+  (``layer|sdpa_layer``), the SDPA layer against itself, and the layer on the flash kernel
+  (``prefill_backend="triton"``) against the SDPA layer (``layer_triton|sdpa_layer``): whether
+  short prompts gain from the kernel's shorter host path;
 
 each timed call also with its host time (the wall clock of issuing it). Then a torch.profiler
 trace of three pairs of (SDPA layer, layer) calls: the host operators by their own CPU time,
@@ -63,8 +64,10 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     cfg = mla.MLAConfig.from_preset("deepseek-v3")
     weights = mla.MLAWeights(cfg, dtype=torch.bfloat16, device="cuda", seed=0)
-    layer = mla.build(weights, "paged", block_size=64)
-    layer2 = mla.build(weights, "paged", block_size=64)
+    # the layer's SDPA path forced: under "auto" a call of at most PREFILL_KERNEL_UP_TO new
+    # tokens now runs on the kernel (layer_triton)
+    layer = mla.build(weights, "paged", block_size=64, prefill_backend="sdpa")
+    layer2 = mla.build(weights, "paged", block_size=64, prefill_backend="sdpa")
     layer_triton = mla.build(weights, "paged", block_size=64, prefill_backend="triton")
     sdpa_a = mla.build(weights, "paged", block_size=64)
     sdpa_b = mla.build(weights, "paged", block_size=64)
