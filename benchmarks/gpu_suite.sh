@@ -2,7 +2,7 @@
 # Everything the GPU machine runs, in parts, each time-boxed, logs and JSON under $OUT.
 #   bash benchmarks/gpu_suite.sh tests concat-bench sanitize decode-bench decode-sq accuracy sweep layer prefill
 #   bash benchmarks/gpu_suite.sh tp   (two GPUs: nvidia-h200-x2)
-#   bash benchmarks/gpu_suite.sh variants fp8-variants compile concat-probe cuda-probe cuda-timeline sm90-probe prefill-crossover prefill-probe layer-host   (the lab: benchmarks/lab/)
+#   bash benchmarks/gpu_suite.sh variants fp8-variants compile concat-probe cuda-probe cuda-timeline sm90-probe prefill-crossover prefill-probe prefill-paired layer-host   (the lab: benchmarks/lab/)
 # Run from the repository root with PYTHONPATH=. (the device machine has no package registry);
 # FlashMLA runs beside mla_decode in decode-bench when .peers/flash_mla is there (PYTHONPATH=.peers:.).
 set -u
@@ -37,11 +37,12 @@ for part in "$@"; do
     cuda-timeline) run cuda-timeline 240 python3 benchmarks/lab/timeline_decode_cuda.py --out "$OUT" ;;
     concat-probe) run concat-probe 200 python3 benchmarks/lab/probe_concat.py --out "$OUT" ;;
     sanitize-decode) run sanitize-decode 200 compute-sanitizer --tool memcheck python3 benchmarks/lab/sanitize_decode.py ;;
-    sanitize-sync) run sanitize-sync 400 bash -c 'compute-sanitizer --tool synccheck python3 benchmarks/lab/sanitize_decode.py && compute-sanitizer --tool racecheck python3 benchmarks/lab/sanitize_decode.py --only cuda-sm90' ;;  # barriers and shared-memory races of the fp8 paths
+    sanitize-sync) run sanitize-sync 400 bash -c 'compute-sanitizer --tool synccheck --print-limit 20 python3 benchmarks/lab/sanitize_decode.py; echo "synccheck rc=$?"; for k in cuda-sm90 cuda-sm80; do compute-sanitizer --tool racecheck python3 benchmarks/lab/sanitize_decode.py --only $k; echo "racecheck $k rc=$?"; done' ;;  # barrier use of every decode launch, each tool on its own (a stopped synccheck does not skip racecheck); shared-memory races of both CUDA kernels' fp8 paths
     sweep) run sweep 330 python3 benchmarks/lab/tune_decode.py --out "$OUT" --sweep ;;
     layer) run layer 240 python3 -m mla bench layer --out "$OUT" ;;
     prefill) run prefill 540 python3 -m mla bench prefill --out "$OUT" ;;
     prefill-crossover) run prefill-crossover 240 python3 benchmarks/lab/prefill_crossover.py --out "$OUT" ;;  # writes h200-prefill-crossover.json
+    prefill-paired) run prefill-paired 240 python3 benchmarks/lab/probe_prefill_paired.py --shapes 1x1024,1x2048,1x4096 --out "$OUT" ;;  # short prompts' layer timed in turn with the SDPA layer, on each path
     layer-host) run layer-host 120 python3 benchmarks/lab/probe_layer_host.py --device cuda --out "$OUT/layer-host-probe.json" ;;  # the host's share of a paged prompt
     prefill-probe) run prefill-probe 540 bash -c 'python3 benchmarks/lab/probe_prefill_layer.py --flex-compile --shapes 1x1024,1x4096,4x2048 && TORCHINDUCTOR_COMPILE_THREADS=1 python3 benchmarks/lab/probe_prefill_layer.py --flex-compile --shapes 1x1024,1x4096,4x2048' ;;
     tp) run tp 400 python3 -m mla bench tp --out "$OUT" --tp 2 ;;  # 2 GPUs (nvidia-h200-x2)
