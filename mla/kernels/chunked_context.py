@@ -5,8 +5,8 @@ group of heads, ``head_group``; torch SDPA instead where no sequence has context
 ``backend`` says so, the keys up-projected in SDPA's layout), and to their context, gathered
 from the paged latent cache and up-projected by W_UK and W_UV a chunk of at most
 ``workspace_tokens`` tokens at a time, non-causally (one ``mla_prefill`` a chunk); the pieces
-are merged by ``merge_attention_states``. Peak memory grows with the new tokens and the workspace, never with
-new tokens x context.
+are merged by ``merge_attention_states``. Peak memory grows with the new tokens and the
+workspace, never with new tokens x context.
 
 Shape letters: b sequences, h heads, g heads of a group, d nope dim, r rope dim, v value dim,
 c latent dim, n tokens a page; ``total_q`` the packed rows of all sequences' new tokens.

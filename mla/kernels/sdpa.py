@@ -58,11 +58,10 @@ def choose_prefill_backend(backend: str, device: torch.device | str, *, equal_ro
     device with equal rows and more than ``PREFILL_KERNEL_UP_TO`` new tokens: at 4k tokens the
     layer's SDPA path is the faster (the figures: ``docs/derivations/prefill.md``). Else
     "triton": a call of at most ``PREFILL_KERNEL_UP_TO`` tokens is bound by the host, where the
-    kernel's path issues a little less;
-    ragged rows would take one SDPA call a row and a host read of their offsets, where the
-    kernel takes them in one launch; and on the CPU the paged tier is the kernels' test bench
-    (Triton's interpreter runs the code the GPU runs), where SDPA would stand in for the kernel
-    under test.
+    kernel's path issues a little less; ragged rows would take one SDPA call a row and a host
+    read of their offsets, where the kernel takes them in one launch; and on the CPU the paged
+    tier is the kernels' test bench (Triton's interpreter runs the code the GPU runs), where SDPA
+    would stand in for the kernel under test.
     """
     if backend not in PREFILL_BACKENDS:
         raise ValueError(f"prefill backend must be one of {PREFILL_BACKENDS}, got {backend!r}")
