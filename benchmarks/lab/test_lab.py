@@ -42,3 +42,23 @@ def test_sm90_ab_benchmark_renames_each_versions_library(tmp_path):
     assert "TORCH_LIBRARY_IMPL(mla_ab_new, CUDA, m)" in renamed and "TORCH_LIBRARY_IMPL(mla," not in renamed
     assert renamed.replace("mla_ab_new", "mla") == kernel  # nothing else changed
 
+
+
+def test_candidate_patches_still_apply():
+    """benchmarks/lab/candidates/*.patch are kernel changes measured on the GPU and not merged,
+    kept against main for a later run (NOTES.md says what each measured): each must still apply
+    to the tree, so that an edit of main that breaks one is rebased or the patch deleted."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import pytest
+
+    root = Path(__file__).resolve().parents[2]
+    patches = sorted((root / "benchmarks" / "lab" / "candidates").glob("*.patch"))
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    assert patches
+    for patch in patches:
+        done = subprocess.run(["git", "apply", "--check", str(patch)], cwd=root, capture_output=True, text=True)
+        assert done.returncode == 0, f"{patch.name} no longer applies: {done.stderr.strip()}"
