@@ -238,7 +238,7 @@ def kernel_and_splits(q, kv_cache, block_table, seq_lens, kv_lora_rank, t, num_s
     should pass for sequences of up to t tokens: (kernel, config, splits). A q of s_q > 1 tokens
     is planned as the s_q·h query rows the kernels pack into their head tile."""
     from mla.kernels.backends import CUDA_TILES, choose_decode_backend
-    from mla.kernels.decode import choose_num_kv_splits, default_config
+    from mla.kernels.decode import default_config, plan_num_kv_splits
 
     rows = q.flatten(1, 2) if q.dim() == 4 else q  # (b, s_q·h, c + r)
     b, h, _ = rows.shape
@@ -250,17 +250,16 @@ def kernel_and_splits(q, kv_cache, block_table, seq_lens, kv_lora_rank, t, num_s
     else:
         block_h, block_n = CUDA_TILES[kernel]
         config = dict(kernel=kernel, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=CUDA_WARPS[kernel])
-    splits = choose_num_kv_splits(b, h, t, num_sms, block_h=block_h, block_n=block_n, one_wave=kernel == "cuda-sm90")
+    splits = plan_num_kv_splits(kernel, b, h, t, num_sms, kv_cache_dtype=kv_cache_dtype)
     return kernel, config, splits
 
 
 def triton_splits(q, t, num_sms, kv_cache_dtype="auto") -> int:
     """The split count mla_decode takes for its Triton kernel at these heads, length and layout."""
-    from mla.kernels.decode import choose_num_kv_splits, default_config
+    from mla.kernels.decode import plan_num_kv_splits
 
     b, h = q.shape[0], q.shape[-2] * (q.shape[1] if q.dim() == 4 else 1)
-    config = default_config(h, kv_cache_dtype)
-    return choose_num_kv_splits(b, h, t, num_sms, block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
+    return plan_num_kv_splits("triton", b, h, t, num_sms, kv_cache_dtype=kv_cache_dtype)
 
 
 def layer_splits(config, cache) -> tuple[str, int]:
@@ -659,17 +658,12 @@ def forced_kernel(row, prefix, kernel, q, caches, block_table, seq_lens, t, num_
     (``{prefix}_max_rel_err_vs_reference``), or ``{prefix}_error`` saying why it did not run.
     ``layout``: kv_cache_dtype and kv_scale of an fp8 cache."""
     from benchmarks.timing import bench_us, graphed
-    from mla.kernels.backends import CUDA_TILES
-    from mla.kernels.decode import choose_num_kv_splits
+    from mla.kernels.decode import plan_num_kv_splits
 
     try:
-        if kernel == "triton":
-            splits = triton_splits(q, t, num_sms, layout.get("kv_cache_dtype", "auto"))
-        else:
-            block_h, block_n = CUDA_TILES[kernel]
-            rows = q.shape[1] * q.shape[2] if q.dim() == 4 else q.shape[1]     # s_q x h query rows
-            splits = choose_num_kv_splits(row["b"], rows, t, num_sms, block_h=block_h, block_n=block_n,
-                                          one_wave=kernel == "cuda-sm90")
+        rows = q.shape[1] * q.shape[2] if q.dim() == 4 else q.shape[1]  # s_q x h query rows
+        splits = plan_num_kv_splits(kernel, row["b"], rows, t, num_sms,
+                                    kv_cache_dtype=layout.get("kv_cache_dtype", "auto"))
         call = decode_call(q, block_table, seq_lens, kernel, splits, **layout)
         out = call(caches[0])[0].float()
         want = reference_out(q, caches[0], block_table, seq_lens, **layout)

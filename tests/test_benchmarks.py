@@ -81,7 +81,7 @@ def test_kernel_and_splits_plans_a_cuda_kernel_with_its_tile(kernel, block_h, bl
     got, config, splits = bd.kernel_and_splits(q, cache, table, lens, bd.C, 4096, 132)
     want = choose_num_kv_splits(2, 32, 4096, 132, block_h=block_h, block_n=block_n, one_wave=kernel == "cuda-sm90")
     assert got == kernel and (config["BLOCK_H"], config["BLOCK_N"]) == (block_h, block_n)
-    assert splits == want
+    assert splits == want == decode.plan_num_kv_splits(kernel, 2, 32, 4096, 132)  # what mla_decode plans
 
 
 # ---- bench_decode.py: arguments -----------------------------------------------------------------

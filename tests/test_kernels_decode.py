@@ -502,6 +502,22 @@ def test_multi_token_sm90_dispatch(strided_q, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
+def test_plan_num_kv_splits_takes_the_tile_of_the_stage_1_it_plans_for():
+    from mla.kernels.decode import default_config, plan_num_kv_splits
+
+    assert plan_num_kv_splits("cuda-sm90", 1, 128, 32_768, 132) == choose_num_kv_splits(
+        1, 128, 32_768, 132, block_h=64, block_n=64, one_wave=True) == 66
+    assert plan_num_kv_splits("cuda-sm80", 64, 16, 4096, 132) == choose_num_kv_splits(
+        64, 16, 4096, 132, block_h=16, block_n=32)
+    # a CUDA stage 1's own tile, whatever Triton tile the caller holds
+    assert plan_num_kv_splits("cuda-sm80", 1, 16, 512, 132, block_h=64, block_n=64) == 4
+    for layout in ("auto", "fp8_e4m3", "fp8_ds_mla"):
+        config = default_config(16, layout)
+        assert plan_num_kv_splits("triton", 2, 16, 10_000, 132, kv_cache_dtype=layout) == choose_num_kv_splits(
+            2, 16, 10_000, 132, block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
+    assert plan_num_kv_splits("triton", 1, 16, 512, 132, block_h=16, block_n=32) == 4  # a tuned tile
+
+
 def test_choose_num_kv_splits():
     # 64-head blocks (compute bound): enough programs already, no split
     assert choose_num_kv_splits(64, 128, 100_000, 132) == 1  # 64 x 2 head blocks of 64

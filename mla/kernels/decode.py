@@ -6,7 +6,8 @@ sequence's new tokens (one, or s_q of 1..8, causal among themselves) over its ca
 ``[kv_c | k_pe]`` (key = the whole row, value = its first c values), returning ``out`` (b, h, c)
 and ``lse`` (b, h), or (b, s_q, h, c) and (b, s_q, h) for a query of s_q tokens. It checks its
 arguments, chooses the stage-1 kernel (``mla.kernels.backends``), the split count
-(``choose_num_kv_splits``) and the Triton launch parameters (``default_config``), and launches
+(``plan_num_kv_splits``, the rule ``choose_num_kv_splits`` on that kernel's tile) and the Triton
+launch parameters (``default_config``), and launches
 the kernels of ``mla.kernels.triton_decode`` (or a CUDA stage 1 and the Triton merge).
 ``mla_decode_reference`` computes the same in plain torch, one sequence and token at a time.
 """
@@ -33,6 +34,7 @@ __all__ = [
     "mla_decode",
     "mla_decode_reference",
     "choose_num_kv_splits",
+    "plan_num_kv_splits",
     "default_config",
 ]
 
@@ -200,12 +202,9 @@ def mla_decode(
 
     backend = choose_decode_backend(q, kv_cache, block_table, seq_lens, kv_lora_rank=c, backend=_backend,
                                     tuned=bool(_config), kv_cache_dtype=kind)
-    block_h, block_n = CUDA_TILES.get(backend, (config["BLOCK_H"], config["BLOCK_N"]))
     if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(
-            b, rows, max_seq_len, sm_count(q.device), block_h=block_h, block_n=block_n,
-            one_wave=backend == "cuda-sm90",
-        )
+        num_kv_splits = plan_num_kv_splits(backend, b, rows, max_seq_len, sm_count(q.device),
+                                           kv_cache_dtype=kind, block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
 
     out = torch.empty((b, s_q, h, c), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, s_q, h), dtype=torch.float32, device=q.device)
@@ -431,6 +430,34 @@ def default_config(num_heads: int, kv_cache_dtype: str = "auto") -> dict:
     else:
         tile = {"BLOCK_H": block_h, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     return dict(tile, PAGE_TILE=True, HEAD_MAJOR=True, SPLIT_TAIL=True)
+
+
+def plan_num_kv_splits(
+    backend: str,
+    batch: int,
+    rows: int,
+    max_seq_len: int,
+    num_sms: int,
+    *,
+    kv_cache_dtype: str = "auto",
+    block_h: int | None = None,
+    block_n: int | None = None,
+) -> int:
+    """The split count ``mla_decode`` takes when ``num_kv_splits`` is None: ``choose_num_kv_splits``
+    on the tile of stage 1 ``backend`` ("triton", "cuda-sm80", "cuda-sm90"), within one wave for
+    the wgmma kernel. ``rows``: query rows a sequence (s_q x h). ``block_h``, ``block_n``: the
+    Triton kernel's tile, ``default_config(rows, kv_cache_dtype)``'s when None; a CUDA stage 1
+    has its own (``CUDA_TILES``). A caller that fixes the count for a CUDA graph (the decode
+    benchmark, a captured layer step) plans with this, so that it runs what ``mla_decode`` would.
+    """
+    if backend in CUDA_TILES:
+        block_h, block_n = CUDA_TILES[backend]
+    elif block_h is None or block_n is None:
+        config = default_config(rows, kv_cache_dtype)
+        block_h = config["BLOCK_H"] if block_h is None else block_h
+        block_n = config["BLOCK_N"] if block_n is None else block_n
+    return choose_num_kv_splits(batch, rows, max_seq_len, num_sms, block_h=block_h, block_n=block_n,
+                                one_wave=backend == "cuda-sm90")
 
 
 def choose_num_kv_splits(
