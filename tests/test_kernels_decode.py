@@ -516,6 +516,8 @@ def test_plan_num_kv_splits_takes_the_tile_of_the_stage_1_it_plans_for():
         assert plan_num_kv_splits("triton", 2, 16, 10_000, 132, kv_cache_dtype=layout) == choose_num_kv_splits(
             2, 16, 10_000, 132, block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
     assert plan_num_kv_splits("triton", 1, 16, 512, 132, block_h=16, block_n=32) == 4  # a tuned tile
+    with pytest.raises(ValueError, match="backend must be one of"):
+        plan_num_kv_splits("cuda-sm9O", 1, 16, 512, 132)
 
 
 def test_choose_num_kv_splits():

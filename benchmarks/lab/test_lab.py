@@ -1,5 +1,6 @@
-"""CPU checks of the lab's scripts that edit csrc/ as text (built and run on a GPU only): an edit
-of a kernel that breaks one of their text patches fails here rather than on the next GPU run.
+"""CPU checks of the lab's scripts that edit csrc/ as text, and of the candidate patches (built
+and run on a GPU only): an edit of the tree that breaks one of them fails here rather than on
+the next GPU run.
 
     PYTHONPATH=. python3 -m pytest -q benchmarks/lab/test_lab.py
 """
@@ -43,11 +44,11 @@ def test_sm90_ab_benchmark_renames_each_versions_library(tmp_path):
     assert renamed.replace("mla_ab_new", "mla") == kernel  # nothing else changed
 
 
-
 def test_candidate_patches_still_apply():
     """benchmarks/lab/candidates/*.patch are kernel changes measured on the GPU and not merged,
     kept against main for a later run (NOTES.md says what each measured): each must still apply
     to the tree, so that an edit of main that breaks one is rebased or the patch deleted."""
+    import os
     import shutil
     import subprocess
     from pathlib import Path
@@ -60,5 +61,8 @@ def test_candidate_patches_still_apply():
         pytest.skip("git is not installed")
     assert patches
     for patch in patches:
-        done = subprocess.run(["git", "apply", "--check", str(patch)], cwd=root, capture_output=True, text=True)
+        # the tree's root is the ceiling: in a copy of the tree inside another repository (.ab/NAME),
+        # git apply would otherwise check only the paths under the copy's folder, that is none
+        done = subprocess.run(["git", "apply", "--check", str(patch)], cwd=root, capture_output=True, text=True,
+                              env={**os.environ, "GIT_CEILING_DIRECTORIES": str(root.parent)})
         assert done.returncode == 0, f"{patch.name} no longer applies: {done.stderr.strip()}"

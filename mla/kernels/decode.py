@@ -7,8 +7,8 @@ sequence's new tokens (one, or s_q of 1..8, causal among themselves) over its ca
 and ``lse`` (b, h), or (b, s_q, h, c) and (b, s_q, h) for a query of s_q tokens. It checks its
 arguments, chooses the stage-1 kernel (``mla.kernels.backends``), the split count
 (``plan_num_kv_splits``, the rule ``choose_num_kv_splits`` on that kernel's tile) and the Triton
-launch parameters (``default_config``), and launches
-the kernels of ``mla.kernels.triton_decode`` (or a CUDA stage 1 and the Triton merge).
+launch parameters (``default_config``), and launches the kernels of ``mla.kernels.triton_decode``
+(or a CUDA stage 1 and the Triton merge).
 ``mla_decode_reference`` computes the same in plain torch, one sequence and token at a time.
 """
 
@@ -23,7 +23,7 @@ import torch
 import triton
 
 from . import fp8
-from .backends import CUDA_TILES, choose_decode_backend, sm_count
+from .backends import CUDA_TILES, DECODE_BACKENDS, choose_decode_backend, sm_count
 from .constants import LOG2E, MAX_GRID_YZ
 from .launch import launch_fitting, on_the_gpu_of_its_first_tensor
 from .triton_decode import (E4M3_HARDWARE, E4M3_INTEGER_OPS, E4M3_INTERPRETER, _mla_decode_merge_kernel,
@@ -450,6 +450,8 @@ def plan_num_kv_splits(
     has its own (``CUDA_TILES``). A caller that fixes the count for a CUDA graph (the decode
     benchmark, a captured layer step) plans with this, so that it runs what ``mla_decode`` would.
     """
+    if backend not in DECODE_BACKENDS:
+        raise ValueError(f"plan_num_kv_splits: backend must be one of {DECODE_BACKENDS}, got {backend!r}")
     if backend in CUDA_TILES:
         block_h, block_n = CUDA_TILES[backend]
     elif block_h is None or block_n is None:
