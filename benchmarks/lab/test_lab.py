@@ -66,3 +66,26 @@ def test_candidate_patches_still_apply():
         done = subprocess.run(["git", "apply", "--check", str(patch)], cwd=root, capture_output=True, text=True,
                               env={**os.environ, "GIT_CEILING_DIRECTORIES": str(root.parent)})
         assert done.returncode == 0, f"{patch.name} no longer applies: {done.stderr.strip()}"
+
+
+def test_ab_table_reads_runs_by_version_and_round(tmp_path):
+    """ab_table.py: runs named VERSION-ROUND, each candidate's median over main's per row."""
+    import json
+
+    from benchmarks.lab.ab_table import load_runs, summarise
+
+    def run(name, us, splits):
+        (tmp_path / name).mkdir()
+        row = dict(b=64, t=4096, h=16, kv_cache_dtype="auto", time_us=us, config={"num_kv_splits": splits})
+        (tmp_path / name / "gpu-decode.json").write_text(json.dumps({"rows": [row], "fp8_rows": []}))
+
+    run("main-1", 100.0, 4)
+    run("fp8three-1", 80.0, 6)
+    run("main-2", 110.0, 4)
+    run("fp8three-2", 90.0, 6)
+    runs = load_runs(tmp_path)
+    assert list(runs) == ["main-1", "fp8three-1", "main-2", "fp8three-2"]  # the order they ran in
+    (entry,) = summarise(runs)
+    assert entry["median_us"] == {"main": 105.0, "fp8three": 85.0}
+    assert entry["over_main"] == {"fp8three": 85.0 / 105.0}
+    assert entry["splits"] == {"main": 4, "fp8three": 6}

@@ -1,0 +1,83 @@
+"""One table of `python -m mla bench decode` runs side by side: each subfolder of DIR holds one
+run's JSON (named VERSION-ROUND, e.g. main-1, fp8three-1, main-2, ...), and each row of the
+table is a (b, t, h, cache dtype) with every run's time_us, each version's median over its
+rounds, each candidate's median over main's, and the split counts the versions planned.
+
+    python3 benchmarks/lab/ab_table.py DIR [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+
+
+def load_runs(root: pathlib.Path) -> dict[str, dict]:
+    """{run folder name: {(b, t, h, dtype): row}} for every folder with a decode JSON."""
+    runs = {}
+    def in_turn(folder):  # main-1, candidates-1, main-2, ...: the order they ran in
+        version, _, rnd = folder.name.rpartition("-")
+        return (int(rnd), version != "main", version) if rnd.isdigit() else (0, True, folder.name)
+
+    for folder in sorted((p for p in root.iterdir() if p.is_dir()), key=in_turn):
+        files = sorted(folder.glob("*decode*.json"))
+        if files:
+            data = json.loads(files[0].read_text())
+            rows = data["rows"] + data.get("fp8_rows", [])
+            runs[folder.name] = {(r["b"], r["t"], r["h"], r["kv_cache_dtype"]): r for r in rows}
+    return runs
+
+
+def version_of(run: str) -> str:
+    """'fp8three-2' -> 'fp8three'."""
+    name, _, rnd = run.rpartition("-")
+    return name if name and rnd.isdigit() else run
+
+
+def summarise(runs: dict[str, dict]) -> list[dict]:
+    """A dict a (b, t, h, dtype): every run's time, each version's median and splits, and each
+    candidate's median over main's."""
+    versions = sorted({version_of(r) for r in runs}, key=lambda v: (v != "main", v))
+    table = []
+    for key in sorted({k for rows in runs.values() for k in rows}):
+        entry = dict(zip(("b", "t", "h", "kv_cache_dtype"), key), runs={}, median_us={}, splits={})
+        for run, rows in runs.items():
+            row = rows.get(key)
+            if row is not None and row.get("time_us") is not None:
+                entry["runs"][run] = row["time_us"]
+                entry["splits"][version_of(run)] = (row.get("config") or {}).get("num_kv_splits")
+        for v in versions:
+            times = [t for run, t in entry["runs"].items() if version_of(run) == v]
+            if times:
+                entry["median_us"][v] = statistics.median(times)
+        base = entry["median_us"].get("main")
+        entry["over_main"] = {v: m / base for v, m in entry["median_us"].items() if v != "main" and base}
+        table.append(entry)
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("dir", type=pathlib.Path)
+    parser.add_argument("--json", type=pathlib.Path, help="write the table here as well")
+    args = parser.parse_args()
+    runs = load_runs(args.dir)
+    if not runs:
+        raise SystemExit(f"ab_table: no decode JSON in the folders of {args.dir}")
+    table = summarise(runs)
+    names = list(runs)
+    print(f"{'b':>4} {'t':>7} {'h':>4} {'dtype':>10} " + " ".join(f"{n:>12}" for n in names)
+          + "   candidate / main (median)   splits")
+    for e in table:
+        cells = " ".join(f"{e['runs'][n]:12.1f}" if n in e["runs"] else f"{'-':>12}" for n in names)
+        ratios = ", ".join(f"{v} {r:.3f}" for v, r in e["over_main"].items())
+        splits = "/".join(f"{v} {s}" for v, s in e["splits"].items())
+        print(f"{e['b']:>4} {e['t']:>7} {e['h']:>4} {e['kv_cache_dtype']:>10} {cells}   {ratios}   {splits}")
+    if args.json:
+        args.json.write_text(json.dumps({"runs": names, "rows": table}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
