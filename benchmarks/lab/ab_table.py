@@ -15,12 +15,13 @@ import statistics
 
 
 def load_runs(root: pathlib.Path) -> dict[str, dict]:
-    """{run folder name: {(b, t, h, dtype): row}} for every folder with a decode JSON."""
-    runs = {}
-    def in_turn(folder):  # main-1, candidates-1, main-2, ...: the order they ran in
-        version, _, rnd = folder.name.rpartition("-")
-        return (int(rnd), version != "main", version) if rnd.isdigit() else (0, True, folder.name)
+    """{run folder name: {(b, t, h, dtype): row}} for every folder with a decode JSON, in the
+    order the runs were made (main-1, the candidates' round 1, main-2, ...)."""
+    def in_turn(folder: pathlib.Path) -> tuple:
+        version, rnd = version_of(folder.name), folder.name.rpartition("-")[2]
+        return (int(rnd) if rnd.isdigit() else 0, version != "main", folder.name)
 
+    runs = {}
     for folder in sorted((p for p in root.iterdir() if p.is_dir()), key=in_turn):
         files = sorted(folder.glob("*decode*.json"))
         if files:
