@@ -14,10 +14,15 @@
 //   warpgroup 0 (O[:, :256], tile A)           warpgroup 1 (O[:, 256:], tile B)
 //   S_A = q . K_A^T (36 wgmma m64n64k16)        S_B = q . K_B^T
 //   m_A = max(m, rowmax S_A), P_A, O_L *= ..   ->  m_B = max(m_A, rowmax S_B), P_B, O_R *= ..
-//   O_L += P_A . V_A[:, :256] (P from regs)        O_R += P_B . V_B[:, 256:] (P from regs); P_B -> smem
-//   P_A *= exp2(m_A - m_B) -> smem            <-
-//   O_L = O_L * exp2(m_A - m_B) + P_B . V_B[:, :256]   O_R += P_A . V_A[:, 256:]   (P from smem)
-//   S of the next A, as its blocks land       S of the next B
+//   O_L += P_A . V_A[:, :256] (P from regs)   <-  P_B -> smem
+//   P_A * exp2(m_A - m_B) -> smem              ->  O_R += P_A . V_A[:, 256:] (P from smem)
+//                                                  O_R += P_B . V_B[:, 256:] (P from regs)
+//   O_L = O_L * exp2(m_A - m_B) + P_B . V_B[:, :256] (P from smem)
+//   S of the next A (blocks 0-3, then 4-8)      S of the next B (blocks 4-8, then 0-3)
+//
+// The MMAs reach the tensor cores in that order, so each buffer's last reader comes as early as it
+// can: buffer 0 (the next A, whose S comes first) is free after the fourth product of the pair,
+// buffer 1 after the fifth and sixth, and each S starts on the block group refilled first.
 //
 // Shared memory holds q and each tile as wgmma's canonical 128-byte-swizzled K-major layout:
 // 9 column blocks of 64 dims (128 bytes a row), each (64 rows, 128 bytes) with the 16-byte
@@ -587,13 +592,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     }
   };
   // ---- S (+)= q . K^T over blocks [J0, J1) of buffer buf (4 k-steps of 16 each), each block
-  // group once its mbarrier completes phase `parity`; one commit group. Unrolled, so each descriptor
-  // is a base plus a constant (addresses < 256 KiB: the 14-bit address field does not carry).
-  auto scores = [&](float (&s)[32], int buf, int parity, auto J0, auto J1) {
+  // group once its mbarrier completes phase `parity`; one commit group. Fresh: S = the first
+  // k-step's product (the call a tile's S starts with), else S +=. Unrolled, so each descriptor is
+  // a base plus a constant (addresses < 256 KiB: the 14-bit address field does not carry).
+  auto scores = [&](float (&s)[32], int buf, int parity, auto J0, auto J1, auto Fresh) {
+    constexpr int j0 = decltype(J0)::value;
     const uint64_t q_desc = desc_k(q_s), k_desc = desc_k(kv_s + buf * kMatBytes);
     wgmma_fence();
 #pragma unroll
-    for (int j = decltype(J0)::value; j < decltype(J1)::value; ++j) {
+    for (int j = j0; j < decltype(J1)::value; ++j) {
       if (j == 0 || j == kLoBlocks) {  // a group's first block
         mbar_wait(bar(buf, j), parity);
         fence_async_shared();  // the landed copies, visible to wgmma
@@ -601,7 +608,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
         const uint32_t off = (j * kBlockBytes + ks * 32) >> 4;
-        mma_s<MT>(s, q_desc + off, k_desc + off, j | ks);
+        mma_s<MT>(s, q_desc + off, k_desc + off, !(decltype(Fresh)::value && j == j0 && ks == 0));
       }
     }
     wgmma_commit();
@@ -685,6 +692,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       pf[ks][3] = pack(p[8 * ks + 6] * f1, p[8 * ks + 7] * f1, MT{});  // row0 + 8, tokens 16ks + 8 + 2c
     }
   };
+  // ---- P * (f0 for row0, f1 for row0 + 8) -> a swizzled (64 heads, 64 tokens) block (vector j
+  // of row r: tokens 8j ..), packed a pair at a time: the fragments' registers stay an MMA's operand
+  auto store_p_scaled = [&](unsigned char* dst, const float (&p)[32], float f0, float f1) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {  // tokens 8j + 2c (+1)
+      *reinterpret_cast<uint32_t*>(dst + swizzled(row0, j) + 4 * c) = pack(p[4 * j] * f0, p[4 * j + 1] * f0, MT{});
+      *reinterpret_cast<uint32_t*>(dst + swizzled(row0 + 8, j) + 4 * c) =
+          pack(p[4 * j + 2] * f1, p[4 * j + 3] * f1, MT{});
+    }
+  };
   // ---- the fragments -> a swizzled (64 heads, 64 tokens) block (vector j of row r: tokens 8j ..)
   auto store_p = [&](unsigned char* dst, const uint32_t (&pf)[4][4]) {
 #pragma unroll
@@ -730,6 +747,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   // how many commit groups issued after an fp8 group may still be in flight when it is finished
   const std::integral_constant<int, 0> kNoneAfter;
   const std::integral_constant<int, 1> kOneAfter;
+  // whether a scores call starts a tile's S
+  const std::integral_constant<bool, true> kFresh;
+  const std::integral_constant<bool, false> kMore;
 
   // ---- set-up: the mbarriers, m = -inf; q (all threads) and the first two tiles
   if (tid == 0) {
@@ -803,7 +823,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   uint32_t pf[4][4];  // P as wgmma A fragments, one k-step of 16 tokens each
 
   if (n_tiles > 0) {
-    scores(s, wg, 0, std::integral_constant<int, 0>{}, std::integral_constant<int, kBlocks>{});  // S_A (warpgroup 0, buffer 0), S_B (warpgroup 1, buffer 1)
+    scores(s, wg, 0, kZero, kAll, kFresh);  // S_A (warpgroup 0, buffer 0), S_B (warpgroup 1, buffer 1)
     wgmma_wait<0>();
     pin(s);
   }
@@ -840,16 +860,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) mma_o_reg<MT>(o, pf[ks], v_desc(0, ks));
       wgmma_commit();
+      // -- P_A relative to m_B -> buffer 0's rope block, for warpgroup 1, while that MMA runs
+      // (packed from S: the fragments stay its operand)
+      bar_sync(kBarScaleB);
+      const float sb0 = scale_b_s[row0], sb1 = scale_b_s[row0 + 8];
+      store_p_scaled(pa_ptr, s, sb0, sb1);
+      fence_async_shared();
+      bar_arrive(kBarPA);
       wgmma_wait<0>();
       pin(o);
       pin(pf);
-      // -- P_A relative to m_B -> buffer 0's rope block, for warpgroup 1
-      bar_sync(kBarScaleB);
-      const float sb0 = scale_b_s[row0], sb1 = scale_b_s[row0 + 8];
-      fragments(s, sb0, sb1, pf);
-      store_p(pa_ptr, pf);
-      fence_async_shared();
-      bar_arrive(kBarPA);
       // buffer 0's blocks 0-3 are done with (S_A, and V_A's left half): the next A's
       if (more) load_blocks(0, tile_a + 2, kZero, kLo);
       // -- O_L = O_L * exp2(m_A - m_B) + P_B . V_B[:, :256], P_B from warpgroup 1 (V_B's blocks
@@ -867,10 +887,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
         finish_blocks(0, tile_a + 2, kZero, kNoneAfter);
         // -- S of the next A: blocks 0-3 (loaded first), then buffer 1's blocks 0-3 are free
         // (V_B's left half) for the next B, then blocks 4-8 (loaded by warpgroup 1)
-        scores(s, 0, next_parity, kZero, kLo);
+        scores(s, 0, next_parity, kZero, kLo, kFresh);
         wgmma_wait<1>();
         load_blocks(1, tile_a + 3, kZero, kLo);
-        scores(s, 0, next_parity, kLo, kAll);
+        scores(s, 0, next_parity, kLo, kAll, kMore);
         // fp8: the next B's blocks 0-3 converted while those scores run (buffer 0 and q)
         finish_blocks(1, tile_a + 3, kZero, kNoneAfter);
       }
@@ -894,35 +914,39 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       l0 = l0 * f0 + sum0;
       l1 = l1 * f1 + sum1;
       rescale(o, f0, f1);
-      // -- O_R += P_B . V_B[:, 256:]; P_B -> shared memory for warpgroup 0
+      // -- P_B -> shared memory for warpgroup 0
       fragments(s, 1.f, 1.f, pf);
       store_p(pb_ptr, pf);
       fence_async_shared();
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) mma_o_reg<MT>(o, pf[ks], v_desc(1, ks));
-      wgmma_commit();
       bar_arrive(kBarPB);
       // -- O_R += P_A . V_A[:, 256:], P_A from warpgroup 0 (relative to m_B; V_A's blocks landed
-      // before warpgroup 0's S_A waited on them, as above)
+      // before warpgroup 0's S_A waited on them, as above); then O_R += P_B . V_B[:, 256:]. Buffer
+      // 0's last reader goes first: the next A, whose S comes first, is refilled sooner
       bar_sync(kBarPA);
+      wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) mma_o_smem<MT>(o, desc_k(pa_s + ks * 32), v_desc(0, ks));
       wgmma_commit();
-      // buffer 1's blocks 4-8 are done with (S_B, V_B's right half): the next B's; then
-      // buffer 0's (V_A's right half, P_A): the next A's
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) mma_o_reg<MT>(o, pf[ks], v_desc(1, ks));
+      wgmma_commit();
+      // buffer 0's blocks 4-8 are done with (V_A's right half, P_A): the next A's; then buffer
+      // 1's (S_B, V_B's right half): the next B's
       wgmma_wait<1>();
-      pin(pf);
-      if (more) load_blocks(1, tile_a + 3, kLo, kAll);
+      if (more) load_blocks(0, tile_a + 2, kLo, kAll);
       wgmma_wait<0>();
       pin(o);
+      pin(pf);
       if (more) {
-        load_blocks(0, tile_a + 2, kLo, kAll);
-        // fp8: the next A's group first (the newest: waiting for it waits for the next B's too),
-        // warpgroup 0's next S waiting on it; then the next B's, which only this warpgroup reads
-        finish_blocks(0, tile_a + 2, kLo, kNoneAfter);
+        load_blocks(1, tile_a + 3, kLo, kAll);
+        // fp8: the next A's group first (warpgroup 0's next S waits on it; the next B's may still
+        // be in flight), then the next B's, which only this warpgroup reads
+        finish_blocks(0, tile_a + 2, kLo, kOneAfter);
         finish_blocks(1, tile_a + 3, kLo, kNoneAfter);
-        scores(s, 1, next_parity, kZero, kAll);  // S of the next B
+        // -- S of the next B: blocks 4-8 (refilled first, by this warpgroup), then 0-3 (by
+        // warpgroup 0, once its P_B . V_B is done)
+        scores(s, 1, next_parity, kLo, kAll, kFresh);
+        scores(s, 1, next_parity, kZero, kLo, kMore);
         wgmma_wait<0>();
         pin(s);
       }
