@@ -544,15 +544,15 @@ def row(name: str, key: str = "rows", **match) -> dict:
     return rows[0]
 
 
-def decode_tflops(b: int, t: int, h: int, field: str = "time_us") -> float:
-    """Attention TFLOP/s of the committed decode row (b, t, h, one query token): its FLOPs (the
+def decode_tflops(b: int, t: int, h: int, field: str = "time_us", name: str = "h200-decode.json") -> float:
+    """Attention TFLOP/s of decode result `name`'s row (b, t, h, one query token): its FLOPs (the
     floor's compute term, floor_us x matmul_TFLOPs when compute bound, recomputed here) over
     `field` (time_us: ours, flashmla_us: FlashMLA's)."""
     from mla.config import MLAConfig
 
     v3 = MLAConfig.from_preset("deepseek-v3")
     flops = 2 * b * h * t * (v3.kv_lora_rank + v3.qk_rope_head_dim + v3.kv_lora_rank)
-    return flops / (row("h200-decode.json", b=b, t=t, h=h, s_q=1)[field] * 1e-6) / 1e12
+    return flops / (row(name, b=b, t=t, h=h, s_q=1)[field] * 1e-6) / 1e12
 
 
 def _table(rows: list[dict], columns: list[tuple[str, object]]) -> str:
