@@ -482,6 +482,9 @@ def test_pages_in_the_browser(site, server, browser):
         if path.startswith("derivations/") or path in ("", "tiers/absorbed/", "benchmarks/"):
             name = (path.strip("/").replace("/", "_") or "home") + ".png"
             page.screenshot(path=str(SCREENSHOTS / name), full_page=True)
+        # the page's own requests done (the search index among them) before the next page is
+        # asked for: a request the next navigation cuts off would read as a failed one
+        page.wait_for_load_state("networkidle")
     page.close()
     assert math_pages >= 5, f"only {math_pages} pages with math"
     for link in sorted(links):
