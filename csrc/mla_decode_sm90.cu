@@ -20,9 +20,11 @@
 //   O_L = O_L * exp2(m_A - m_B) + P_B . V_B[:, :256] (P from smem)
 //   S of the next A (blocks 0-3, then 4-8)      S of the next B (blocks 4-8, then 0-3)
 //
-// The MMAs reach the tensor cores in that order, so each buffer's last reader comes as early as it
-// can: buffer 0 (the next A, whose S comes first) is free after the fourth product of the pair,
-// buffer 1 after the fifth and sixth, and each S starts on the block group refilled first.
+// The products are issued in that order as a rule (warpgroup 0's P_B . V_B waits for its own
+// P_A . V_A to finish, by which time warpgroup 1 has issued its two), so each buffer's last reader
+// comes as early as it can: buffer 0 (the next A, whose S comes first) is free after the fourth
+// product of the pair, buffer 1 after the fifth and sixth, and each S starts on the block group
+// refilled first.
 //
 // Shared memory holds q and each tile as wgmma's canonical 128-byte-swizzled K-major layout:
 // 9 column blocks of 64 dims (128 bytes a row), each (64 rows, 128 bytes) with the 16-byte
@@ -258,7 +260,7 @@ __device__ __forceinline__ void pin(uint32_t (&a)[4][4]) {
 template <typename T>
 constexpr bool kIsBf16 = std::is_same_v<T, __nv_bfloat16>;
 
-// d (64 x 64, fp32) (+)= A (64 x 16, shared) . B (16 x 64, shared, K-major); zero_d: d = A . B
+// d (64 x 64, fp32) (+)= A (64 x 16, shared) . B (16 x 64, shared, K-major); accumulate 0: d = A . B
 template <typename T>
 __device__ __forceinline__ void mma_s(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
 #define MLA_SS64(AB)                                                                            \
@@ -944,7 +946,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
         finish_blocks(0, tile_a + 2, kLo, kOneAfter);
         finish_blocks(1, tile_a + 3, kLo, kNoneAfter);
         // -- S of the next B: blocks 4-8 (refilled first, by this warpgroup), then 0-3 (by
-        // warpgroup 0, once its P_B . V_B is done)
+        // warpgroup 0, once its P_B . V_B is done and the next A's blocks 0-3 have landed)
         scores(s, 1, next_parity, kLo, kAll, kFresh);
         scores(s, 1, next_parity, kZero, kLo, kMore);
         wgmma_wait<0>();
