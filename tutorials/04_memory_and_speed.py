@@ -332,13 +332,14 @@ def rows_with(*keys):
 # %% [markdown]
 # ### Decode kernel against its floor
 #
-# The decode benchmark's file (`bench_decode.py`: `h200-decode.json`; earlier runs are in
-# `benchmarks/lab/results/`) holds one row per shape ($b$ sequences of $t$ tokens, $h$ heads, DeepSeek-V3's
+# The decode benchmark's files (`bench_decode.py`: `h200-decode.json` on an H200,
+# `nvidia-h100-80gb-hbm3-decode.json` on an H100, the newest kernels; earlier runs are in
+# `benchmarks/lab/results/`) hold one row per shape ($b$ sequences of $t$ tokens, $h$ heads, DeepSeek-V3's
 # 576-wide bf16 cache in pages of 64) with the kernel's time and the shape's *floor*,
 # $\max(\text{bytes}/\text{copy bandwidth},\ \text{FLOPs}/\text{matmul rate})$, both ceilings
 # measured in the same run. `share_of_floor` = floor / time: 1.0 would be the hardware's limit.
 # Few heads are memory bound, many heads compute bound. Each call is timed with a cold L2: in
-# `h200-decode.json` after a read of a 256 MiB buffer; in the files before it after that buffer
+# these files after a read of a 256 MiB buffer; in the files before them after that buffer
 # was zeroed (`triton.testing.do_bench`'s way), which leaves dirty lines in L2 for the kernel to
 # write back: up to ~8 us slower at 16 heads (`dirty_l2_time_us`; `benchmarks/lab/NOTES.md` row 44).
 
