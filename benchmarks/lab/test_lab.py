@@ -24,7 +24,7 @@ def test_sm90_timeline_benchmark_still_fits_the_kernel():
     around the pair loop's copies, waits and barriers): its patches must still apply."""
     from benchmarks.lab.timeline_decode_sm90 import PARTS, instrumented_source
 
-    src = instrumented_source()  # asserts the counts of what it wraps: 4 barriers, 6 waits, 4 loads
+    src = instrumented_source()  # asserts the counts of what it wraps: 4 barriers, 6 waits, 4 loads, 4 finishes
     assert src.count("stamp(") == 5  # its five points
     assert "TORCH_LIBRARY_IMPL" not in src and "check_mla_decode" not in src
     assert "PYBIND11_MODULE" in src and "at::Tensor& timing" in src

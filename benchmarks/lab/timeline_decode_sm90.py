@@ -16,6 +16,9 @@ each warpgroup (0 and 128) sums, over the pair loop, the cycles it spends:
 - ``load_wait``: waiting on a block group's mbarrier before its ``wgmma`` for S (the copy not landed);
 - ``wg_wait``: at a named barrier, waiting for the other warpgroup (its max, its P);
 - ``mma_wait``: in ``wgmma.wait_group``, waiting for its own MMAs;
+- ``convert``: on an fp8 cache (``--kv-cache-dtype``), in ``finish_blocks``: waiting for a block
+  group's raw bytes to land, turning them into q's dtype, the warpgroup's barrier and the
+  mbarrier's arrival (nothing on a bf16 cache);
 
 and ``other`` is the rest of the loop: the softmax, fragments, stores of P and the issue of
 the MMAs. The clock reads add a few cycles each, and registers (254 a thread against the
@@ -46,8 +49,9 @@ from benchmarks.lab.timeline_decode_cuda import stamp_code, stamped_runs
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # (b, t, h): 128 heads at four of the benchmark's shapes, the splits mla_decode picks
 SHAPES = ((1, 32768, 128), (64, 4096, 128), (2, 65536, 128), (4, 131072, 128))
-PARTS = ("issue", "load_wait", "wg_wait", "mma_wait")
-SLOTS = 24  # 5 x (globaltimer, clock64), SM id, then per warpgroup: 4 part sums and the loop's cycles
+PARTS = ("issue", "load_wait", "wg_wait", "mma_wait", "convert")
+SLOTS = 24  # 5 x (globaltimer, clock64), SM id, then per warpgroup: 5 part sums and the loop's cycles
+LAYOUTS = ("auto", "fp8_e4m3", "fp8_ds_mla")  # --kv-cache-dtype
 
 
 def instrumented_source() -> str:
@@ -65,7 +69,7 @@ def instrumented_source() -> str:
     edit("const float* __restrict__ kv_scale) {", "const float* __restrict__ kv_scale, long long* timing) {")
     edit("  const int split = blockIdx.z;\n", """  const int split = blockIdx.z;
   const int64_t cta = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-""" + stamp_code(SLOTS) + """  long long acc[4] = {0, 0, 0, 0};
+""" + stamp_code(SLOTS) + """  long long acc[5] = {0, 0, 0, 0, 0};
 """)
     edit("      mbar_wait(bar(buf, j), parity);\n", "      " + timed("mbar_wait(bar(buf, j), parity)", 1) + "\n")
     # the prologue's copies and waits do not count: the sums restart at the loop
@@ -78,15 +82,16 @@ def instrumented_source() -> str:
     body, n_sync = re.subn(r"bar_sync\((kBar\w+)\);", lambda m: timed(f"bar_sync({m[1]})", 2), body)
     body, n_wait = re.subn(r"wgmma_wait<(\d)>\(\);", lambda m: timed(f"wgmma_wait<{m[1]}>()", 3), body)
     body, n_load = re.subn(r"load_blocks\(([^;]*)\);", lambda m: timed(f"load_blocks({m[1]})", 0), body)
-    assert n_sync == 4 and n_wait == 6 and n_load == 4, (n_sync, n_wait, n_load)
+    body, n_finish = re.subn(r"finish_blocks\(([^;]*)\);", lambda m: timed(f"finish_blocks({m[1]})", 4), body)
+    assert n_sync == 4 and n_wait == 6 and n_load == 4 and n_finish == 4, (n_sync, n_wait, n_load, n_finish)
     head = head.rstrip("\n") + """
   if (tid == 0) stamp(2);
   const long long c_loop = clock64();
-  for (int k = 0; k < 4; ++k) acc[k] = 0;
+  for (int k = 0; k < 5; ++k) acc[k] = 0;
 """
     tail = f"""  if (wtid == 0) {{
-    for (int k = 0; k < 4; ++k) timing[cta * {SLOTS} + 11 + 5 * wg + k] = acc[k];
-    timing[cta * {SLOTS} + 15 + 5 * wg] = clock64() - c_loop;
+    for (int k = 0; k < 5; ++k) timing[cta * {SLOTS} + 11 + 6 * wg + k] = acc[k];
+    timing[cta * {SLOTS} + 16 + 6 * wg] = clock64() - c_loop;
   }}
   stamp(3);
 """ + tail
@@ -95,7 +100,8 @@ def instrumented_source() -> str:
     edit("""  const CacheFormat format =
       check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
                        {"mla_decode_sm90", kMaxHeads, kC, kR, kN}, kv_cache_dtype, kv_scale, q_tokens);""",
-         "  const CacheFormat format = CacheFormat::kAuto;  // bf16 caches only here")
+         "  const CacheFormat format = kv_cache_dtype == \"fp8_e4m3\" ? CacheFormat::kFp8E4M3\n"
+         "                             : kv_cache_dtype == \"fp8_ds_mla\" ? CacheFormat::kFp8DsMla : CacheFormat::kAuto;")
     edit("const std::optional<at::Tensor>& kv_scale, int64_t q_tokens) {",
          "const std::optional<at::Tensor>& kv_scale, int64_t q_tokens, at::Tensor& timing) {")
     edit("scale_ptr);", "scale_ptr, (long long*)timing.data_ptr<int64_t>());")
@@ -114,12 +120,16 @@ def build():
                 extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
 
 
-def one_shape(mod, b, t, h, repeats=5, clear="clean"):
-    from benchmarks.bench_decode import SCALE, kernel_and_splits, make_inputs
+def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto"):
+    from benchmarks.bench_decode import SCALE, kernel_and_splits, make_inputs, write_fp8_caches
 
-    q, (cache,), table, lens = make_inputs(b, t, h)
+    q, caches, table, lens = make_inputs(b, t, h)
+    scale = None
+    if kv_cache_dtype != "auto":  # the same rows in the fp8 layout (bench_decode's fp8 rows)
+        caches, scale = write_fp8_caches(kv_cache_dtype, caches, 1)
+    cache = caches[0]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    _, _, splits = kernel_and_splits(q, cache, table, lens, 512, t, num_sms)
+    _, _, splits = kernel_and_splits(q, cache, table, lens, 512, t, num_sms, kv_cache_dtype=kv_cache_dtype)
     if splits == 1:  # the kernel writes the answer itself (q's dtype)
         part_out = torch.empty((b, h, 1, 512), dtype=q.dtype, device="cuda")
     else:
@@ -130,7 +140,7 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean"):
     runs = []
 
     def launch():
-        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, "auto", None, 1, timing)
+        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, kv_cache_dtype, scale, 1, timing)
 
     for x, start, end, ghz, us in stamped_runs(launch, timing, clear, repeats):
         run = dict(span_us=end.max().item(), start_max_us=start.max().item(), end_median_us=end.median().item(),
@@ -138,8 +148,8 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean"):
                    loop_us=us(2, 3).median().item(), epilogue_us=us(3, 4).median().item(), ghz=ghz,
                    sms=len(set(x[:, 10].tolist())))
         for wg in (0, 1):
-            loop = x[:, 15 + 5 * wg].double()
-            parts = {name: x[:, 11 + 5 * wg + k].double() for k, name in enumerate(PARTS)}
+            loop = x[:, 16 + 6 * wg].double()
+            parts = {name: x[:, 11 + 6 * wg + k].double() for k, name in enumerate(PARTS)}
             parts["other"] = loop - sum(parts.values())
             run[f"wg{wg}_loop_cycles"] = loop.median().item()
             for name, v in parts.items():
@@ -148,7 +158,7 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean"):
     row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     tiles = math.ceil(math.ceil(t / 64) / splits)
     per_tile = {f"{k[:-7]}_per_tile": row[k] / tiles for k in row if k.endswith("_cycles")}
-    return dict(b=b, t=t, h=h, splits=splits, tiles_per_cta=tiles, **row, **per_tile)
+    return dict(b=b, t=t, h=h, kv_cache_dtype=kv_cache_dtype, splits=splits, tiles_per_cta=tiles, **row, **per_tile)
 
 
 def main(argv=None):
@@ -157,13 +167,19 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/lab/results")
     parser.add_argument("--out-name", default="h200-decode-sm90-timeline-rows.json")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="cache layouts, comma-separated: auto (bf16), fp8_e4m3, fp8_ds_mla (default auto)")
     args = parser.parse_args(argv)
+    layouts = args.kv_cache_dtype.split(",")
+    for kind in layouts:
+        if kind not in LAYOUTS:
+            parser.error(f"--kv-cache-dtype: {kind!r} is not one of {', '.join(LAYOUTS)}")
     t0 = time.time()
     mod = build()
     print(f"built in {time.time() - t0:.0f} s", flush=True)
     rows = []
-    for b, t, h in SHAPES:
-        rows.append(one_shape(mod, b, t, h))
+    for kind, (b, t, h) in ((kind, shape) for kind in layouts for shape in SHAPES):
+        rows.append(one_shape(mod, b, t, h, kv_cache_dtype=kind))
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
     write_json(args.out, args.out_name, dict(device=torch.cuda.get_device_name(0), clear="clean", rows=rows))
 
