@@ -246,7 +246,6 @@ def kernel_and_splits(q, kv_cache, block_table, seq_lens, kv_lora_rank, t, num_s
                                    kv_cache_dtype=kv_cache_dtype)
     if kernel == "triton":
         config = dict(default_config(h, kv_cache_dtype), kernel=kernel)
-        block_h, block_n = config["BLOCK_H"], config["BLOCK_N"]
     else:
         block_h, block_n = CUDA_TILES[kernel]
         config = dict(kernel=kernel, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=CUDA_WARPS[kernel])

@@ -749,9 +749,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   // how many commit groups issued after an fp8 group may still be in flight when it is finished
   const std::integral_constant<int, 0> kNoneAfter;
   const std::integral_constant<int, 1> kOneAfter;
-  // whether a scores call starts a tile's S
+  // whether a scores call starts a tile's S (S =) or adds to it (S +=)
   const std::integral_constant<bool, true> kFresh;
-  const std::integral_constant<bool, false> kMore;
+  const std::integral_constant<bool, false> kAddTo;
 
   // ---- set-up: the mbarriers, m = -inf; q (all threads) and the first two tiles
   if (tid == 0) {
@@ -892,7 +892,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
         scores(s, 0, next_parity, kZero, kLo, kFresh);
         wgmma_wait<1>();
         load_blocks(1, tile_a + 3, kZero, kLo);
-        scores(s, 0, next_parity, kLo, kAll, kMore);
+        scores(s, 0, next_parity, kLo, kAll, kAddTo);
         // fp8: the next B's blocks 0-3 converted while those scores run (buffer 0 and q)
         finish_blocks(1, tile_a + 3, kZero, kNoneAfter);
       }
@@ -948,7 +948,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
         // -- S of the next B: blocks 4-8 (refilled first, by this warpgroup), then 0-3 (by
         // warpgroup 0, once its P_B . V_B is done and the next A's blocks 0-3 have landed)
         scores(s, 1, next_parity, kLo, kAll, kFresh);
-        scores(s, 1, next_parity, kZero, kLo, kMore);
+        scores(s, 1, next_parity, kZero, kLo, kAddTo);
         wgmma_wait<0>();
         pin(s);
       }

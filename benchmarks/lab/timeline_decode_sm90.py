@@ -51,7 +51,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHAPES = ((1, 32768, 128), (64, 4096, 128), (2, 65536, 128), (4, 131072, 128))
 PARTS = ("issue", "load_wait", "wg_wait", "mma_wait", "convert")
 SLOTS = 24  # 5 x (globaltimer, clock64), SM id, then per warpgroup: 5 part sums and the loop's cycles
-LAYOUTS = ("auto", "fp8_e4m3", "fp8_ds_mla")  # --kv-cache-dtype
 
 
 def instrumented_source() -> str:
@@ -162,23 +161,20 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto"):
 
 
 def main(argv=None):
+    from benchmarks.bench_decode import parse_kv_cache_dtypes
     from benchmarks.timing import write_json
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/lab/results")
     parser.add_argument("--out-name", default="h200-decode-sm90-timeline-rows.json")
-    parser.add_argument("--kv-cache-dtype", default="auto",
+    parser.add_argument("--kv-cache-dtype", dest="layouts", type=parse_kv_cache_dtypes, default=["auto"],
                         help="cache layouts, comma-separated: auto (bf16), fp8_e4m3, fp8_ds_mla (default auto)")
     args = parser.parse_args(argv)
-    layouts = args.kv_cache_dtype.split(",")
-    for kind in layouts:
-        if kind not in LAYOUTS:
-            parser.error(f"--kv-cache-dtype: {kind!r} is not one of {', '.join(LAYOUTS)}")
     t0 = time.time()
     mod = build()
     print(f"built in {time.time() - t0:.0f} s", flush=True)
     rows = []
-    for kind, (b, t, h) in ((kind, shape) for kind in layouts for shape in SHAPES):
+    for kind, (b, t, h) in ((kind, shape) for kind in args.layouts for shape in SHAPES):
         rows.append(one_shape(mod, b, t, h, kv_cache_dtype=kind))
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
     write_json(args.out, args.out_name, dict(device=torch.cuda.get_device_name(0), clear="clean", rows=rows))
