@@ -81,6 +81,7 @@ def _namespace() -> dict:
         "default_page_tiles": default_page_tiles,
         "result": result,
         "row": row,
+        "rows_where": rows_where,
         "decode_tflops": decode_tflops,
         "flashmla_table": flashmla_table,
         "query_tokens_table": query_tokens_table,
@@ -542,6 +543,16 @@ def row(name: str, key: str = "rows", **match) -> dict:
     if len(rows) != 1:
         raise PluginError(f"row({name!r}, {match}): {len(rows)} rows match, expected one")
     return rows[0]
+
+
+def rows_where(name: str, key: str = "rows", min_b: int = 1, **match) -> list[dict]:
+    """Every row of result `name`'s list `key` whose fields equal `match`, of at least `min_b`
+    sequences (none matching is an error, as in row)."""
+    rows = [r for r in result(name)[key]
+            if r["b"] >= min_b and all(r.get(k) == v for k, v in match.items())]
+    if not rows:
+        raise PluginError(f"rows_where({name!r}, min_b={min_b}, {match}): no row matches")
+    return rows
 
 
 def decode_tflops(b: int, t: int, h: int, field: str = "time_us", name: str = "h200-decode.json") -> float:
