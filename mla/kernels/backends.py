@@ -16,8 +16,8 @@ same partials, which the Triton merge combines (with one split, each writes the 
 - ``"cuda-sm90"``: ``csrc/mla_decode_sm90.cu``, Hopper's warpgroup MMA (compute capability 9.0).
   Any heads, 64 a program (the compute-bound case), c = 512, r = 64, bf16 / fp16 q, pages of a
   multiple of 64 rows; one 64-token tile load serves both products. It reads caches in q's dtype
-  and both fp8 layouts, dequantising each block group of a tile into q's dtype in place in shared
-  memory.
+  and both fp8 layouts, dequantising each block group of a tile in place in shared memory into
+  the products' dtype (q's, but fp16 for fp8_e4m3 with bf16 q: e4m3 is exact in fp16).
 
 All three are validated on an H200 on caches in q's dtype and on both fp8 layouts (the GPU tests
 of ``tests/test_kernels_decode*.py``, compute-sanitizer memcheck). On an fp8 cache the CUDA kernel
@@ -32,7 +32,8 @@ A query of s_q > 1 new tokens a sequence (speculative decoding, multi-token pred
 causal limit, as ``"triton"`` does; ``"cuda-sm80"`` takes one new token only (forcing it with
 s_q > 1 is a ValueError). That path of ``"cuda-sm90"`` is validated on an H200 and is the default
 for every s_q > 1 it can run: 1.3-2.6x faster than ``"triton"`` at s_q = 2 and 4
-(``benchmarks/results/h200-decode-sq.json``). ``SM90_TAKES_QUERY_TOKENS_BY_DEFAULT = False`` sends
+(``benchmarks/lab/results/h200-decode-sq-triton.json``; beside FlashMLA in
+``benchmarks/results/h200-decode-sq.json``). ``SM90_TAKES_QUERY_TOKENS_BY_DEFAULT = False`` sends
 s_q > 1 back to ``"triton"``.
 
 By default a GPU runs ``"cuda-sm80"`` for <= 16 heads and ``"cuda-sm90"`` for more, where the
