@@ -537,9 +537,16 @@ def result(name: str) -> dict:
     raise PluginError(f"result({name!r}): not in benchmarks/results/ or benchmarks/lab/results/")
 
 
+def _matching(name: str, key: str, match: dict, min_b: int | None = None) -> list[dict]:
+    """The rows of result `name`'s list `key` whose fields equal `match` (and, with `min_b`, of at
+    least that many sequences)."""
+    return [r for r in result(name)[key]
+            if (min_b is None or r["b"] >= min_b) and all(r.get(k) == v for k, v in match.items())]
+
+
 def row(name: str, key: str = "rows", **match) -> dict:
     """The one row of result `name`'s list `key` whose fields equal `match` (b=64, h=128, ...)."""
-    rows = [r for r in result(name)[key] if all(r.get(k) == v for k, v in match.items())]
+    rows = _matching(name, key, match)
     if len(rows) != 1:
         raise PluginError(f"row({name!r}, {match}): {len(rows)} rows match, expected one")
     return rows[0]
@@ -548,8 +555,7 @@ def row(name: str, key: str = "rows", **match) -> dict:
 def rows_where(name: str, key: str = "rows", min_b: int = 1, **match) -> list[dict]:
     """Every row of result `name`'s list `key` whose fields equal `match`, of at least `min_b`
     sequences (none matching is an error, as in row)."""
-    rows = [r for r in result(name)[key]
-            if r["b"] >= min_b and all(r.get(k) == v for k, v in match.items())]
+    rows = _matching(name, key, match, min_b)
     if not rows:
         raise PluginError(f"rows_where({name!r}, min_b={min_b}, {match}): no row matches")
     return rows

@@ -409,10 +409,9 @@ else:
 # `"fp8_ds_mla"` reads 656 of 1152 bytes a token, so it could approach 0.57x; at 128 heads it is
 # compute bound and the dequantisation is extra work. The cell prints each file's fp8 rows and,
 # per head count, the range of `over_bf16` at b >= 4. In the committed H200 run an fp8 cache is
-# faster than a bf16 one at 16 heads, by less than its bytes, and slower at 128 heads, where each
-# warpgroup waits for the fp8 bytes it has just asked for and converts them before its products
-# can read them (the documentation's fp8 page says more). At 128 heads an fp8 cache buys memory,
-# not speed.
+# faster than a bf16 one at 16 heads, by less than its bytes, and slower at 128 heads, where the
+# warpgroups that issue the products also wait for each tile's fp8 bytes and convert them (the
+# documentation's fp8 page says more). At 128 heads an fp8 cache buys memory, not speed.
 
 # %%
 fp8_runs = {name: data for name, data in results.items() if data.get("fp8_rows")}
