@@ -2,7 +2,7 @@
 # Everything the GPU machine runs, in parts, each time-boxed, logs and JSON under $OUT.
 #   bash benchmarks/gpu_suite.sh tests concat-bench sanitize decode-bench decode-sq accuracy sweep layer prefill
 #   bash benchmarks/gpu_suite.sh tp   (two GPUs: nvidia-h200-x2)
-#   bash benchmarks/gpu_suite.sh variants fp8-variants compile concat-probe cuda-probe cuda-timeline sm90-timeline sm90-probe prefill-crossover prefill-probe prefill-paired layer-host candidates   (the lab: benchmarks/lab/)
+#   bash benchmarks/gpu_suite.sh variants fp8-variants compile concat-probe concat-slots concat-candidates cuda-probe cuda-timeline sm90-timeline sm90-probe prefill-crossover prefill-probe prefill-paired layer-host candidates   (the lab: benchmarks/lab/)
 # Run from the repository root with PYTHONPATH=. (the device machine has no package registry);
 # FlashMLA runs beside mla_decode in decode-bench when .peers/flash_mla is there (PYTHONPATH=.peers:.).
 set -u
@@ -37,6 +37,8 @@ for part in "$@"; do
     cuda-timeline) run cuda-timeline 240 python3 benchmarks/lab/timeline_decode_cuda.py --out "$OUT" ;;
     sm90-timeline) run sm90-timeline 300 python3 benchmarks/lab/timeline_decode_sm90.py --kv-cache-dtype auto,fp8_e4m3,fp8_ds_mla --out "$OUT" ;;  # each warpgroup's cycles, fp8 caches' conversion included
     concat-probe) run concat-probe 200 python3 benchmarks/lab/probe_concat.py --out "$OUT" ;;
+    concat-slots) run concat-slots 200 python3 benchmarks/lab/probe_concat_slots.py --out "$OUT" ;;  # random, paged and sequential slots
+    concat-candidates) run concat-candidates 400 env BENCH=concat bash benchmarks/lab/ab_candidates.sh "$OUT/concat-candidates" "" ${CONCAT_CANDIDATES:-concat2 concat2b4} ;;  # concat candidate patches beside main, two rounds
     sanitize-decode) run sanitize-decode 200 compute-sanitizer --tool memcheck python3 benchmarks/lab/sanitize_decode.py ;;
     sanitize-sync) run sanitize-sync 400 bash -c 'compute-sanitizer --tool synccheck --print-limit 20 python3 benchmarks/lab/sanitize_decode.py; echo "synccheck rc=$?"; for k in cuda-sm90 cuda-sm80; do compute-sanitizer --tool racecheck python3 benchmarks/lab/sanitize_decode.py --only $k; echo "racecheck $k rc=$?"; done' ;;  # barrier use of every decode launch, each tool on its own (a stopped synccheck does not skip racecheck); shared-memory races of both CUDA kernels' fp8 paths
     sweep) run sweep 330 python3 benchmarks/lab/tune_decode.py --out "$OUT" --sweep ;;

@@ -89,3 +89,21 @@ def test_ab_table_reads_runs_by_version_and_round(tmp_path):
     assert entry["median_us"] == {"main": 105.0, "fp8three": 85.0}
     assert entry["over_main"] == {"fp8three": 85.0 / 105.0}
     assert entry["splits"] == {"main": 4, "fp8three": 6}
+
+
+def test_ab_table_reads_concat_runs(tmp_path):
+    """ab_table.py: `bench concat` runs keyed by (tokens, cache dtype)."""
+    import json
+
+    from benchmarks.lab.ab_table import load_runs, summarise
+
+    def run(name, us):
+        (tmp_path / name).mkdir()
+        rows = [dict(tokens=65536, kv_cache_dtype=d, time_us=us * k) for k, d in ((1, "auto"), (2, "fp8_ds_mla"))]
+        (tmp_path / name / "concat.json").write_text(json.dumps({"rows": rows}))
+
+    run("main-1", 40.0)
+    run("concat2-1", 30.0)
+    auto, ds_mla = summarise(load_runs(tmp_path))
+    assert (auto["tokens"], auto["kv_cache_dtype"]) == (65536, "auto")
+    assert ds_mla["over_main"] == {"concat2": 60.0 / 80.0}
