@@ -38,7 +38,7 @@ for part in "$@"; do
     sm90-timeline) run sm90-timeline 300 python3 benchmarks/lab/timeline_decode_sm90.py --kv-cache-dtype auto,fp8_e4m3,fp8_ds_mla --out "$OUT" ;;  # each warpgroup's cycles, fp8 caches' conversion included
     concat-probe) run concat-probe 200 python3 benchmarks/lab/probe_concat.py --out "$OUT" ;;
     concat-slots) run concat-slots 200 python3 benchmarks/lab/probe_concat_slots.py --out "$OUT" ;;  # random, paged and sequential slots
-    concat-candidates) run concat-candidates 400 env BENCH=concat bash benchmarks/lab/ab_candidates.sh "$OUT/concat-candidates" "" ${CONCAT_CANDIDATES:-concat2 concat2b4} ;;  # concat candidate patches beside main, two rounds
+    concat-candidates) run concat-candidates 400 env BENCH=concat bash benchmarks/lab/ab_candidates.sh "$OUT/concat-candidates" "" ${CONCAT_CANDIDATES:-concat2 concat4 concat2b4} ;;  # concat candidate patches beside main, two rounds
     sanitize-decode) run sanitize-decode 200 compute-sanitizer --tool memcheck python3 benchmarks/lab/sanitize_decode.py ;;
     sanitize-sync) run sanitize-sync 400 bash -c 'compute-sanitizer --tool synccheck --print-limit 20 python3 benchmarks/lab/sanitize_decode.py; echo "synccheck rc=$?"; for k in cuda-sm90 cuda-sm80; do compute-sanitizer --tool racecheck python3 benchmarks/lab/sanitize_decode.py --only $k; echo "racecheck $k rc=$?"; done' ;;  # barrier use of every decode launch, each tool on its own (a stopped synccheck does not skip racecheck); shared-memory races of both CUDA kernels' fp8 paths
     sweep) run sweep 330 python3 benchmarks/lab/tune_decode.py --out "$OUT" --sweep ;;
