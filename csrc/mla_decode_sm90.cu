@@ -40,10 +40,10 @@
 // It also reads the two fp8 layouts of mla/kernels/fp8.py (kv_cache_dtype "fp8_e4m3": 576 e4m3
 // bytes a row, one float32 scale in a 1-element device tensor; "fp8_ds_mla": 656 bytes, 512 e4m3
 // values, 4 float32 scales one per 128 values, 64 bf16 rope values), with the same schedule. Their
-// block groups are copied by cp.async instead of TMA, the stored bytes staged inside the group's
-// own blocks, and the warpgroup that copies a group turns it into the swizzled layout in q's dtype
-// there before it completes the group's mbarrier (finish_fp8_blocks), with the values of the Triton
-// kernel: fp8_e4m3's e4m3 values as they are (exact in fp16, which its products run in whatever
+// stored bytes are staged inside the group's own blocks (fp8_e4m3: one TMA copy a group into the
+// blocks' upper half, finish_tma_blocks; fp8_ds_mla: cp.async, finish_fp8_blocks), and the
+// warpgroup that copies a group turns it into the swizzled layout of its products' dtype there
+// before it completes the group's mbarrier, with the values of the Triton kernel: fp8_e4m3's e4m3 values as they are (exact in fp16, which its products run in whatever
 // q's dtype, q brought into range by a power of two; the cache's one scale is folded into the
 // softmax scale and the output), fp8_ds_mla's e4m3 x its group's scale in float32
 // rounded once to q's dtype and its bf16 rope values converted. A group's copies are issued where
@@ -108,20 +108,21 @@ constexpr int kVecs = kD / 8;             // 72 16-byte vectors a row
 constexpr int kLoads = 64 * kVecs / kThreads;     // 18 copies a thread for q's 64 rows
 static_assert(64 * kVecs % kThreads == 0, "rows split evenly over the threads");
 // q, two tiles, P_B (64 x 64, one column block), m / scale_A / scale_B / l (two) a row,
-// 4 mbarriers (2 buffers x 2 block groups); 1 KiB to align to 1024 bytes
-constexpr size_t kSmemBytes = size_t(3) * kMatBytes + kBlockBytes + 5 * kM * 4 + 2 * 2 * 8 + 1024;
+// 8 mbarriers (2 buffers x 2 block groups, each a group's blocks whole and, on an fp8_e4m3
+// cache, its stored bytes landed); 1 KiB to align to 1024 bytes
+constexpr size_t kSmemBytes = size_t(3) * kMatBytes + kBlockBytes + 5 * kM * 4 + 2 * 2 * 2 * 8 + 1024;
 static_assert(64 * (4 * kC + 32) <= 2 * kMatBytes && 2 * kThreads == kC,
               "the epilogue's rows fit in q's and buffer 0's bytes, a row's 512 values two a thread");
-static_assert(kSmemBytes == 231712,
+static_assert(kSmemBytes == 231744,
               "mla/kernels/backends.py's CUDA_SMEM_BYTES[\"cuda-sm90\"] must equal kSmemBytes");
 // fp8_ds_mla's stored row (mla_decode_fp8.cuh): four float32 scales from byte kDsMlaScales, the bf16
 // rope values from byte kDsMlaRope
 constexpr int kDsMlaScales = ds_mla_scales(kC), kDsMlaRope = ds_mla_rope(kC);
-// An fp8 cache's stored bytes are staged in the tile buffers themselves (issue_fp8_blocks), so every
-// layout needs kSmemBytes (mla/kernels/backends.py's SM90_FP8_SMEM_BYTES), within the 227 KiB a
-// block may have: a block group's 64 rows of 256 latent bytes fill the even 16-byte chunks of its
-// four blocks, fp8_ds_mla's 16 bytes of scales a row one odd chunk, the rope part (64 e4m3 bytes or
-// 128 bytes of bf16) block 8.
+// An fp8 cache's stored bytes are staged in the tile buffers themselves, so every layout needs
+// kSmemBytes (mla/kernels/backends.py's SM90_FP8_SMEM_BYTES), within the 227 KiB a block may have:
+// fp8_e4m3's 64 rows of 64 bytes a block fill half of a group's blocks (finish_tma_blocks);
+// fp8_ds_mla's (issue_fp8_blocks) 256 latent bytes a row fill the even 16-byte chunks of a group's
+// four blocks, its 16 bytes of scales a row one odd chunk, its 128 bytes of bf16 rope block 8.
 static_assert(kSmemBytes <= 227 * 1024 && 64 * 256 == kLoBlocks * kBlockBytes / 2 &&
                   kDsMlaRope - kDsMlaScales == 16 && stored_row_bytes(CacheFormat::kFp8DsMla, kC, kR) - kDsMlaRope == 128 &&
                   stored_row_bytes(CacheFormat::kFp8E4M3, kC, kR) - kC == 64,
@@ -308,8 +309,8 @@ __device__ __forceinline__ uint32_t pack(float x, float y, __half) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// ---- An fp8 cache: block group J0 (blocks 0-3, or 4-8) of a tile -> the group's blocks in q's
-// dtype T, swizzled as a TMA copy of a cache in T leaves them, by one warpgroup (wtid < 128 of
+// ---- An fp8_ds_mla cache: block group J0 (blocks 0-3, or 4-8) of a tile -> the group's blocks in
+// q's dtype T, swizzled as a TMA copy of a cache in T leaves them, by one warpgroup (wtid < 128 of
 // warpgroup wg), completing the group's mbarrier `bar` once they are whole. `blocks` is the
 // group's first block, `rows` the tile's first stored row (rows skn bytes apart); rows at and past
 // `valid` (past the split's end) are never read and become zeros.
@@ -317,17 +318,16 @@ __device__ __forceinline__ uint32_t pack(float x, float y, __half) {
 // There is no room beside q and the two tiles for a buffer of stored bytes, so they are staged in
 // the group's own blocks: each 16-byte piece of 16 e4m3 values (32 bytes once converted, chunks 2p
 // and 2p + 1 of its block row) is copied onto its even chunk 2p. The odd chunks stay free, but
-// for chunk 1 of the group's first block, which holds the row's four fp8_ds_mla scales. The thread
-// that converts a piece reads it, then writes both chunks, so no piece is written over before it
-// is read. fp8_ds_mla's bf16 rope values are copied to their place and, for fp16 q, converted
-// there.
+// for chunk 1 of the group's first block, which holds the row's four scales. The thread that
+// converts a piece reads it, then writes both chunks, so no piece is written over before it is
+// read. The bf16 rope values are copied to their place and, for fp16 q, converted there.
 //
 // A group loads in two halves, so that its copies' latency passes while the warpgroup does other
 // work. issue_fp8_blocks: each thread's cp.async copies of the group, one commit group (empty for
 // a tile past the split's end). finish_fp8_blocks, later, by the same warpgroup: each thread waits
 // until at most Pending of its newer commit groups are outstanding (this group's copies landed), then
-//   barrier (every copy landed) -> [fp8_ds_mla: scales to registers -> barrier (every scale read
-//   before its chunk is written)] -> convert -> fence.proxy.async -> barrier -> one arrive,
+//   barrier (every copy landed) -> scales to registers -> barrier (every scale read before its
+//   chunk is written) -> convert -> fence.proxy.async -> barrier -> one arrive,
 // so a reader that waits on the mbarrier and fences (scores) sees whole blocks in T, as after a TMA
 // copy, and the warpgroup's own later reads (its P . V) follow the last barrier. Between the two
 // halves the group's blocks belong to the copies: nothing reads them (their mbarrier has not
@@ -346,12 +346,9 @@ struct Fp8Places {
   int lat_row, lat_piece;
   uint32_t lat_at;
   int lat_byte;  // in the stored row
-  // fp8_ds_mla: a row's scales on chunk 1 of the group's first block; lat_piece's is that of its 128 values
+  // a row's scales on chunk 1 of the group's first block; lat_piece's is that of its 128 values
   uint32_t scale_at;
-  // the rope block (8): fp8_e4m3, piece e_piece of rows e_row + 32i (i < 2); fp8_ds_mla, the 8
-  // bf16 values of chunk b_chunk of rows b_row + 16i (i < 4)
-  int e_row, e_piece;
-  uint32_t e_at;
+  // the rope block (8): the 8 bf16 values of chunk b_chunk of rows b_row + 16i (i < 4)
   int b_row, b_chunk;
   uint32_t b_at;
   __device__ __forceinline__ explicit Fp8Places(int wtid)
@@ -360,19 +357,16 @@ struct Fp8Places {
         lat_at((lat_piece >> 2) * kBlockBytes + lat_row * 128 + (((2 * (lat_piece & 3)) ^ lat_row) << 4)),
         lat_byte(J0 * 64 + 16 * lat_piece),
         scale_at(lat_row * 128 + ((1 ^ lat_row) << 4) + 4 * (J0 / 2 + (lat_piece >> 3))),
-        e_row((wtid & 1) | ((wtid >> 3) << 1)),
-        e_piece((wtid >> 1) & 3),
-        e_at(4 * kBlockBytes + e_row * 128 + (((2 * e_piece) ^ (e_row & 7)) << 4)),
         b_row(wtid >> 3),
         b_chunk(wtid & 7),
         b_at(4 * kBlockBytes + b_row * 128 + ((b_chunk ^ (b_row & 7)) << 4)) {}
 };
 
 // the first half: the stored bytes of the rows before the split's end, one commit group
-template <CacheFormat F, int J0>
+template <int J0>
 __device__ __forceinline__ void issue_fp8_blocks(unsigned char* blocks, const uint8_t* rows, int64_t skn, int valid,
                                                  int wtid) {
-  constexpr bool ds_mla = F == CacheFormat::kFp8DsMla, with_rope = J0 == kLoBlocks;  // block 8: the second group
+  constexpr bool with_rope = J0 == kLoBlocks;  // block 8: the second group
   const Fp8Places<J0> at(wtid);
   const uint32_t blocks_s = smem_u32(blocks);
 #pragma unroll
@@ -380,22 +374,14 @@ __device__ __forceinline__ void issue_fp8_blocks(unsigned char* blocks, const ui
     const int r = at.lat_row + 8 * i;
     if (r < valid) cp_async16(blocks_s + at.lat_at + 1024 * i, rows + r * skn + at.lat_byte, true);
   }
-  if constexpr (ds_mla) {
-    if (wtid < min(valid, kN)) {
-      cp_async16(blocks_s + wtid * 128 + ((1 ^ (wtid & 7)) << 4), rows + wtid * skn + kDsMlaScales, true);
-    }
+  if (wtid < min(valid, kN)) {
+    cp_async16(blocks_s + wtid * 128 + ((1 ^ (wtid & 7)) << 4), rows + wtid * skn + kDsMlaScales, true);
   }
-  if constexpr (with_rope && ds_mla) {
+  if constexpr (with_rope) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = at.b_row + 16 * i;
       if (r < valid) cp_async16(blocks_s + at.b_at + 2048 * i, rows + r * skn + kDsMlaRope + 16 * at.b_chunk, true);
-    }
-  } else if constexpr (with_rope) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = at.e_row + 32 * i;
-      if (r < valid) cp_async16(blocks_s + at.e_at + 4096 * i, rows + r * skn + kC + 16 * at.e_piece, true);
     }
   }
   cp_async_commit();
@@ -403,9 +389,9 @@ __device__ __forceinline__ void issue_fp8_blocks(unsigned char* blocks, const ui
 
 // the second half: the copies landed -> the group's blocks in T -> the mbarrier (Pending: how many
 // of this thread's commit groups, issued after this group's, may still be in flight)
-template <typename T, CacheFormat F, int J0, int Pending>
+template <typename T, int J0, int Pending>
 __device__ __forceinline__ void finish_fp8_blocks(unsigned char* blocks, int valid, int wtid, int wg, uint32_t bar) {
-  constexpr bool ds_mla = F == CacheFormat::kFp8DsMla, with_rope = J0 == kLoBlocks;
+  constexpr bool with_rope = J0 == kLoBlocks;
   auto sync_warpgroup = [wg] {
     if (wg == 0) bar_sync_wg<5>(); else bar_sync_wg<6>();
   };
@@ -420,15 +406,8 @@ __device__ __forceinline__ void finish_fp8_blocks(unsigned char* blocks, int val
     uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
     if (stored) {
       const uint4 v = *reinterpret_cast<const uint4*>(blocks + piece_at);
-      if constexpr (!ds_mla && !kIsBf16<T>) {  // fp8_e4m3 into fp16: exact, one cvt a pair
-        e4m3x4_to<T>(v.x, lo.x, lo.y);
-        e4m3x4_to<T>(v.y, lo.z, lo.w);
-        e4m3x4_to<T>(v.z, hi.x, hi.y);
-        e4m3x4_to<T>(v.w, hi.z, hi.w);
-      } else {
-        lo = e4m3x8_to<T>(make_uint2(v.x, v.y), scale);
-        hi = e4m3x8_to<T>(make_uint2(v.z, v.w), scale);
-      }
+      lo = e4m3x8_to<T>(make_uint2(v.x, v.y), scale);
+      hi = e4m3x8_to<T>(make_uint2(v.z, v.w), scale);
     }
     *reinterpret_cast<uint4*>(blocks + piece_at) = lo;
     *reinterpret_cast<uint4*>(blocks + (piece_at ^ 16)) = hi;
@@ -436,15 +415,12 @@ __device__ __forceinline__ void finish_fp8_blocks(unsigned char* blocks, int val
   float lat_scale[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    lat_scale[i] = 1.f;  // fp8_e4m3: the values as they are
-    if (ds_mla && at.lat_row + 8 * i < valid) {
-      lat_scale[i] = *reinterpret_cast<const float*>(blocks + at.scale_at + 1024 * i);
-    }
+    lat_scale[i] = at.lat_row + 8 * i < valid ? *reinterpret_cast<const float*>(blocks + at.scale_at + 1024 * i) : 1.f;
   }
-  if constexpr (ds_mla) sync_warpgroup();
+  sync_warpgroup();
 #pragma unroll
   for (int i = 0; i < 8; ++i) convert(at.lat_at + 1024 * i, at.lat_row + 8 * i < valid, lat_scale[i]);
-  if constexpr (with_rope && ds_mla) {
+  if constexpr (with_rope) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       uint4* rope = reinterpret_cast<uint4*>(blocks + at.b_at + 2048 * i);
@@ -454,9 +430,54 @@ __device__ __forceinline__ void finish_fp8_blocks(unsigned char* blocks, int val
         *rope = bf16x8_to<T>(*rope);
       }
     }
-  } else if constexpr (with_rope) {
+  }
+  fence_async_shared();  // the converted blocks, visible to wgmma ...
+  sync_warpgroup();      // ... everyone's
+  if (wtid == 0) mbar_arrive(bar);
+}
+
+// ---- An fp8_e4m3 cache's block group J0, staged by the TMA unit: the group's stored bytes land
+// densely in the upper half of its own blocks (block k's 64 rows of 64 bytes at byte
+// kRawAt + 4096 k of the group, kRawAt = half the group), by one copy a group like a bf16
+// cache's, completing the mbarrier `raw`; finish_tma_blocks then converts them in place into the
+// swizzled fp16 blocks, block by block from the first. Block k's output (bytes 8192 k ..) covers
+// the stored bytes of blocks 2k - NB and 2k - NB + 1 (NB = the group's blocks, 4 or 5): blocks
+// converted before, so a barrier after each block from the second on keeps every output behind
+// the reads of the bytes it overwrites, and the last block, whose output covers its own bytes,
+// reads them all before a barrier and writes after it. Rows at and past `valid` become zeros.
+template <int NB>
+__device__ __forceinline__ void finish_tma_blocks(unsigned char* blocks, int valid, int wtid, int wg, uint32_t raw,
+                                                  int parity, uint32_t bar) {
+  auto sync_warpgroup = [wg] {
+    if (wg == 0) bar_sync_wg<5>(); else bar_sync_wg<6>();
+  };
+  // the barriers below keep outputs behind reads for groups of 4 or 5 blocks (not 3: block 1's
+  // output would cover block 0's bytes with no barrier between)
+  static_assert(NB == 4 || NB == 5, "a block group of 4 or 5 blocks");
+  constexpr int kRawAt = NB * 4096;
+  mbar_wait(raw, parity);  // the copy landed (the TMA unit's writes, visible to this thread)
 #pragma unroll
-    for (int i = 0; i < 2; ++i) convert(at.e_at + 4096 * i, at.e_row + 32 * i < valid, 1.f);
+  for (int k = 0; k < NB; ++k) {
+    // pieces wtid and wtid + 128 of block k: row i / 4, 16 bytes (i % 4) of its 64
+    uint4 v[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) v[h] = *reinterpret_cast<const uint4*>(blocks + kRawAt + 4096 * k + 16 * (wtid + 128 * h));
+    if (k == NB - 1) sync_warpgroup();  // the last block's output covers its own stored bytes
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = wtid + 128 * h, r = i >> 2, p = i & 3;
+      uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+      if (r < valid) {
+        e4m3x4_to<__half>(v[h].x, lo.x, lo.y);
+        e4m3x4_to<__half>(v[h].y, lo.z, lo.w);
+        e4m3x4_to<__half>(v[h].z, hi.x, hi.y);
+        e4m3x4_to<__half>(v[h].w, hi.z, hi.w);
+      }
+      unsigned char* row = blocks + 8192 * k + 128 * r;
+      *reinterpret_cast<uint4*>(row + (((2 * p) ^ (r & 7)) << 4)) = lo;
+      *reinterpret_cast<uint4*>(row + (((2 * p + 1) ^ (r & 7)) << 4)) = hi;
+    }
+    if (k >= 1 && k < NB - 1) sync_warpgroup();  // block k's stored bytes read before block k + 1's output
   }
   fence_async_shared();  // the converted blocks, visible to wgmma ...
   sync_warpgroup();      // ... everyone's
@@ -471,7 +492,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     const T* __restrict__ q,              // (b, rows, 576), rows = s_q·h (token-major)
     const KV* __restrict__ kv,            // (pages, page_size, 576) in T, or (pages, page_size, bytes) fp8
     const __grid_constant__ CUtensorMap kv_map_lo,  // kv as (64, page_size, 9, pages): boxes of blocks 0-3
-    const __grid_constant__ CUtensorMap kv_map_hi,  // and of blocks 4-8, 128-byte swizzle (a cache in T only)
+    const __grid_constant__ CUtensorMap kv_map_hi,  // and of blocks 4-8 (a cache in T: 128-byte swizzle;
+                                                    // fp8_e4m3: its bytes, no swizzle; fp8_ds_mla: none)
     const int* __restrict__ block_table,  // (b, max_pages), last dim contiguous
     const int* __restrict__ seq_lens,     // (b,)
     void* __restrict__ part_out,          // (b, rows, splits, 512) fp32; out (b, rows, 1, 512) in T if final_out
@@ -504,9 +526,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   float* scale_a_s = m_s + kM;   // (64,) exp2(m_before - m_A): warpgroup 0 -> 1
   float* scale_b_s = m_s + 2 * kM;  // (64,) exp2(m_A - m_B): warpgroup 1 -> 0
   float* l_s = m_s + 3 * kM;     // (2, 64) each warpgroup's row sums, at the end
-  const uint32_t bars = smem_u32(m_s + 5 * kM);  // (2 buffers, 2 block groups) mbarriers
+  const uint32_t bars = smem_u32(m_s + 5 * kM);  // (2 kinds, 2 buffers, 2 block groups) mbarriers
   // the mbarrier of buffer buf's blocks [J0, ...): group 0 is blocks 0-3, group 1 blocks 4-8
   auto bar = [&](int buf, int j0) { return bars + 8 * (2 * buf + (j0 >= kLoBlocks)); };
+  // fp8_e4m3: the mbarrier of the same group's stored bytes landed (the TMA copy's)
+  auto raw_bar = [&](int buf, int j0) { return bars + 32 + 8 * (2 * buf + (j0 >= kLoBlocks)); };
+  constexpr bool kTmaFp8 = F == CacheFormat::kFp8E4M3;
+  static_assert(!kTmaFp8 || std::is_same_v<MT, __half>, "finish_tma_blocks converts to fp16");
 
   const int tid = threadIdx.x, wtid = tid & 127, warp = (tid >> 5) & 3, lane = tid & 31;
   // the warpgroup, read through a shuffle so the compiler sees it is uniform in a warp (else it
@@ -543,7 +569,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   // (a page's unused rows may hold anything, NaN included, and P . V must not read them). A
   // thread copies 16-byte chunk ld_chunk of rows ld_row + 16k (k < 4) of each block: all four
   // rows share row % 8, so their swizzled place is one per-thread offset (plus 2048 k). An fp8
-  // cache, every tile: issue_fp8_blocks here, and the mbarrier completes only in finish_blocks.
+  // cache, every tile: its stored bytes are asked for here (fp8_e4m3: one TMA copy completing
+  // raw_bar, or a bare arrival there for no tile; fp8_ds_mla: issue_fp8_blocks), and the group's
+  // mbarrier completes only in finish_blocks, once they are converted.
   const int* bt_row = block_table + b * sbb;
   const int ld_row = wtid >> 3, ld_chunk = wtid & 7;
   const uint32_t ld_dst = ld_row * 128 + ((ld_chunk ^ (ld_row & 7)) << 4);
@@ -553,10 +581,23 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     const int valid = end - tok0;
     constexpr int j0 = decltype(J0)::value, j1 = decltype(J1)::value;
     static_assert((j0 == 0 && j1 == kLoBlocks) || (j0 == kLoBlocks && j1 == kBlocks), "a block group");
-    if constexpr (F != CacheFormat::kAuto) {
+    if constexpr (kTmaFp8) {  // one copy of the stored bytes (every row of the tile's page: rows at
+      // and past `valid` are read and become zeros), or for no tile a bare arrival, so the
+      // phases of raw_bar keep in step with bar's
+      if (wtid == 0) {
+        if (valid > 0) {
+          const int page = bt_row[tok0 / page_size], row = tok0 % page_size;
+          mbar_expect_tx(raw_bar(buf, j0), (j1 - j0) * 4096);
+          tma_load(kv_s + buf * kMatBytes + j0 * kBlockBytes + (j1 - j0) * 4096, j0 == 0 ? &kv_map_lo : &kv_map_hi,
+                   row, j0, page, raw_bar(buf, j0));
+        } else {
+          mbar_arrive(raw_bar(buf, j0));
+        }
+      }
+    } else if constexpr (F != CacheFormat::kAuto) {
       const KV* rows = kv;  // the tile's first stored row (not read when valid <= 0)
       if (valid > 0) rows += int64_t(bt_row[tok0 / page_size]) * skp + int64_t(tok0 % page_size) * skn;
-      issue_fp8_blocks<F, j0>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes, rows, skn, valid, wtid);
+      issue_fp8_blocks<j0>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes, rows, skn, valid, wtid);
     } else {
       if (valid >= kN) {
         if (wtid == 0) {
@@ -587,9 +628,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   // this thread's commit groups issued after it still in flight) -> q's dtype -> its mbarrier
   // (finish_fp8_blocks). A cache in T: nothing (its copies complete the mbarrier themselves).
   auto finish_blocks = [&](int buf, int t, auto J0, auto Pending) {
-    if constexpr (F != CacheFormat::kAuto) {
+    if constexpr (kTmaFp8) {
       constexpr int j0 = decltype(J0)::value;
-      finish_fp8_blocks<MT, F, j0, decltype(Pending)::value>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes,
+      finish_tma_blocks<j0 == 0 ? kLoBlocks : kBlocks - kLoBlocks>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes,
+                                                                   end - (start + t * kN), wtid, wg, raw_bar(buf, j0),
+                                                                   (t >> 1) & 1, bar(buf, j0));
+    } else if constexpr (F != CacheFormat::kAuto) {
+      constexpr int j0 = decltype(J0)::value;
+      finish_fp8_blocks<MT, j0, decltype(Pending)::value>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes,
                                                              end - (start + t * kN), wtid, wg, bar(buf, j0));
     }
   };
@@ -755,7 +801,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
 
   // ---- set-up: the mbarriers, m = -inf; q (all threads) and the first two tiles
   if (tid == 0) {
-    for (int i = 0; i < 4; ++i) mbar_init(bars + 8 * i, 1);
+    for (int i = 0; i < 8; ++i) mbar_init(bars + 8 * i, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // inits before any TMA completes on them
   }
   if (tid < kM) m_s[tid] = -INFINITY;
@@ -1027,7 +1073,10 @@ namespace {
 // 64 rows x `blocks` blocks is that many column blocks of a tile, written one after another,
 // 128-byte swizzled (the kernel's layout). binding.cpp's check has made the strides multiples of
 // 16 bytes and the base 16-byte aligned, as the map needs.
-CUtensorMap kv_tensor_map(const at::Tensor& kv_cache, int blocks) {
+//
+// An fp8_e4m3 cache (raw): the same 4-D view of its bytes, (64 bytes, page_size rows, 9 blocks,
+// pages), boxes landing densely (64 rows of 64 bytes a block, blocks one after another), no swizzle.
+CUtensorMap kv_tensor_map(const at::Tensor& kv_cache, int blocks, bool raw = false) {
   if (kv_cache.size(0) == 0) return CUtensorMap{};  // no pages: every sequence is empty, no tile is read
   using Encode = decltype(&cuTensorMapEncodeTiled);
   static const Encode encode = [] {  // the driver's entry point, through the runtime (no -lcuda)
@@ -1052,8 +1101,10 @@ CUtensorMap kv_tensor_map(const at::Tensor& kv_cache, int blocks) {
   CUtensorMap map;
   const CUresult status = encode(
       &map,
-      kv_cache.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-      kv_cache.data_ptr(), size, stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      raw ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+          : kv_cache.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      4, kv_cache.data_ptr(), size, stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      raw ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(status == CUDA_SUCCESS, "mla_decode_sm90: kv_cache ", dims(kv_cache), " with strides (",
               num(kv_cache.stride(0)), ", ", num(kv_cache.stride(1)),
@@ -1084,10 +1135,11 @@ void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   TORCH_CHECK(static_cast<size_t>(smem_optin) >= kSmemBytes,
               "mla_decode_sm90: this GPU allows ", num(int64_t{smem_optin}),
               " bytes of shared memory a block, the kernel needs ", num(static_cast<int64_t>(kSmemBytes)));
-  // the TMA unit copies a cache in q's dtype; an fp8 one is copied by cp.async (no maps)
-  const bool tma = format == CacheFormat::kAuto;
-  const CUtensorMap kv_map_lo = tma ? kv_tensor_map(kv_cache, kLoBlocks) : CUtensorMap{};
-  const CUtensorMap kv_map_hi = tma ? kv_tensor_map(kv_cache, kBlocks - kLoBlocks) : CUtensorMap{};
+  // the TMA unit copies a cache in q's dtype, and an fp8_e4m3 cache's stored bytes; an fp8_ds_mla
+  // one is copied by cp.async (no maps)
+  const bool tma = format != CacheFormat::kFp8DsMla, raw = format == CacheFormat::kFp8E4M3;
+  const CUtensorMap kv_map_lo = tma ? kv_tensor_map(kv_cache, kLoBlocks, raw) : CUtensorMap{};
+  const CUtensorMap kv_map_hi = tma ? kv_tensor_map(kv_cache, kBlocks - kLoBlocks, raw) : CUtensorMap{};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>((h + kM - 1) / kM), static_cast<unsigned>(b),
                   static_cast<unsigned>(num_splits));

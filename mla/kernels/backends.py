@@ -64,7 +64,7 @@ CUDA_LATENT = (512, 64)  # (c, r) both CUDA kernels are built for
 # shared memory a CTA on a cache in q's dtype (kSmemBytes in each .cu file, fixed by a
 # static_assert there), and on each fp8 layout: the sm_80 kernel's Smem<DecodeShape, F>::kBytes;
 # the wgmma kernel's kSmemBytes for every layout (it stages the stored bytes in its tile buffers)
-CUDA_SMEM_BYTES = {"cuda-sm80": 105_088, "cuda-sm90": 231_712}
+CUDA_SMEM_BYTES = {"cuda-sm80": 105_088, "cuda-sm90": 231_744}
 SM80_FP8_SMEM_BYTES = {"fp8_e4m3": 68_224, "fp8_ds_mla": 73_600}
 SM90_FP8_SMEM_BYTES = dict.fromkeys(("fp8_e4m3", "fp8_ds_mla"), CUDA_SMEM_BYTES["cuda-sm90"])
 # Whether an fp8 cache runs on "cuda-sm80" by default (<= 16 heads), and on "cuda-sm90" (more
