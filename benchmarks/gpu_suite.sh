@@ -46,7 +46,7 @@ for part in "$@"; do
     prefill) run prefill 540 python3 -m mla bench prefill --out "$OUT" ;;
     prefill-crossover) run prefill-crossover 240 python3 benchmarks/lab/prefill_crossover.py --out "$OUT" ;;  # writes h200-prefill-crossover.json
     prefill-paired) run prefill-paired 240 python3 benchmarks/lab/probe_prefill_paired.py --shapes 1x1024,1x2048,1x4096 --out "$OUT" ;;  # short prompts' layer timed in turn with the SDPA layer, on each path
-    candidates) run candidates 560 bash benchmarks/lab/ab_candidates.sh "$OUT/candidates" "${AB_ARGS:---shapes 64x4096x16,128x8192x16,4x131072x16,64x4096x128,128x8192x128,1x32768x128 --kv-cache-dtype auto,fp8_e4m3,fp8_ds_mla}" ${CANDIDATES:-fp8conv2 fp8conv} ;;  # benchmarks/lab/candidates/*.patch beside main, two rounds
+    candidates) run candidates 560 bash benchmarks/lab/ab_candidates.sh "$OUT/candidates" "${AB_ARGS:---shapes 64x4096x16,128x8192x16,4x131072x16,64x4096x128,128x8192x128,1x32768x128 --kv-cache-dtype auto,fp8_e4m3,fp8_ds_mla}" ${CANDIDATES:-fp8tma2} ;;  # benchmarks/lab/candidates/*.patch beside main, two rounds
     layer-host) run layer-host 120 python3 benchmarks/lab/probe_layer_host.py --device cuda --out "$OUT/layer-host-probe.json" ;;  # the host's share of a paged prompt
     prefill-probe) run prefill-probe 540 bash -c 'python3 benchmarks/lab/probe_prefill_layer.py --flex-compile --shapes 1x1024,1x4096,4x2048 && TORCHINDUCTOR_COMPILE_THREADS=1 python3 benchmarks/lab/probe_prefill_layer.py --flex-compile --shapes 1x1024,1x4096,4x2048' ;;
     tp) run tp 400 python3 -m mla bench tp --out "$OUT" --tp 2 ;;  # 2 GPUs (nvidia-h200-x2)
