@@ -43,8 +43,9 @@
 // stored bytes are staged inside the group's own blocks (fp8_e4m3: one TMA copy a group into the
 // blocks' upper half, finish_tma_blocks; fp8_ds_mla: cp.async, finish_fp8_blocks), and the
 // warpgroup that copies a group turns it into the swizzled layout of its products' dtype there
-// before it completes the group's mbarrier, with the values of the Triton kernel: fp8_e4m3's e4m3 values as they are (exact in fp16, which its products run in whatever
-// q's dtype, q brought into range by a power of two; the cache's one scale is folded into the
+// before it completes the group's mbarrier, with the values of the Triton kernel: fp8_e4m3's e4m3
+// values as they are (exact in fp16, which its products run in whatever q's dtype, q brought
+// into range by a power of two; the cache's one scale is folded into the
 // softmax scale and the output), fp8_ds_mla's e4m3 x its group's scale in float32
 // rounded once to q's dtype and its bf16 rope values converted. A group's copies are issued where
 // a TMA copy would be and finished (waited for, converted, the mbarrier completed) later, so the
@@ -133,6 +134,10 @@ enum : int { kBarScaleA = 1, kBarScaleB = 2, kBarPA = 3, kBarPB = 4 };
 // fp8 block group's copies landed, scales read, values converted
 template <int Id>
 __device__ __forceinline__ void bar_sync_wg() { asm volatile("bar.sync %0, 128;\n" ::"n"(Id) : "memory"); }
+// warpgroup wg's own barrier (wg uniform in a warp)
+__device__ __forceinline__ void sync_warpgroup(int wg) {
+  if (wg == 0) bar_sync_wg<5>(); else bar_sync_wg<6>();
+}
 
 // byte offset of 16-byte vector v (of 72) of row r (of 64) in the swizzled layout
 __device__ __forceinline__ uint32_t swizzled(int r, int v) {
@@ -392,12 +397,9 @@ __device__ __forceinline__ void issue_fp8_blocks(unsigned char* blocks, const ui
 template <typename T, int J0, int Pending>
 __device__ __forceinline__ void finish_fp8_blocks(unsigned char* blocks, int valid, int wtid, int wg, uint32_t bar) {
   constexpr bool with_rope = J0 == kLoBlocks;
-  auto sync_warpgroup = [wg] {
-    if (wg == 0) bar_sync_wg<5>(); else bar_sync_wg<6>();
-  };
   const Fp8Places<J0> at(wtid);
   cp_async_wait_group<Pending>();
-  sync_warpgroup();
+  sync_warpgroup(wg);
 
   // -- e4m3 x scale in float32, rounded once to T (the piece at piece_at -> chunks piece_at,
   // piece_at ^ 16); zeros
@@ -417,7 +419,7 @@ __device__ __forceinline__ void finish_fp8_blocks(unsigned char* blocks, int val
   for (int i = 0; i < 8; ++i) {
     lat_scale[i] = at.lat_row + 8 * i < valid ? *reinterpret_cast<const float*>(blocks + at.scale_at + 1024 * i) : 1.f;
   }
-  sync_warpgroup();
+  sync_warpgroup(wg);
 #pragma unroll
   for (int i = 0; i < 8; ++i) convert(at.lat_at + 1024 * i, at.lat_row + 8 * i < valid, lat_scale[i]);
   if constexpr (with_rope) {
@@ -432,7 +434,7 @@ __device__ __forceinline__ void finish_fp8_blocks(unsigned char* blocks, int val
     }
   }
   fence_async_shared();  // the converted blocks, visible to wgmma ...
-  sync_warpgroup();      // ... everyone's
+  sync_warpgroup(wg);      // ... everyone's
   if (wtid == 0) mbar_arrive(bar);
 }
 
@@ -448,9 +450,6 @@ __device__ __forceinline__ void finish_fp8_blocks(unsigned char* blocks, int val
 template <int NB>
 __device__ __forceinline__ void finish_tma_blocks(unsigned char* blocks, int valid, int wtid, int wg, uint32_t raw,
                                                   int parity, uint32_t bar) {
-  auto sync_warpgroup = [wg] {
-    if (wg == 0) bar_sync_wg<5>(); else bar_sync_wg<6>();
-  };
   // the barriers below keep outputs behind reads for groups of 4 or 5 blocks (not 3: block 1's
   // output would cover block 0's bytes with no barrier between)
   static_assert(NB == 4 || NB == 5, "a block group of 4 or 5 blocks");
@@ -462,7 +461,7 @@ __device__ __forceinline__ void finish_tma_blocks(unsigned char* blocks, int val
     uint4 v[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) v[h] = *reinterpret_cast<const uint4*>(blocks + kRawAt + 4096 * k + 16 * (wtid + 128 * h));
-    if (k == NB - 1) sync_warpgroup();  // the last block's output covers its own stored bytes
+    if (k == NB - 1) sync_warpgroup(wg);  // the last block's output covers its own stored bytes
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int i = wtid + 128 * h, r = i >> 2, p = i & 3;
@@ -477,10 +476,10 @@ __device__ __forceinline__ void finish_tma_blocks(unsigned char* blocks, int val
       *reinterpret_cast<uint4*>(row + (((2 * p) ^ (r & 7)) << 4)) = lo;
       *reinterpret_cast<uint4*>(row + (((2 * p + 1) ^ (r & 7)) << 4)) = hi;
     }
-    if (k >= 1 && k < NB - 1) sync_warpgroup();  // block k's stored bytes read before block k + 1's output
+    if (k >= 1 && k < NB - 1) sync_warpgroup(wg);  // block k's stored bytes read before block k + 1's output
   }
   fence_async_shared();  // the converted blocks, visible to wgmma ...
-  sync_warpgroup();      // ... everyone's
+  sync_warpgroup(wg);      // ... everyone's
   if (wtid == 0) mbar_arrive(bar);
 }
 
@@ -620,13 +619,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
         }
       }
       cp_async_arrive(bar(buf, j0));
-      if (wg == 0) bar_sync_wg<5>(); else bar_sync_wg<6>();  // every thread's count is on the mbarrier ...
+      sync_warpgroup(wg);  // every thread's count is on the mbarrier ...
       if (wtid == 0) mbar_arrive(bar(buf, j0));  // ... then the phase's one arrival
     }
   };
-  // ---- an fp8 cache: the group load_blocks(buf, t, J0, ...) started, landed (at most Pending of
-  // this thread's commit groups issued after it still in flight) -> q's dtype -> its mbarrier
-  // (finish_fp8_blocks). A cache in T: nothing (its copies complete the mbarrier themselves).
+  // ---- an fp8 cache: the group load_blocks(buf, t, J0, ...) started, landed (fp8_ds_mla: at most
+  // Pending of this thread's commit groups issued after it still in flight) -> the products'
+  // dtype -> its mbarrier (finish_tma_blocks, finish_fp8_blocks). A cache in T: nothing (its copies complete the mbarrier themselves).
   auto finish_blocks = [&](int buf, int t, auto J0, auto Pending) {
     if constexpr (kTmaFp8) {
       constexpr int j0 = decltype(J0)::value;
