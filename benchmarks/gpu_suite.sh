@@ -38,7 +38,7 @@ for part in "$@"; do
     sm90-timeline) run sm90-timeline 300 python3 benchmarks/lab/timeline_decode_sm90.py --kv-cache-dtype auto,fp8_e4m3,fp8_ds_mla --out "$OUT" ;;  # each warpgroup's cycles, fp8 caches' conversion included
     concat-probe) run concat-probe 200 python3 benchmarks/lab/probe_concat.py --out "$OUT" ;;
     concat-slots) run concat-slots 200 python3 benchmarks/lab/probe_concat_slots.py --out "$OUT" ;;  # random, paged and sequential slots
-    concat-candidates) run concat-candidates 400 env BENCH=concat bash benchmarks/lab/ab_candidates.sh "$OUT/concat-candidates" "" ${CONCAT_CANDIDATES:-concat2 concat4 concat2b4} ;;  # concat candidate patches beside main, two rounds
+    concat-candidates) run concat-candidates 400 env BENCH=concat bash benchmarks/lab/ab_candidates.sh "$OUT/concat-candidates" "" ${CONCAT_CANDIDATES:?name the concat candidate patches in CONCAT_CANDIDATES} ;;  # concat candidate patches beside main, two rounds
     sanitize-decode) run sanitize-decode 200 compute-sanitizer --tool memcheck python3 benchmarks/lab/sanitize_decode.py ;;
     sanitize-sync) run sanitize-sync 400 bash -c 'compute-sanitizer --tool synccheck --print-limit 20 python3 benchmarks/lab/sanitize_decode.py; echo "synccheck rc=$?"; for k in cuda-sm90 cuda-sm80; do compute-sanitizer --tool racecheck python3 benchmarks/lab/sanitize_decode.py --only $k; echo "racecheck $k rc=$?"; done' ;;  # barrier use of every decode launch, each tool on its own (a stopped synccheck does not skip racecheck); shared-memory races of both CUDA kernels' fp8 paths
     sweep) run sweep 330 python3 benchmarks/lab/tune_decode.py --out "$OUT" --sweep ;;
@@ -46,7 +46,7 @@ for part in "$@"; do
     prefill) run prefill 540 python3 -m mla bench prefill --out "$OUT" ;;
     prefill-crossover) run prefill-crossover 240 python3 benchmarks/lab/prefill_crossover.py --out "$OUT" ;;  # writes h200-prefill-crossover.json
     prefill-paired) run prefill-paired 240 python3 benchmarks/lab/probe_prefill_paired.py --shapes 1x1024,1x2048,1x4096 --out "$OUT" ;;  # short prompts' layer timed in turn with the SDPA layer, on each path
-    candidates) run candidates 560 bash benchmarks/lab/ab_candidates.sh "$OUT/candidates" "${AB_ARGS:---shapes 64x4096x16,128x8192x16,4x131072x16,64x4096x128,128x8192x128,1x32768x128 --kv-cache-dtype auto,fp8_e4m3,fp8_ds_mla}" ${CANDIDATES:-fp8tma2} ;;  # benchmarks/lab/candidates/*.patch beside main, two rounds
+    candidates) run candidates 560 bash benchmarks/lab/ab_candidates.sh "$OUT/candidates" "${AB_ARGS:---shapes 64x4096x16,128x8192x16,4x131072x16,64x4096x128,128x8192x128,1x32768x128 --kv-cache-dtype auto,fp8_e4m3,fp8_ds_mla}" ${CANDIDATES:?name the candidate patches in CANDIDATES} ;;  # benchmarks/lab/candidates/*.patch beside main, two rounds
     layer-host) run layer-host 120 python3 benchmarks/lab/probe_layer_host.py --device cuda --out "$OUT/layer-host-probe.json" ;;  # the host's share of a paged prompt
     prefill-probe) run prefill-probe 540 bash -c 'python3 benchmarks/lab/probe_prefill_layer.py --flex-compile --shapes 1x1024,1x4096,4x2048 && TORCHINDUCTOR_COMPILE_THREADS=1 python3 benchmarks/lab/probe_prefill_layer.py --flex-compile --shapes 1x1024,1x4096,4x2048' ;;
     tp) run tp 400 python3 -m mla bench tp --out "$OUT" --tp 2 ;;  # 2 GPUs (nvidia-h200-x2)

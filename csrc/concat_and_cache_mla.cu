@@ -219,7 +219,7 @@ __global__ void concat_and_cache_mla_kernel(
   q.store(kv_cache + slot * (kv_lora_rank + rope_dim) + e, x);
 }
 
-// ---- fp8_ds_mla: one warp a token ------------------------------------------------------------
+// ---- fp8_ds_mla: one warp a token, two tokens a warp -----------------------------------------
 //
 // A row becomes c e4m3 bytes, c/128 float32 scales and r bf16 values (mla/kernels/fp8.py).
 // The scale of a 128-value group needs the group's amax before any of its values can be
@@ -228,21 +228,30 @@ __global__ void concat_and_cache_mla_kernel(
 // three xor-shuffles (4, 2, 1) give each of them the group's amax. Each lane then stores its
 // 16 e4m3 bytes as one 16-byte vector, and the first lane of each group the group's scale.
 //
-//   for each warp (token i):
-//     for base in 0, 512, ... < c:                       (lanes past c idle but shuffle)
-//       x[0:16] = kv_c[i, base + 16 l : base + 16 l + 16]
-//       amax = max |x| over the 8 lanes of the group    (NaN wins, as in torch.amax)
-//       scale = max(amax / 448, 2^-126)                 (NaN stored as 0x7FC00000)
-//       (first sweep: slot = slot_mapping[i] and lane l's first kDsMlaRopeAhead rope values
-//        read beside x; skip the token if slot < 0 or slot >= num_slots)
-//       row[base + 16 l : ... + 16] = e4m3(clamp(x / scale, -448, 448))   (NaN as 0x7F)
-//       row[c + 4 g] = scale                            (lane 8k, g = (base + 16 l) / 128)
-//     row[c + 4 c/128 + 2 e] = bf16(k_pe[i, e])  for e = l, l + 32, ...   (NaN as 0x7FC0)
+// A warp takes kDsMlaTokensPerWarp tokens and asks for all of their first sweeps, rope values
+// and slots before it quantises the first: a warp spends most of its time on the amax and the
+// quotients, so with one token a warp the loads in flight on an SM are too few to keep memory
+// busy. The values wait in the input's dtype (8 registers a sweep for bf16, not 16 floats).
+//
+//   for each warp (tokens i0, i0 + 1):
+//     for each token i: x_i = kv_c[i, 16 l : 16 l + 16], its first kDsMlaRopeAhead rope values
+//                       and slot_mapping[i], all asked for before any is used
+//     for each token i, then: scale of the first sweep (below), before any slot is tested
+//     for each token i (skipped if slot < 0 or slot >= num_slots):
+//       for base in 0, 512, ... < c:                       (lanes past c idle but shuffle)
+//         (base > 0: x = kv_c[i, base + 16 l : base + 16 l + 16])
+//         amax = max |x| over the 8 lanes of the group    (NaN wins, as in torch.amax)
+//         scale = max(amax / 448, 2^-126)                 (NaN stored as 0x7FC00000)
+//         row[base + 16 l : ... + 16] = e4m3(clamp(x / scale, -448, 448))   (NaN as 0x7F)
+//         row[c + 4 g] = scale                            (lane 8k, g = (base + 16 l) / 128)
+//       row[c + 4 c/128 + 2 e] = bf16(k_pe[i, e])  for e = l, l + 32, ...   (NaN as 0x7FC0)
 //
 // Loads and stores go 16 bytes at a time where pointers and strides allow (VEC_IN, VEC_OUT),
 // else one element or byte at a time; the values and roundings are the same either way.
 
-constexpr int kDsMlaWarps = 8;            // tokens a block of 256 threads
+constexpr int kDsMlaWarps = 8;            // warps a block of 256 threads
+constexpr int kDsMlaTokensPerWarp = 2;    // tokens a warp, loaded together
+constexpr int kDsMlaBlocksPerSm = 3;      // up to 85 registers a thread: 24 warps, 48 tokens in flight an SM
 constexpr int kDsMlaValuesPerLane = 16;   // 32 lanes x 16 = 512 latent values a sweep
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kDsMlaRopeAhead = 2;        // rope values a lane reads before the slot: r <= 64 all
@@ -258,27 +267,33 @@ __device__ __forceinline__ __nv_bfloat16 to_bf16(in_t x) {
   return isnan(f) ? __ushort_as_bfloat16(0x7FC0) : __float2bfloat16_rn(f);
 }
 
-// 16 consecutive input values as floats.
+// a lane's 16 values of a sweep, as stored in the input
+template <typename in_t>
+struct alignas(16) Sweep {
+  in_t v[kDsMlaValuesPerLane];
+};
+
+// 16 consecutive input values, zeros when `inside` is false (past c)
 template <typename in_t, bool VEC>
-__device__ __forceinline__ void load16(const in_t* __restrict__ src,
-                                       float (&x)[kDsMlaValuesPerLane]) {
-  if constexpr (VEC) {
+__device__ __forceinline__ void load16(const in_t* __restrict__ src, bool inside, Sweep<in_t>& x) {
+  if (!inside) {  // zero bits are a zero in every input dtype
+#pragma unroll
+    for (int k = 0; k < int(sizeof(Sweep<in_t>)) / 16; ++k) reinterpret_cast<uint4*>(x.v)[k] = make_uint4(0u, 0u, 0u, 0u);
+  } else if constexpr (VEC) {
     constexpr int kPer = 16 / sizeof(in_t);  // values a 16-byte load
     using vec_t = Vec<in_t, kPer>;
 #pragma unroll
     for (int k = 0; k < kDsMlaValuesPerLane / kPer; ++k) {
-      const vec_t v = reinterpret_cast<const vec_t*>(src)[k];
-#pragma unroll
-      for (int t = 0; t < kPer; ++t) x[k * kPer + t] = to_float(v.v[t]);
+      reinterpret_cast<vec_t*>(x.v)[k] = reinterpret_cast<const vec_t*>(src)[k];
     }
   } else {
 #pragma unroll
-    for (int t = 0; t < kDsMlaValuesPerLane; ++t) x[t] = to_float(src[t]);
+    for (int t = 0; t < kDsMlaValuesPerLane; ++t) x.v[t] = src[t];
   }
 }
 
 template <typename in_t, bool VEC_IN, bool VEC_OUT>
-__global__ void concat_and_cache_ds_mla_kernel(
+__global__ void __launch_bounds__(32 * kDsMlaWarps, kDsMlaBlocksPerSm) concat_and_cache_ds_mla_kernel(
     // pointers
     const in_t* __restrict__ kv_c,             // (T, c), row stride stride_kv_c
     const in_t* __restrict__ k_pe,             // (T, r), row stride stride_k_pe
@@ -288,41 +303,39 @@ __global__ void concat_and_cache_ds_mla_kernel(
     int64_t num_tokens, int64_t kv_lora_rank, int64_t rope_dim, int64_t num_slots,
     // strides (elements)
     int64_t stride_kv_c, int64_t stride_k_pe) {
-  // ---- which token: one a warp; the test is uniform over the warp, so the shuffles below see
-  // all 32 lanes
+  // ---- which tokens: kDsMlaTokensPerWarp a warp; each token's tests are uniform over the warp,
+  // so the shuffles below see all 32 lanes
   const int lane = threadIdx.x % 32;
-  const int64_t token = static_cast<int64_t>(blockIdx.x) * kDsMlaWarps + threadIdx.x / 32;
-  if (token >= num_tokens) return;
+  const int64_t first =
+      (static_cast<int64_t>(blockIdx.x) * kDsMlaWarps + threadIdx.x / 32) * kDsMlaTokensPerWarp;
+  if (first >= num_tokens) return;
   const int64_t c = kv_lora_rank, r = rope_dim, groups = c / kDsMlaGroup;
-  const in_t* src_c = kv_c + token * stride_kv_c;
-  const in_t* src_r = k_pe + token * stride_k_pe;
 
-  // ---- the token's first sweep of latent values, its first kDsMlaRopeAhead x 32 rope values and
-  // its slot are asked for together, and the sweep's group scales computed, before the slot is
-  // tested: a warp makes one round trip to memory before it stores, not one for the slot and
-  // one for the values. A padding token's values are read and dropped.
-  float x[kDsMlaValuesPerLane];
-  auto load_sweep = [&](int64_t e) {  // this lane's 16 values from e, zeros past c
-    if (e < c) {
-      load16<in_t, VEC_IN>(src_c + e, x);
-    } else {
+  // ---- every token's first sweep of latent values, first kDsMlaRopeAhead x 32 rope values and
+  // slot, asked for together before any is used: a warp makes one round trip to memory for its
+  // tokens, not one each. A padding token's values are read and dropped; a token past the end
+  // reads nothing and has slot -1.
+  Sweep<in_t> x[kDsMlaTokensPerWarp];
+  float pe[kDsMlaTokensPerWarp][kDsMlaRopeAhead];
+  int64_t slot[kDsMlaTokensPerWarp];
 #pragma unroll
-      for (int t = 0; t < kDsMlaValuesPerLane; ++t) x[t] = 0.0f;
+  for (int i = 0; i < kDsMlaTokensPerWarp; ++i) {
+    const int64_t token = first + i;
+    const bool real = token < num_tokens;
+    load16<in_t, VEC_IN>(kv_c + token * stride_kv_c + lane * kDsMlaValuesPerLane,
+                         real && lane * kDsMlaValuesPerLane < c, x[i]);
+#pragma unroll
+    for (int k = 0; k < kDsMlaRopeAhead; ++k) {
+      pe[i][k] = real && lane + 32 * k < r ? to_float(k_pe[token * stride_k_pe + lane + 32 * k]) : 0.0f;
     }
-  };
-  load_sweep(lane * kDsMlaValuesPerLane);
-  float pe[kDsMlaRopeAhead];
-#pragma unroll
-  for (int k = 0; k < kDsMlaRopeAhead; ++k) {
-    pe[k] = lane + 32 * k < r ? to_float(src_r[lane + 32 * k]) : 0.0f;
+    slot[i] = real ? slot_mapping[token] : -1;
   }
-  const int64_t slot = slot_mapping[token];
 
   // group g's scale of the values in x: the amax over the group's 8 lanes (three xor-shuffles)
-  auto sweep_scale = [&]() {
+  auto sweep_scale = [&](const Sweep<in_t>& xs) {
     float amax = 0.0f;
 #pragma unroll
-    for (int t = 0; t < kDsMlaValuesPerLane; ++t) amax = nan_max(fabsf(x[t]), amax);
+    for (int t = 0; t < kDsMlaValuesPerLane; ++t) amax = nan_max(fabsf(to_float(xs.v[t])), amax);
 #pragma unroll
     for (int offset = 4; offset > 0; offset /= 2) {  // within lanes 8k .. 8k + 7
       amax = nan_max(__shfl_xor_sync(kFullMask, amax, offset), amax);
@@ -334,65 +347,75 @@ __global__ void concat_and_cache_ds_mla_kernel(
     if (isnan(scale)) scale = __int_as_float(0x7fc00000);  // the positive quiet NaN, as on the CPU
     return scale;
   };
-  float scale = sweep_scale();
-  // -1 is padding; slots past the cache are rejected by the Python wrapper, skipped here so a
-  // direct caller of torch.ops.mla cannot write out of bounds
-  if (slot < 0 || slot >= num_slots) return;
-  uint8_t* row = kv_cache + slot * (c + 4 * groups + 2 * r);
 
-  // ---- the latent, 512 values (4 groups) a sweep
-  for (int64_t base = 0; base < c; base += 32 * kDsMlaValuesPerLane) {
-    const int64_t e = base + lane * kDsMlaValuesPerLane;  // this lane's first value
-    if (base > 0) {
-      load_sweep(e);
-      scale = sweep_scale();
-    }
-    if (e >= c) continue;  // c is a multiple of 128: a group's 8 lanes agree
+  // the first sweep's scales of every token, before any slot is tested: the shuffles are
+  // convergent, so no load of a token can sink below its test (into a second round trip)
+  float first_scale[kDsMlaTokensPerWarp];
+#pragma unroll
+  for (int i = 0; i < kDsMlaTokensPerWarp; ++i) first_scale[i] = sweep_scale(x[i]);
 
-    float v[kDsMlaValuesPerLane];
-    if (reciprocal_divides(scale)) {  // all but groups of tiny values, NaN or inf: see divide
-      const float rcp = __frcp_rn(scale);
 #pragma unroll
-      for (int t = 0; t < kDsMlaValuesPerLane; ++t) v[t] = divide(x[t], scale, rcp);
-    } else {
+  for (int i = 0; i < kDsMlaTokensPerWarp; ++i) {
+    // -1 is padding; slots past the cache are rejected by the Python wrapper, skipped here so a
+    // direct caller of torch.ops.mla cannot write out of bounds
+    if (slot[i] < 0 || slot[i] >= num_slots) continue;
+    const int64_t token = first + i;
+    uint8_t* row = kv_cache + slot[i] * (c + 4 * groups + 2 * r);
+
+    // ---- the latent, 512 values (4 groups) a sweep
+    for (int64_t base = 0; base < c; base += 32 * kDsMlaValuesPerLane) {
+      const int64_t e = base + lane * kDsMlaValuesPerLane;  // this lane's first value
+      if (base > 0) load16<in_t, VEC_IN>(kv_c + token * stride_kv_c + e, e < c, x[i]);
+      const float scale = base > 0 ? sweep_scale(x[i]) : first_scale[i];
+      if (e >= c) continue;  // c is a multiple of 128: a group's 8 lanes agree
+
+      float v[kDsMlaValuesPerLane];
+      if (reciprocal_divides(scale)) {  // all but groups of tiny values, NaN or inf: see divide
+        const float rcp = __frcp_rn(scale);
 #pragma unroll
-      for (int t = 0; t < kDsMlaValuesPerLane; ++t) v[t] = x[t] / scale;
+        for (int t = 0; t < kDsMlaValuesPerLane; ++t) v[t] = divide(to_float(x[i].v[t]), scale, rcp);
+      } else {
+#pragma unroll
+        for (int t = 0; t < kDsMlaValuesPerLane; ++t) v[t] = to_float(x[i].v[t]) / scale;
+      }
+      uint8_t* scale_dst = row + c + 4 * (e / kDsMlaGroup);
+      if constexpr (VEC_OUT) {
+        store_e4m3(row + e, v);
+        if (lane % 8 == 0) *reinterpret_cast<float*>(scale_dst) = scale;
+      } else {
+#pragma unroll
+        for (int k = 0; k < kDsMlaValuesPerLane / 4; ++k) {
+          const uint32_t word = e4m3x4(v + 4 * k);
+          for (int t = 0; t < 4; ++t) row[e + 4 * k + t] = static_cast<uint8_t>(word >> (8 * t));
+        }
+        if (lane % 8 == 0) {
+          const uint32_t bits = __float_as_uint(scale);
+          for (int k = 0; k < 4; ++k) scale_dst[k] = static_cast<uint8_t>(bits >> (8 * k));
+        }
+      }
     }
-    uint8_t* scale_dst = row + c + 4 * (e / kDsMlaGroup);
-    if constexpr (VEC_OUT) {
-      store_e4m3(row + e, v);
-      if (lane % 8 == 0) *reinterpret_cast<float*>(scale_dst) = scale;
-    } else {
+
+    // ---- the rope part in bf16, lanes striding over its r values (the first kDsMlaRopeAhead of
+    // each lane read above)
+    uint8_t* rope = row + c + 4 * groups;
+    auto store_rope = [&](int64_t e, float value) {
+      const __nv_bfloat16 y = to_bf16(value);
+      if constexpr (VEC_OUT) {
+        reinterpret_cast<__nv_bfloat16*>(rope)[e] = y;
+      } else {
+        const uint16_t bits = __bfloat16_as_ushort(y);
+        rope[2 * e] = static_cast<uint8_t>(bits);
+        rope[2 * e + 1] = static_cast<uint8_t>(bits >> 8);
+      }
+    };
 #pragma unroll
-      for (int k = 0; k < kDsMlaValuesPerLane / 4; ++k) {
-        const uint32_t word = e4m3x4(v + 4 * k);
-        for (int t = 0; t < 4; ++t) row[e + 4 * k + t] = static_cast<uint8_t>(word >> (8 * t));
-      }
-      if (lane % 8 == 0) {
-        const uint32_t bits = __float_as_uint(scale);
-        for (int k = 0; k < 4; ++k) scale_dst[k] = static_cast<uint8_t>(bits >> (8 * k));
-      }
+    for (int k = 0; k < kDsMlaRopeAhead; ++k) {
+      if (lane + 32 * k < r) store_rope(lane + 32 * k, pe[i][k]);
+    }
+    for (int64_t e = lane + 32 * kDsMlaRopeAhead; e < r; e += 32) {
+      store_rope(e, to_float(k_pe[token * stride_k_pe + e]));
     }
   }
-
-  // ---- the rope part in bf16, lanes striding over its r values (the first kDsMlaRopeAhead of
-  // each lane read above)
-  uint8_t* rope = row + c + 4 * groups;
-  auto store_rope = [&](int64_t e, float value) {
-    const __nv_bfloat16 y = to_bf16(value);
-    if constexpr (VEC_OUT) {
-      reinterpret_cast<__nv_bfloat16*>(rope)[e] = y;
-    } else {
-      const uint16_t bits = __bfloat16_as_ushort(y);
-      rope[2 * e] = static_cast<uint8_t>(bits);
-      rope[2 * e + 1] = static_cast<uint8_t>(bits >> 8);
-    }
-  };
-#pragma unroll
-  for (int k = 0; k < kDsMlaRopeAhead; ++k) {
-    if (lane + 32 * k < r) store_rope(lane + 32 * k, pe[k]);
-  }
-  for (int64_t e = lane + 32 * kDsMlaRopeAhead; e < r; e += 32) store_rope(e, to_float(src_r[e]));
 }
 
 template <typename in_t>
@@ -410,7 +433,8 @@ void launch_ds_mla(const at::Tensor& kv_c, const at::Tensor& k_pe, at::Tensor& k
                       (stride_kv_c * static_cast<int64_t>(sizeof(in_t))) % 16 == 0;
   const bool vec_out = reinterpret_cast<uintptr_t>(cache_ptr) % 16 == 0 && width % 16 == 0;
 
-  const int64_t blocks = (a.num_tokens + kDsMlaWarps - 1) / kDsMlaWarps;
+  constexpr int64_t kTokensPerBlock = kDsMlaWarps * kDsMlaTokensPerWarp;
+  const int64_t blocks = (a.num_tokens + kTokensPerBlock - 1) / kTokensPerBlock;
   TORCH_CHECK(blocks <= INT32_MAX, "concat_and_cache_mla: too many tokens for one launch");
   const dim3 grid(static_cast<unsigned>(blocks)), block(32 * kDsMlaWarps);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

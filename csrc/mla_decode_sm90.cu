@@ -40,14 +40,13 @@
 // It also reads the two fp8 layouts of mla/kernels/fp8.py (kv_cache_dtype "fp8_e4m3": 576 e4m3
 // bytes a row, one float32 scale in a 1-element device tensor; "fp8_ds_mla": 656 bytes, 512 e4m3
 // values, 4 float32 scales one per 128 values, 64 bf16 rope values), with the same schedule. Their
-// stored bytes are staged inside the group's own blocks (fp8_e4m3: one TMA copy a group into the
-// blocks' upper half, finish_tma_blocks; fp8_ds_mla: cp.async, finish_fp8_blocks), and the
-// warpgroup that copies a group turns it into the swizzled layout of its products' dtype there
-// before it completes the group's mbarrier, with the values of the Triton kernel: fp8_e4m3's e4m3
-// values as they are (exact in fp16, which its products run in whatever q's dtype, q brought
-// into range by a power of two; the cache's one scale is folded into the
-// softmax scale and the output), fp8_ds_mla's e4m3 x its group's scale in float32
-// rounded once to q's dtype and its bf16 rope values converted. A group's copies are issued where
+// stored bytes are copied by the TMA unit into the group's own blocks (the latent bytes into their
+// upper half), and the warpgroup that asked for a group turns it into the swizzled layout of its
+// products' dtype there before it completes the group's mbarrier (finish_fp8_blocks), with the
+// values of the Triton kernel: fp8_e4m3's e4m3 values as they are (exact in fp16, which its
+// products run in whatever q's dtype, q brought into range by a power of two; the cache's one
+// scale is folded into the softmax scale and the output), fp8_ds_mla's e4m3 x its group's scale
+// in float32 rounded once to q's dtype and its bf16 rope values converted. A group's copies are issued where
 // a TMA copy would be and finished (waited for, converted, the mbarrier completed) later, so the
 // copies' latency and the conversion overlap other work: warpgroup 0 converts the next A's blocks
 // 0-3 while its P_B . V_B runs and the next B's while the next A's last scores run; warpgroup 1
@@ -109,8 +108,8 @@ constexpr int kVecs = kD / 8;             // 72 16-byte vectors a row
 constexpr int kLoads = 64 * kVecs / kThreads;     // 18 copies a thread for q's 64 rows
 static_assert(64 * kVecs % kThreads == 0, "rows split evenly over the threads");
 // q, two tiles, P_B (64 x 64, one column block), m / scale_A / scale_B / l (two) a row,
-// 8 mbarriers (2 buffers x 2 block groups, each a group's blocks whole and, on an fp8_e4m3
-// cache, its stored bytes landed); 1 KiB to align to 1024 bytes
+// 8 mbarriers (2 buffers x 2 block groups, each a group's blocks whole and, on an fp8 cache, its
+// stored bytes landed); 1 KiB to align to 1024 bytes
 constexpr size_t kSmemBytes = size_t(3) * kMatBytes + kBlockBytes + 5 * kM * 4 + 2 * 2 * 2 * 8 + 1024;
 static_assert(64 * (4 * kC + 32) <= 2 * kMatBytes && 2 * kThreads == kC,
               "the epilogue's rows fit in q's and buffer 0's bytes, a row's 512 values two a thread");
@@ -121,10 +120,10 @@ static_assert(kSmemBytes == 231744,
 constexpr int kDsMlaScales = ds_mla_scales(kC), kDsMlaRope = ds_mla_rope(kC);
 // An fp8 cache's stored bytes are staged in the tile buffers themselves, so every layout needs
 // kSmemBytes (mla/kernels/backends.py's SM90_FP8_SMEM_BYTES), within the 227 KiB a block may have:
-// fp8_e4m3's 64 rows of 64 bytes a block fill half of a group's blocks (finish_tma_blocks);
-// fp8_ds_mla's (issue_fp8_blocks) 256 latent bytes a row fill the even 16-byte chunks of a group's
-// four blocks, its 16 bytes of scales a row one odd chunk, its 128 bytes of bf16 rope block 8.
-static_assert(kSmemBytes <= 227 * 1024 && 64 * 256 == kLoBlocks * kBlockBytes / 2 &&
+// a block's 64 rows of 64 e4m3 bytes fill half of its 8 KiB (finish_fp8_blocks), fp8_ds_mla's
+// scales (64 rows of 16 bytes) the first KiB of a group's first block, and its 128 bytes of bf16
+// rope values a row block 8 as a cache in T's would.
+static_assert(kSmemBytes <= 227 * 1024 && 64 * 64 == kBlockBytes / 2 && 64 * 16 <= kBlockBytes / 2 &&
                   kDsMlaRope - kDsMlaScales == 16 && stored_row_bytes(CacheFormat::kFp8DsMla, kC, kR) - kDsMlaRope == 128 &&
                   stored_row_bytes(CacheFormat::kFp8E4M3, kC, kR) - kC == 64,
               "an fp8 tile's stored bytes fit in place");
@@ -152,10 +151,6 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool p
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-// wait until at most N of this thread's newest commit groups are still in flight (every older one
-// has landed)
-template <int N>
-__device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 // order shared-memory writes this thread has made or observed (its st.shared; copies seen landed
 // through an mbarrier or a barrier) before its later wgmma reads (the async proxy)
 __device__ __forceinline__ void fence_async_shared() {
@@ -164,7 +159,8 @@ __device__ __forceinline__ void fence_async_shared() {
 
 // mbarriers, one arrival a phase: a whole tile's block group completes when the TMA unit has
 // written its bytes (expect_tx), a partial one's when its cp.async copies have landed and one
-// thread arrives
+// thread arrives, an fp8 group's when its warpgroup has converted the stored bytes (which
+// complete the group's second mbarrier, as a TMA copy does)
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
@@ -179,9 +175,10 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
-// the TMA unit copies the map's box (64 dims, 64 rows, 4 or 5 column blocks) at (row, block,
-// page) of the cache into dst, swizzled as the tensor map says (128 bytes, the layout above: a
-// block's 64 rows after another's), completing its bytes on the mbarrier
+// the TMA unit copies the map's box (kv_tensor_map: its inner elements, 64 rows, its column
+// blocks) at (row, block, page) of the cache into dst, swizzled or dense as the tensor map says
+// (swizzled: 128 bytes, the layout above, a block's 64 rows after another's), completing its bytes
+// on the mbarrier
 __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int row, int block, int page,
                                          uint32_t bar) {
   asm volatile(
@@ -314,147 +311,49 @@ __device__ __forceinline__ uint32_t pack(float x, float y, __half) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// ---- An fp8_ds_mla cache: block group J0 (blocks 0-3, or 4-8) of a tile -> the group's blocks in
-// q's dtype T, swizzled as a TMA copy of a cache in T leaves them, by one warpgroup (wtid < 128 of
-// warpgroup wg), completing the group's mbarrier `bar` once they are whole. `blocks` is the
-// group's first block, `rows` the tile's first stored row (rows skn bytes apart); rows at and past
-// `valid` (past the split's end) are never read and become zeros.
+// ---- An fp8 cache's block group J0 of a tile -> the group's blocks in its products' dtype T,
+// swizzled as a TMA copy of a cache in T leaves them, by one warpgroup (wtid < 128 of warpgroup
+// wg), completing the group's mbarrier `bar` once they are whole. There is no room beside q and
+// the two tiles for a buffer of stored bytes, so the TMA unit copies them into the group's own
+// blocks (load_blocks, one thread, completing the mbarrier `raw`): the e4m3 latent values of its
+// NB column blocks (64 rows of 64 bytes a block) densely into their upper half, at byte
+// NB x 4096 + 4096 k for block k; fp8_ds_mla also its rows' four float32 scales (16 bytes a row)
+// at byte 0 and, for the second group, its bf16 rope values straight into block 8, swizzled (so
+// NB = 4 for both of its groups; fp8_e4m3's second group holds the e4m3 rope block, NB = 5).
 //
-// There is no room beside q and the two tiles for a buffer of stored bytes, so they are staged in
-// the group's own blocks: each 16-byte piece of 16 e4m3 values (32 bytes once converted, chunks 2p
-// and 2p + 1 of its block row) is copied onto its even chunk 2p. The odd chunks stay free, but
-// for chunk 1 of the group's first block, which holds the row's four scales. The thread that
-// converts a piece reads it, then writes both chunks, so no piece is written over before it is
-// read. The bf16 rope values are copied to their place and, for fp16 q, converted there.
-//
-// A group loads in two halves, so that its copies' latency passes while the warpgroup does other
-// work. issue_fp8_blocks: each thread's cp.async copies of the group, one commit group (empty for
-// a tile past the split's end). finish_fp8_blocks, later, by the same warpgroup: each thread waits
-// until at most Pending of its newer commit groups are outstanding (this group's copies landed), then
-//   barrier (every copy landed) -> scales to registers -> barrier (every scale read before its
-//   chunk is written) -> convert -> fence.proxy.async -> barrier -> one arrive,
-// so a reader that waits on the mbarrier and fences (scores) sees whole blocks in T, as after a TMA
-// copy, and the warpgroup's own later reads (its P . V) follow the last barrier. Between the two
-// halves the group's blocks belong to the copies: nothing reads them (their mbarrier has not
-// completed), and the warpgroup may run anything that does not touch them, its own wgmma on
-// other blocks included. Each half waits on nothing but the thread's own copies and its own
-// warpgroup: it adds no dependence between the warpgroups.
-
-// Where thread wtid of a warpgroup copies and converts group J0's pieces; both halves derive them
-// from wtid (a few integer operations) rather than hold them in registers in between.
-template <int J0>
-struct Fp8Places {
-  // the group's four latent blocks: rows lat_row + 8i (i < 8), piece lat_piece of the 16 a row
-  // (block lat_piece / 4, chunks 2p and 2p + 1 with p = lat_piece % 4, at lat_at and lat_at ^ 16).
-  // A warp takes two rows whole; the 8 lanes of a 16-byte access two rows (lat_row's lowest bit)
-  // of one block, 8 different chunks: no bank conflicts
-  int lat_row, lat_piece;
-  uint32_t lat_at;
-  int lat_byte;  // in the stored row
-  // a row's scales on chunk 1 of the group's first block; lat_piece's is that of its 128 values
-  uint32_t scale_at;
-  // the rope block (8): the 8 bf16 values of chunk b_chunk of rows b_row + 16i (i < 4)
-  int b_row, b_chunk;
-  uint32_t b_at;
-  __device__ __forceinline__ explicit Fp8Places(int wtid)
-      : lat_row((wtid & 1) | ((wtid >> 5) << 1)),
-        lat_piece((wtid >> 1) & 15),
-        lat_at((lat_piece >> 2) * kBlockBytes + lat_row * 128 + (((2 * (lat_piece & 3)) ^ lat_row) << 4)),
-        lat_byte(J0 * 64 + 16 * lat_piece),
-        scale_at(lat_row * 128 + ((1 ^ lat_row) << 4) + 4 * (J0 / 2 + (lat_piece >> 3))),
-        b_row(wtid >> 3),
-        b_chunk(wtid & 7),
-        b_at(4 * kBlockBytes + b_row * 128 + ((b_chunk ^ (b_row & 7)) << 4)) {}
-};
-
-// the first half: the stored bytes of the rows before the split's end, one commit group
-template <int J0>
-__device__ __forceinline__ void issue_fp8_blocks(unsigned char* blocks, const uint8_t* rows, int64_t skn, int valid,
-                                                 int wtid) {
-  constexpr bool with_rope = J0 == kLoBlocks;  // block 8: the second group
-  const Fp8Places<J0> at(wtid);
-  const uint32_t blocks_s = smem_u32(blocks);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int r = at.lat_row + 8 * i;
-    if (r < valid) cp_async16(blocks_s + at.lat_at + 1024 * i, rows + r * skn + at.lat_byte, true);
-  }
-  if (wtid < min(valid, kN)) {
-    cp_async16(blocks_s + wtid * 128 + ((1 ^ (wtid & 7)) << 4), rows + wtid * skn + kDsMlaScales, true);
-  }
-  if constexpr (with_rope) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = at.b_row + 16 * i;
-      if (r < valid) cp_async16(blocks_s + at.b_at + 2048 * i, rows + r * skn + kDsMlaRope + 16 * at.b_chunk, true);
-    }
-  }
-  cp_async_commit();
-}
-
-// the second half: the copies landed -> the group's blocks in T -> the mbarrier (Pending: how many
-// of this thread's commit groups, issued after this group's, may still be in flight)
-template <typename T, int J0, int Pending>
-__device__ __forceinline__ void finish_fp8_blocks(unsigned char* blocks, int valid, int wtid, int wg, uint32_t bar) {
-  constexpr bool with_rope = J0 == kLoBlocks;
-  const Fp8Places<J0> at(wtid);
-  cp_async_wait_group<Pending>();
-  sync_warpgroup(wg);
-
-  // -- e4m3 x scale in float32, rounded once to T (the piece at piece_at -> chunks piece_at,
-  // piece_at ^ 16); zeros
-  // for a row past the split's end
-  auto convert = [&](uint32_t piece_at, bool stored, float scale) {
-    uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
-    if (stored) {
-      const uint4 v = *reinterpret_cast<const uint4*>(blocks + piece_at);
-      lo = e4m3x8_to<T>(make_uint2(v.x, v.y), scale);
-      hi = e4m3x8_to<T>(make_uint2(v.z, v.w), scale);
-    }
-    *reinterpret_cast<uint4*>(blocks + piece_at) = lo;
-    *reinterpret_cast<uint4*>(blocks + (piece_at ^ 16)) = hi;
-  };
-  float lat_scale[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    lat_scale[i] = at.lat_row + 8 * i < valid ? *reinterpret_cast<const float*>(blocks + at.scale_at + 1024 * i) : 1.f;
-  }
-  sync_warpgroup(wg);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) convert(at.lat_at + 1024 * i, at.lat_row + 8 * i < valid, lat_scale[i]);
-  if constexpr (with_rope) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      uint4* rope = reinterpret_cast<uint4*>(blocks + at.b_at + 2048 * i);
-      if (at.b_row + 16 * i >= valid) {
-        *rope = make_uint4(0u, 0u, 0u, 0u);
-      } else if constexpr (!kIsBf16<T>) {
-        *rope = bf16x8_to<T>(*rope);
-      }
-    }
-  }
-  fence_async_shared();  // the converted blocks, visible to wgmma ...
-  sync_warpgroup(wg);      // ... everyone's
-  if (wtid == 0) mbar_arrive(bar);
-}
-
-// ---- An fp8_e4m3 cache's block group J0, staged by the TMA unit: the group's stored bytes land
-// densely in the upper half of its own blocks (block k's 64 rows of 64 bytes at byte
-// kRawAt + 4096 k of the group, kRawAt = half the group), by one copy a group like a bf16
-// cache's, completing the mbarrier `raw`; finish_tma_blocks then converts them in place into the
-// swizzled fp16 blocks, block by block from the first. Block k's output (bytes 8192 k ..) covers
-// the stored bytes of blocks 2k - NB and 2k - NB + 1 (NB = the group's blocks, 4 or 5): blocks
-// converted before, so a barrier after each block from the second on keeps every output behind
-// the reads of the bytes it overwrites, and the last block, whose output covers its own bytes,
-// reads them all before a barrier and writes after it. Rows at and past `valid` become zeros.
-template <int NB>
-__device__ __forceinline__ void finish_tma_blocks(unsigned char* blocks, int valid, int wtid, int wg, uint32_t raw,
+// Here the warpgroup waits for them, then converts the blocks in place from the first: block k's
+// output (bytes 8192 k ..) covers the stored bytes of blocks 2k - NB and 2k - NB + 1, converted
+// before, so a barrier after each block from the second on keeps every output behind the reads of
+// the bytes it overwrites, and the last block, whose output covers its own bytes, reads them all
+// before a barrier and writes after it; fp8_ds_mla reads its scales into registers, and passes a
+// barrier, before block 0's output covers them. fp8_e4m3's values become fp16 exactly (one cvt a
+// pair; the cache's scale is folded into the softmax scale and the output), fp8_ds_mla's e4m3 x
+// its group's scale in float32 rounded once to T, and its rope values are converted for fp16 q.
+// Rows at and past `valid` become zeros.
+template <typename T, CacheFormat F, int J0>
+__device__ __forceinline__ void finish_fp8_blocks(unsigned char* blocks, int valid, int wtid, int wg, uint32_t raw,
                                                   int parity, uint32_t bar) {
+  constexpr bool ds_mla = F == CacheFormat::kFp8DsMla;
+  constexpr int NB = ds_mla || J0 == 0 ? kLoBlocks : kBlocks - kLoBlocks;
   // the barriers below keep outputs behind reads for groups of 4 or 5 blocks (not 3: block 1's
   // output would cover block 0's bytes with no barrier between)
   static_assert(NB == 4 || NB == 5, "a block group of 4 or 5 blocks");
+  static_assert(ds_mla || std::is_same_v<T, __half>, "fp8_e4m3's products run in fp16");
   constexpr int kRawAt = NB * 4096;
-  mbar_wait(raw, parity);  // the copy landed (the TMA unit's writes, visible to this thread)
+  mbar_wait(raw, parity);  // the copies landed (the TMA unit's writes, visible to this thread)
+  // this thread's rows: wtid / 4 and wtid / 4 + 32; fp8_ds_mla: their scales of the group's two
+  // latent groups of 128 (block k takes scale k / 2)
+  float scale[2][2] = {{1.f, 1.f}, {1.f, 1.f}};
+  if constexpr (ds_mla) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int g = 0; g < 2; ++g) {
+        scale[h][g] = *reinterpret_cast<const float*>(blocks + 16 * ((wtid >> 2) + 32 * h) + 4 * (J0 / 2 + g));
+      }
+    }
+    sync_warpgroup(wg);  // every scale read before block 0's output covers them
+  }
 #pragma unroll
   for (int k = 0; k < NB; ++k) {
     // pieces wtid and wtid + 128 of block k: row i / 4, 16 bytes (i % 4) of its 64
@@ -467,16 +366,35 @@ __device__ __forceinline__ void finish_tma_blocks(unsigned char* blocks, int val
       const int i = wtid + 128 * h, r = i >> 2, p = i & 3;
       uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
       if (r < valid) {
-        e4m3x4_to<__half>(v[h].x, lo.x, lo.y);
-        e4m3x4_to<__half>(v[h].y, lo.z, lo.w);
-        e4m3x4_to<__half>(v[h].z, hi.x, hi.y);
-        e4m3x4_to<__half>(v[h].w, hi.z, hi.w);
+        if constexpr (ds_mla) {
+          lo = e4m3x8_to<T>(make_uint2(v[h].x, v[h].y), scale[h][k >> 1]);
+          hi = e4m3x8_to<T>(make_uint2(v[h].z, v[h].w), scale[h][k >> 1]);
+        } else {
+          e4m3x4_to<__half>(v[h].x, lo.x, lo.y);
+          e4m3x4_to<__half>(v[h].y, lo.z, lo.w);
+          e4m3x4_to<__half>(v[h].z, hi.x, hi.y);
+          e4m3x4_to<__half>(v[h].w, hi.z, hi.w);
+        }
       }
       unsigned char* row = blocks + 8192 * k + 128 * r;
       *reinterpret_cast<uint4*>(row + (((2 * p) ^ (r & 7)) << 4)) = lo;
       *reinterpret_cast<uint4*>(row + (((2 * p + 1) ^ (r & 7)) << 4)) = hi;
     }
     if (k >= 1 && k < NB - 1) sync_warpgroup(wg);  // block k's stored bytes read before block k + 1's output
+  }
+  if constexpr (ds_mla && J0 == kLoBlocks) {
+    // the rope block (8), as the TMA unit left it: zeros for rows past the split's end, fp16 for
+    // fp16 q; chunk i % 8 of row i / 8 (a chunk stays in its row under the swizzle)
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int i = wtid + 128 * m;
+      uint4* rope = reinterpret_cast<uint4*>(blocks + 4 * kBlockBytes + 16 * i);
+      if ((i >> 3) >= valid) {
+        *rope = make_uint4(0u, 0u, 0u, 0u);
+      } else if constexpr (!kIsBf16<T>) {
+        *rope = bf16x8_to<T>(*rope);
+      }
+    }
   }
   fence_async_shared();  // the converted blocks, visible to wgmma ...
   sync_warpgroup(wg);      // ... everyone's
@@ -490,9 +408,12 @@ template <typename T, CacheFormat F, bool MultiToken,
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     const T* __restrict__ q,              // (b, rows, 576), rows = s_q·h (token-major)
     const KV* __restrict__ kv,            // (pages, page_size, 576) in T, or (pages, page_size, bytes) fp8
-    const __grid_constant__ CUtensorMap kv_map_lo,  // kv as (64, page_size, 9, pages): boxes of blocks 0-3
-    const __grid_constant__ CUtensorMap kv_map_hi,  // and of blocks 4-8 (a cache in T: 128-byte swizzle;
-                                                    // fp8_e4m3: its bytes, no swizzle; fp8_ds_mla: none)
+    // the TMA unit's views of kv (kv_tensor_map): a cache in T as (64, page_size, 9, pages), boxes
+    // of blocks 0-3 (lo) and 4-8 (hi), 128-byte swizzle; fp8_e4m3 its bytes the same way, no
+    // swizzle; fp8_ds_mla its latent bytes as (64, page_size, 8, pages), boxes of 4 blocks (lo),
+    // its bf16 rope values (hi, 128-byte swizzle) and its scales (x, 16 bytes a row)
+    const __grid_constant__ CUtensorMap kv_map_lo, const __grid_constant__ CUtensorMap kv_map_hi,
+    const __grid_constant__ CUtensorMap kv_map_x,
     const int* __restrict__ block_table,  // (b, max_pages), last dim contiguous
     const int* __restrict__ seq_lens,     // (b,)
     void* __restrict__ part_out,          // (b, rows, splits, 512) fp32; out (b, rows, 1, 512) in T if final_out
@@ -528,10 +449,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   const uint32_t bars = smem_u32(m_s + 5 * kM);  // (2 kinds, 2 buffers, 2 block groups) mbarriers
   // the mbarrier of buffer buf's blocks [J0, ...): group 0 is blocks 0-3, group 1 blocks 4-8
   auto bar = [&](int buf, int j0) { return bars + 8 * (2 * buf + (j0 >= kLoBlocks)); };
-  // fp8_e4m3: the mbarrier of the same group's stored bytes landed (the TMA copy's)
+  // an fp8 cache: the mbarrier of the same group's stored bytes landed (the TMA copies')
   auto raw_bar = [&](int buf, int j0) { return bars + 32 + 8 * (2 * buf + (j0 >= kLoBlocks)); };
-  constexpr bool kTmaFp8 = F == CacheFormat::kFp8E4M3;
-  static_assert(!kTmaFp8 || std::is_same_v<MT, __half>, "finish_tma_blocks converts to fp16");
 
   const int tid = threadIdx.x, wtid = tid & 127, warp = (tid >> 5) & 3, lane = tid & 31;
   // the warpgroup, read through a shuffle so the compiler sees it is uniform in a warp (else it
@@ -568,9 +487,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   // (a page's unused rows may hold anything, NaN included, and P . V must not read them). A
   // thread copies 16-byte chunk ld_chunk of rows ld_row + 16k (k < 4) of each block: all four
   // rows share row % 8, so their swizzled place is one per-thread offset (plus 2048 k). An fp8
-  // cache, every tile: its stored bytes are asked for here (fp8_e4m3: one TMA copy completing
-  // raw_bar, or a bare arrival there for no tile; fp8_ds_mla: issue_fp8_blocks), and the group's
-  // mbarrier completes only in finish_blocks, once they are converted.
+  // cache, every tile: its stored bytes are asked for here (TMA copies completing raw_bar, or a
+  // bare arrival there for no tile, so its phases keep in step with bar's), and the group's
+  // mbarrier completes only in finish_blocks, once they are converted (finish_fp8_blocks).
   const int* bt_row = block_table + b * sbb;
   const int ld_row = wtid >> 3, ld_chunk = wtid & 7;
   const uint32_t ld_dst = ld_row * 128 + ((ld_chunk ^ (ld_row & 7)) << 4);
@@ -580,23 +499,24 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     const int valid = end - tok0;
     constexpr int j0 = decltype(J0)::value, j1 = decltype(J1)::value;
     static_assert((j0 == 0 && j1 == kLoBlocks) || (j0 == kLoBlocks && j1 == kBlocks), "a block group");
-    if constexpr (kTmaFp8) {  // one copy of the stored bytes (every row of the tile's page: rows at
-      // and past `valid` are read and become zeros), or for no tile a bare arrival, so the
-      // phases of raw_bar keep in step with bar's
+    if constexpr (F != CacheFormat::kAuto) {  // every row of the tile's page is copied: rows at
+      // and past `valid` are read and become zeros
       if (wtid == 0) {
-        if (valid > 0) {
+        const uint32_t group = kv_s + buf * kMatBytes + j0 * kBlockBytes;
+        if (valid <= 0) {
+          mbar_arrive(raw_bar(buf, j0));
+        } else if constexpr (F == CacheFormat::kFp8E4M3) {  // the group's blocks, rope block 8 included
           const int page = bt_row[tok0 / page_size], row = tok0 % page_size;
           mbar_expect_tx(raw_bar(buf, j0), (j1 - j0) * 4096);
-          tma_load(kv_s + buf * kMatBytes + j0 * kBlockBytes + (j1 - j0) * 4096, j0 == 0 ? &kv_map_lo : &kv_map_hi,
-                   row, j0, page, raw_bar(buf, j0));
-        } else {
-          mbar_arrive(raw_bar(buf, j0));
+          tma_load(group + (j1 - j0) * 4096, j0 == 0 ? &kv_map_lo : &kv_map_hi, row, j0, page, raw_bar(buf, j0));
+        } else {  // fp8_ds_mla: four latent blocks, the scales, the second group the rope block
+          const int page = bt_row[tok0 / page_size], row = tok0 % page_size;
+          mbar_expect_tx(raw_bar(buf, j0), kLoBlocks * 4096 + kN * 16 + (j0 == 0 ? 0 : kBlockBytes));
+          tma_load(group + kLoBlocks * 4096, &kv_map_lo, row, j0, page, raw_bar(buf, j0));
+          tma_load(group, &kv_map_x, row, 0, page, raw_bar(buf, j0));
+          if (j0 != 0) tma_load(group + kLoBlocks * kBlockBytes, &kv_map_hi, row, 0, page, raw_bar(buf, j0));
         }
       }
-    } else if constexpr (F != CacheFormat::kAuto) {
-      const KV* rows = kv;  // the tile's first stored row (not read when valid <= 0)
-      if (valid > 0) rows += int64_t(bt_row[tok0 / page_size]) * skp + int64_t(tok0 % page_size) * skn;
-      issue_fp8_blocks<j0>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes, rows, skn, valid, wtid);
     } else {
       if (valid >= kN) {
         if (wtid == 0) {
@@ -623,19 +543,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       if (wtid == 0) mbar_arrive(bar(buf, j0));  // ... then the phase's one arrival
     }
   };
-  // ---- an fp8 cache: the group load_blocks(buf, t, J0, ...) started, landed (fp8_ds_mla: at most
-  // Pending of this thread's commit groups issued after it still in flight) -> the products'
-  // dtype -> its mbarrier (finish_tma_blocks, finish_fp8_blocks). A cache in T: nothing (its copies complete the mbarrier themselves).
-  auto finish_blocks = [&](int buf, int t, auto J0, auto Pending) {
-    if constexpr (kTmaFp8) {
+  // ---- an fp8 cache: the group load_blocks(buf, t, J0, ...) asked for, landed -> the products'
+  // dtype -> its mbarrier (finish_fp8_blocks). A cache in T: nothing (its copies complete the
+  // mbarrier themselves).
+  auto finish_blocks = [&](int buf, int t, auto J0) {
+    if constexpr (F != CacheFormat::kAuto) {
       constexpr int j0 = decltype(J0)::value;
-      finish_tma_blocks<j0 == 0 ? kLoBlocks : kBlocks - kLoBlocks>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes,
-                                                                   end - (start + t * kN), wtid, wg, raw_bar(buf, j0),
-                                                                   (t >> 1) & 1, bar(buf, j0));
-    } else if constexpr (F != CacheFormat::kAuto) {
-      constexpr int j0 = decltype(J0)::value;
-      finish_fp8_blocks<MT, j0, decltype(Pending)::value>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes,
-                                                             end - (start + t * kN), wtid, wg, bar(buf, j0));
+      finish_fp8_blocks<MT, F, j0>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes, end - (start + t * kN), wtid, wg,
+                                   raw_bar(buf, j0), (t >> 1) & 1, bar(buf, j0));
     }
   };
   // ---- S (+)= q . K^T over blocks [J0, J1) of buffer buf (4 k-steps of 16 each), each block
@@ -791,9 +706,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   const std::integral_constant<int, 0> kZero;
   const std::integral_constant<int, kLoBlocks> kLo;
   const std::integral_constant<int, kBlocks> kAll;
-  // how many commit groups issued after an fp8 group may still be in flight when it is finished
-  const std::integral_constant<int, 0> kNoneAfter;
-  const std::integral_constant<int, 1> kOneAfter;
   // whether a scores call starts a tile's S (S =) or adds to it (S +=)
   const std::integral_constant<bool, true> kFresh;
   const std::integral_constant<bool, false> kAddTo;
@@ -819,13 +731,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     if (wg == 0) {
       load_blocks(0, 0, kZero, kLo);
       load_blocks(1, 1, kZero, kLo);
-      finish_blocks(0, 0, kZero, kOneAfter);
-      finish_blocks(1, 1, kZero, kNoneAfter);
+      finish_blocks(0, 0, kZero);
+      finish_blocks(1, 1, kZero);
     } else {
       load_blocks(0, 0, kLo, kAll);
       load_blocks(1, 1, kLo, kAll);
-      finish_blocks(0, 0, kLo, kOneAfter);
-      finish_blocks(1, 1, kLo, kNoneAfter);
+      finish_blocks(0, 0, kLo);
+      finish_blocks(1, 1, kLo);
     }
     // q landed (a cache in T: the tiles' copies are in no group; fp8: landed, finished above) ...
     cp_async_wait_all();
@@ -931,7 +843,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       wgmma_commit();
       if (more) {
         // fp8: the next A's blocks 0-3 converted while P_B . V_B runs (it reads P_B and buffer 1)
-        finish_blocks(0, tile_a + 2, kZero, kNoneAfter);
+        finish_blocks(0, tile_a + 2, kZero);
         // -- S of the next A: blocks 0-3 (loaded first), then buffer 1's blocks 0-3 are free
         // (V_B's left half) for the next B, then blocks 4-8 (loaded by warpgroup 1)
         scores(s, 0, next_parity, kZero, kLo, kFresh);
@@ -939,7 +851,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
         load_blocks(1, tile_a + 3, kZero, kLo);
         scores(s, 0, next_parity, kLo, kAll, kAddTo);
         // fp8: the next B's blocks 0-3 converted while those scores run (buffer 0 and q)
-        finish_blocks(1, tile_a + 3, kZero, kNoneAfter);
+        finish_blocks(1, tile_a + 3, kZero);
       }
       wgmma_wait<0>();
       pin(o);
@@ -988,8 +900,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
         load_blocks(1, tile_a + 3, kLo, kAll);
         // fp8: the next A's group first (warpgroup 0's next S waits on it; the next B's may still
         // be in flight), then the next B's, which only this warpgroup reads
-        finish_blocks(0, tile_a + 2, kLo, kOneAfter);
-        finish_blocks(1, tile_a + 3, kLo, kNoneAfter);
+        finish_blocks(0, tile_a + 2, kLo);
+        finish_blocks(1, tile_a + 3, kLo);
         // -- S of the next B: blocks 4-8 (refilled first, by this warpgroup), then 0-3 (by
         // warpgroup 0, once its P_B . V_B is done and the next A's blocks 0-3 have landed)
         scores(s, 1, next_parity, kLo, kAll, kFresh);
@@ -1067,15 +979,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
 
 namespace {
 
-// The cache as a 4-D tensor of (64 dims, page_size rows, 9 column blocks, pages) for the TMA unit:
-// the blocks overlap no row (block k starts 128 bytes after block k - 1), so a box of 64 dims x
-// 64 rows x `blocks` blocks is that many column blocks of a tile, written one after another,
-// 128-byte swizzled (the kernel's layout). binding.cpp's check has made the strides multiples of
-// 16 bytes and the base 16-byte aligned, as the map needs.
-//
-// An fp8_e4m3 cache (raw): the same 4-D view of its bytes, (64 bytes, page_size rows, 9 blocks,
-// pages), boxes landing densely (64 rows of 64 bytes a block, blocks one after another), no swizzle.
-CUtensorMap kv_tensor_map(const at::Tensor& kv_cache, int blocks, bool raw = false) {
+// One view of the cache for the TMA unit: a 4-D tensor of (`inner` elements of `type` from byte
+// `offset` of a row, page_size rows, `blocks` column blocks 64 elements apart, pages), copied in
+// boxes of inner x 64 rows x `box_blocks` blocks, which land one block after another: 128-byte
+// swizzled (the kernel's layout of a block in q's dtype) or densely (`swizzle` false, an fp8
+// cache's stored bytes). A cache in T: (64 dims, page_size, 9 blocks, pages), boxes of blocks 0-3
+// and 4-8; the blocks overlap no row (block k starts 128 bytes after block k - 1). binding.cpp's
+// check has made the strides multiples of 16 bytes and the base 16-byte aligned, as the map needs
+// (offset, 512 or 528, keeps it so).
+CUtensorMap kv_tensor_map(const at::Tensor& kv_cache, int64_t offset, int inner, CUtensorMapDataType type,
+                          int blocks, int box_blocks, bool swizzle) {
   if (kv_cache.size(0) == 0) return CUtensorMap{};  // no pages: every sequence is empty, no tile is read
   using Encode = decltype(&cuTensorMapEncodeTiled);
   static const Encode encode = [] {  // the driver's entry point, through the runtime (no -lcuda)
@@ -1090,20 +1003,21 @@ CUtensorMap kv_tensor_map(const at::Tensor& kv_cache, int blocks, bool raw = fal
                 "mla_decode_sm90: the CUDA driver has no cuTensorMapEncodeTiled (needs CUDA 12)");
     return reinterpret_cast<Encode>(fn);
   }();
-  const auto bytes = static_cast<cuuint64_t>(kv_cache.element_size());
-  const cuuint64_t size[4] = {64, static_cast<cuuint64_t>(kv_cache.size(1)), static_cast<cuuint64_t>(kBlocks),
-                              static_cast<cuuint64_t>(kv_cache.size(0))};
+  TORCH_CHECK(type == CU_TENSOR_MAP_DATA_TYPE_UINT8 || type == CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 ||
+                  type == CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+              "mla_decode_sm90: a tensor map of bytes, bf16 or fp16");
+  const auto item = static_cast<cuuint64_t>(type == CU_TENSOR_MAP_DATA_TYPE_UINT8 ? 1 : 2);
+  const auto row_bytes = static_cast<cuuint64_t>(kv_cache.stride(1) * kv_cache.element_size());
+  const cuuint64_t size[4] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(kv_cache.size(1)),
+                              static_cast<cuuint64_t>(blocks), static_cast<cuuint64_t>(kv_cache.size(0))};
   // rows, blocks, pages
-  const cuuint64_t stride[3] = {kv_cache.stride(1) * bytes, 64 * bytes, kv_cache.stride(0) * bytes};
-  const cuuint32_t box[4] = {64, kN, static_cast<cuuint32_t>(blocks), 1};
+  const cuuint64_t stride[3] = {row_bytes, 64 * item, static_cast<cuuint64_t>(kv_cache.stride(0) * kv_cache.element_size())};
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(inner), kN, static_cast<cuuint32_t>(box_blocks), 1};
   const cuuint32_t step[4] = {1, 1, 1, 1};
   CUtensorMap map;
   const CUresult status = encode(
-      &map,
-      raw ? CU_TENSOR_MAP_DATA_TYPE_UINT8
-          : kv_cache.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-      4, kv_cache.data_ptr(), size, stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      raw ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
+      &map, type, 4, static_cast<char*>(kv_cache.data_ptr()) + offset, size, stride, box, step,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(status == CUDA_SUCCESS, "mla_decode_sm90: kv_cache ", dims(kv_cache), " with strides (",
               num(kv_cache.stride(0)), ", ", num(kv_cache.stride(1)),
@@ -1134,11 +1048,21 @@ void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   TORCH_CHECK(static_cast<size_t>(smem_optin) >= kSmemBytes,
               "mla_decode_sm90: this GPU allows ", num(int64_t{smem_optin}),
               " bytes of shared memory a block, the kernel needs ", num(static_cast<int64_t>(kSmemBytes)));
-  // the TMA unit copies a cache in q's dtype, and an fp8_e4m3 cache's stored bytes; an fp8_ds_mla
-  // one is copied by cp.async (no maps)
-  const bool tma = format != CacheFormat::kFp8DsMla, raw = format == CacheFormat::kFp8E4M3;
-  const CUtensorMap kv_map_lo = tma ? kv_tensor_map(kv_cache, kLoBlocks, raw) : CUtensorMap{};
-  const CUtensorMap kv_map_hi = tma ? kv_tensor_map(kv_cache, kBlocks - kLoBlocks, raw) : CUtensorMap{};
+  // the TMA unit's views of the cache (the kernel's kv_map_lo, kv_map_hi, kv_map_x)
+  constexpr auto kU8 = CU_TENSOR_MAP_DATA_TYPE_UINT8, kBf16 = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  CUtensorMap kv_map_lo{}, kv_map_hi{}, kv_map_x{};
+  if (format == CacheFormat::kAuto) {
+    const auto type = kv_cache.scalar_type() == at::kBFloat16 ? kBf16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    kv_map_lo = kv_tensor_map(kv_cache, 0, 64, type, kBlocks, kLoBlocks, true);
+    kv_map_hi = kv_tensor_map(kv_cache, 0, 64, type, kBlocks, kBlocks - kLoBlocks, true);
+  } else if (format == CacheFormat::kFp8E4M3) {
+    kv_map_lo = kv_tensor_map(kv_cache, 0, 64, kU8, kBlocks, kLoBlocks, false);
+    kv_map_hi = kv_tensor_map(kv_cache, 0, 64, kU8, kBlocks, kBlocks - kLoBlocks, false);
+  } else {  // fp8_ds_mla: the latent bytes, the bf16 rope values, the scales
+    kv_map_lo = kv_tensor_map(kv_cache, 0, 64, kU8, kC / 64, kLoBlocks, false);
+    kv_map_hi = kv_tensor_map(kv_cache, kDsMlaRope, kR, kBf16, 1, 1, true);
+    kv_map_x = kv_tensor_map(kv_cache, kDsMlaScales, 16, kU8, 1, 1, false);
+  }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>((h + kM - 1) / kM), static_cast<unsigned>(b),
                   static_cast<unsigned>(num_splits));
@@ -1151,7 +1075,7 @@ void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::
                                         static_cast<int>(kSmemBytes)));
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(
         reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const KV*>(kv_cache.data_ptr()), kv_map_lo,
-        kv_map_hi, block_table.data_ptr<int>(), seq_lens.data_ptr<int>(), part_out.data_ptr(),
+        kv_map_hi, kv_map_x, block_table.data_ptr<int>(), seq_lens.data_ptr<int>(), part_out.data_ptr(),
         part_lse.data_ptr<float>(), part_out.scalar_type() != at::kFloat, static_cast<int>(h),
         static_cast<int>(h / q_tokens), static_cast<int>(q_tokens), static_cast<int>(kv_cache.size(1)),
         static_cast<int>(num_splits), scale_log2, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),

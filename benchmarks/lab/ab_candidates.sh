@@ -6,8 +6,8 @@
 # ROUNDS rounds (default 2), and
 # ab_table.py prints one table (each candidate's median over main's). The JSON of every run and
 # the table go under OUT_DIR (OUT_DIR/ab/VERSION-ROUND/, OUT_DIR/ab-table.json).
-#   bash benchmarks/lab/ab_candidates.sh OUT_DIR "--shapes 64x4096x128 --kv-cache-dtype auto,fp8_ds_mla" fp8tma2
-#   BENCH=concat bash benchmarks/lab/ab_candidates.sh OUT_DIR "" concat2
+#   bash benchmarks/lab/ab_candidates.sh OUT_DIR "--shapes 64x4096x128 --kv-cache-dtype auto,fp8_ds_mla" NAME
+#   BENCH=concat bash benchmarks/lab/ab_candidates.sh OUT_DIR "" NAME
 # Run from the repository root with PYTHONPATH=. on the GPU machine (it needs no git history).
 # Correctness is the GPU tests' and the sanitizers' job: run them in the candidate's copy, e.g.
 #   (cd .ab/NAME && TORCH_EXTENSIONS_DIR=/tmp/ext-NAME PYTHONPATH=. python3 -m pytest -m gpu ...)
