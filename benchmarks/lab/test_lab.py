@@ -21,15 +21,19 @@ def test_timeline_benchmark_still_fits_the_kernel():
 
 def test_sm90_timeline_benchmark_still_fits_the_kernel():
     """benchmarks/lab/timeline_decode_sm90.py edits csrc/mla_decode_sm90.cu the same way (counters
-    around the pair loop's copies, waits and barriers): its patches must still apply."""
+    around the pair loop's copies, waits and barriers, and an fp8 group's wait for its raw bytes):
+    its patches must still apply."""
     from benchmarks.lab.timeline_decode_sm90 import PARTS, instrumented_source
 
     src = instrumented_source()  # asserts the counts of what it wraps: 4 barriers, 6 waits, 4 loads, 4 finishes
     assert src.count("stamp(") == 5  # its five points
     assert "TORCH_LIBRARY_IMPL" not in src and "check_mla_decode" not in src
     assert "PYBIND11_MODULE" in src and "at::Tensor& timing" in src
-    for part in range(len(PARTS)):
-        assert f"acc[{part}] += clock64() - c_;" in src
+    for part, name in enumerate(PARTS):
+        if name == "raw_wait":  # counted in finish_fp8_blocks, into the caller's acc[5]
+            assert "raw_wait += clock64() - c_;" in src and f", acc[{part}]);" in src
+        else:
+            assert f"acc[{part}] += clock64() - c_;" in src
 
 
 def test_sm90_ab_benchmark_renames_each_versions_library(tmp_path):

@@ -17,10 +17,12 @@ each warpgroup (0 and 128) sums, over the pair loop, the cycles it spends:
 - ``wg_wait``: at a named barrier, waiting for the other warpgroup (its max, its P);
 - ``mma_wait``: in ``wgmma.wait_group``, waiting for its own MMAs;
 - ``convert``: on an fp8 cache (``--kv-cache-dtype``), in ``finish_blocks``: waiting for a block
-  group's raw bytes to land, turning them into q's dtype, the warpgroup's barrier and the
-  mbarrier's arrival (nothing on a bf16 cache);
+  group's raw bytes to land, turning them into the products' dtype, the warpgroup's barriers and
+  the mbarrier's arrival (nothing on a bf16 cache);
+- ``raw_wait``: the part of ``convert`` spent waiting for the raw bytes (the mbarrier of the
+  group's TMA copies), so that ``convert - raw_wait`` is the conversion and its barriers;
 
-and ``other`` is the rest of the loop: the softmax, fragments, stores of P and the issue of
+and ``other`` is the rest of the loop (``raw_wait`` is not subtracted twice): the softmax, fragments, stores of P and the issue of
 the MMAs. The clock reads add a few cycles each, and registers (254 a thread against the
 kernel's 240 at row 46, 238 since row 48; no spills). Medians over CTAs, then over 5 repetitions;
 ``*_per_tile`` divides a warpgroup's loop by the CTA's tiles (cycles).
@@ -49,8 +51,10 @@ from benchmarks.lab.timeline_decode_cuda import stamp_code, stamped_runs
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # (b, t, h): 128 heads at four of the benchmark's shapes, the splits mla_decode picks
 SHAPES = ((1, 32768, 128), (64, 4096, 128), (2, 65536, 128), (4, 131072, 128))
-PARTS = ("issue", "load_wait", "wg_wait", "mma_wait", "convert")
-SLOTS = 24  # 5 x (globaltimer, clock64), SM id, then per warpgroup: 5 part sums and the loop's cycles
+PARTS = ("issue", "load_wait", "wg_wait", "mma_wait", "convert", "raw_wait")  # raw_wait: inside convert
+NESTED = ("raw_wait",)  # parts counted inside another: not subtracted from the loop for "other"
+SLOTS = 26  # 5 x (globaltimer, clock64), SM id, then per warpgroup: 6 part sums and the loop's cycles
+PER_WG = len(PARTS) + 1
 
 
 def instrumented_source() -> str:
@@ -68,8 +72,13 @@ def instrumented_source() -> str:
     edit("const float* __restrict__ kv_scale) {", "const float* __restrict__ kv_scale, long long* timing) {")
     edit("  const int split = blockIdx.z;\n", """  const int split = blockIdx.z;
   const int64_t cta = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-""" + stamp_code(SLOTS) + """  long long acc[5] = {0, 0, 0, 0, 0};
+""" + stamp_code(SLOTS) + """  long long acc[6] = {0, 0, 0, 0, 0, 0};
 """)
+    # an fp8 group's wait for its raw bytes, inside finish_fp8_blocks: the caller's acc[5]
+    src, n_fn = re.subn(r"(__device__ __forceinline__ \w+ finish_fp8_blocks\([^)]*)\)", r"\1, long long& raw_wait)", src)
+    src, n_call = re.subn(r"(finish_fp8_blocks<MT, F, j0>\([^;]*)\);", r"\1, acc[5]);", src)
+    assert n_fn == 1 and n_call == 1, (n_fn, n_call)
+    edit("  mbar_wait(raw, parity);", "  { const long long c_ = clock64(); mbar_wait(raw, parity); raw_wait += clock64() - c_; }")
     edit("      mbar_wait(bar(buf, j), parity);\n", "      " + timed("mbar_wait(bar(buf, j), parity)", 1) + "\n")
     # the prologue's copies and waits do not count: the sums restart at the loop
     edit("  __syncthreads();         // ... everyone's\n",
@@ -86,11 +95,11 @@ def instrumented_source() -> str:
     head = head.rstrip("\n") + """
   if (tid == 0) stamp(2);
   const long long c_loop = clock64();
-  for (int k = 0; k < 5; ++k) acc[k] = 0;
+  for (int k = 0; k < 6; ++k) acc[k] = 0;
 """
     tail = f"""  if (wtid == 0) {{
-    for (int k = 0; k < 5; ++k) timing[cta * {SLOTS} + 11 + 6 * wg + k] = acc[k];
-    timing[cta * {SLOTS} + 16 + 6 * wg] = clock64() - c_loop;
+    for (int k = 0; k < 6; ++k) timing[cta * {SLOTS} + 11 + {PER_WG} * wg + k] = acc[k];
+    timing[cta * {SLOTS} + 17 + {PER_WG} * wg] = clock64() - c_loop;
   }}
   stamp(3);
 """ + tail
@@ -147,9 +156,9 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto"):
                    loop_us=us(2, 3).median().item(), epilogue_us=us(3, 4).median().item(), ghz=ghz,
                    sms=len(set(x[:, 10].tolist())))
         for wg in (0, 1):
-            loop = x[:, 16 + 6 * wg].double()
-            parts = {name: x[:, 11 + 6 * wg + k].double() for k, name in enumerate(PARTS)}
-            parts["other"] = loop - sum(parts.values())
+            loop = x[:, 17 + PER_WG * wg].double()
+            parts = {name: x[:, 11 + PER_WG * wg + k].double() for k, name in enumerate(PARTS)}
+            parts["other"] = loop - sum(v for name, v in parts.items() if name not in NESTED)
             run[f"wg{wg}_loop_cycles"] = loop.median().item()
             for name, v in parts.items():
                 run[f"wg{wg}_{name}_cycles"] = v.median().item()
