@@ -30,7 +30,7 @@
 //
 // kv_cache_dtype "fp8_ds_mla" (FlashMLA's 656-byte token) has a kernel of its own below,
 // concat_and_cache_ds_mla_kernel: its group scales need a reduction over 128 values before any
-// of them is stored, so it works one warp a token instead of one thread a vector.
+// of them is stored, so a warp takes a token at a time (two a warp) instead of one thread a vector.
 #include "concat_and_cache_mla.h"
 
 #include <c10/cuda/CUDAException.h>
@@ -219,7 +219,7 @@ __global__ void concat_and_cache_mla_kernel(
   q.store(kv_cache + slot * (kv_lora_rank + rope_dim) + e, x);
 }
 
-// ---- fp8_ds_mla: one warp a token, two tokens a warp -----------------------------------------
+// ---- fp8_ds_mla: a warp takes two tokens, one at a time ----------------------------------------
 //
 // A row becomes c e4m3 bytes, c/128 float32 scales and r bf16 values (mla/kernels/fp8.py).
 // The scale of a 128-value group needs the group's amax before any of its values can be
@@ -251,7 +251,7 @@ __global__ void concat_and_cache_mla_kernel(
 
 constexpr int kDsMlaWarps = 8;            // warps a block of 256 threads
 constexpr int kDsMlaTokensPerWarp = 2;    // tokens a warp, loaded together
-constexpr int kDsMlaBlocksPerSm = 3;      // up to 85 registers a thread: 24 warps, 48 tokens in flight an SM
+constexpr int kDsMlaBlocksPerSm = 3;      // at least 3 blocks an SM (80 registers a thread at most): 48 tokens in flight
 constexpr int kDsMlaValuesPerLane = 16;   // 32 lanes x 16 = 512 latent values a sweep
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kDsMlaRopeAhead = 2;        // rope values a lane reads before the slot: r <= 64 all
@@ -312,9 +312,10 @@ __global__ void __launch_bounds__(32 * kDsMlaWarps, kDsMlaBlocksPerSm) concat_an
   const int64_t c = kv_lora_rank, r = rope_dim, groups = c / kDsMlaGroup;
 
   // ---- every token's first sweep of latent values, first kDsMlaRopeAhead x 32 rope values and
-  // slot, asked for together before any is used: a warp makes one round trip to memory for its
-  // tokens, not one each. A padding token's values are read and dropped; a token past the end
-  // reads nothing and has slot -1.
+  // slot, asked for together before any is used: for c = 512 and r <= 64 a warp makes one round
+  // trip to memory for its tokens, not one each (a later sweep, and rope values past the first
+  // 64, are read after the slot test). A padding token's values are read and dropped; a token
+  // past the end reads nothing and has slot -1.
   Sweep<in_t> x[kDsMlaTokensPerWarp];
   float pe[kDsMlaTokensPerWarp][kDsMlaRopeAhead];
   int64_t slot[kDsMlaTokensPerWarp];
@@ -348,8 +349,8 @@ __global__ void __launch_bounds__(32 * kDsMlaWarps, kDsMlaBlocksPerSm) concat_an
     return scale;
   };
 
-  // the first sweep's scales of every token, before any slot is tested: the shuffles are
-  // convergent, so no load of a token can sink below its test (into a second round trip)
+  // the first sweep's scales of every token, before any slot is tested: the scales need the
+  // loads, so no load of a token can sink below its test (into a second round trip)
   float first_scale[kDsMlaTokensPerWarp];
 #pragma unroll
   for (int i = 0; i < kDsMlaTokensPerWarp; ++i) first_scale[i] = sweep_scale(x[i]);

@@ -402,8 +402,8 @@ def test_reference_ds_mla_matches_the_loop():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [1, 64])
 # 656 bytes a row (V3); c = 1152 sweeps 512 values twice and then 128; r = 3 makes rows of 135
-# bytes, so scales sit off 4-byte boundaries
-@pytest.mark.parametrize("c,r,extra", [(512, 64, 0), (512, 64, 7), (1152, 64, 0), (128, 3, 1)])
+# bytes, so scales sit off 4-byte boundaries; r = 130: rope values past those read before the slot
+@pytest.mark.parametrize("c,r,extra", [(512, 64, 0), (512, 64, 7), (1152, 64, 0), (128, 3, 1), (256, 130, 0)])
 def test_cpu_ds_mla_matches_reference(ext, dtype, block_size, c, r, extra):
     T = 37
     num_blocks = -(-2 * T // block_size)
@@ -559,8 +559,9 @@ def test_cuda_empty_and_all_skipped(ext):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [1, 64])
 # (512, 64, 0): 16-byte loads and stores; extra 7: scalar loads; c = 1152: a sweep with idle
-# lanes; r = 3: 135-byte rows, byte stores
-@pytest.mark.parametrize("c,r,extra", [(512, 64, 0), (512, 64, 7), (1152, 64, 8), (128, 3, 0)])
+# lanes; r = 3: 135-byte rows, byte stores; r = 130: the rope values past the first 64, read after
+# the slot test
+@pytest.mark.parametrize("c,r,extra", [(512, 64, 0), (512, 64, 7), (1152, 64, 8), (128, 3, 0), (256, 130, 0)])
 def test_cuda_ds_mla_matches_reference(ext, dtype, block_size, c, r, extra):
     """Every NaN is written as its format's positive quiet NaN, so NaN and inf inputs compare
     bit for bit too."""

@@ -26,7 +26,7 @@ def main() -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     failures = 0
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for c, r, extra in ((512, 64, 0), (512, 64, 7), (12, 4, 0)):
+        for c, r, extra in ((512, 64, 0), (512, 64, 7), (12, 4, 0), (1152, 64, 0), (256, 130, 0)):
             for kv_cache_dtype in ("auto", "fp8", "fp8_ds_mla")[: 3 if c % 128 == 0 else 2]:
                 T, block_size, num_blocks = 33, 16, 4
                 proj = torch.randn(T, c + r + extra, device="cuda", dtype=dtype, generator=g)
