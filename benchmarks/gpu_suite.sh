@@ -2,7 +2,7 @@
 # Everything the GPU machine runs, in parts, each time-boxed, logs and JSON under $OUT.
 #   bash benchmarks/gpu_suite.sh tests concat-bench sanitize decode-bench decode-sq accuracy sweep layer prefill
 #   bash benchmarks/gpu_suite.sh tp   (two GPUs: nvidia-h200-x2)
-#   bash benchmarks/gpu_suite.sh variants fp8-variants compile concat-probe concat-slots concat-candidates cuda-probe cuda-timeline sm90-timeline sm90-probe prefill-crossover prefill-probe prefill-paired layer-host candidates   (the lab: benchmarks/lab/)
+#   bash benchmarks/gpu_suite.sh variants fp8-variants compile concat-probe concat-slots concat-candidates cuda-probe cuda-timeline sm90-timeline sm90-probe prefill-crossover prefill-probe prefill-paired layer-host candidate-checks candidates   (the lab: benchmarks/lab/)
 # Run from the repository root with PYTHONPATH=. (the device machine has no package registry);
 # FlashMLA runs beside mla_decode in decode-bench when .peers/flash_mla is there (PYTHONPATH=.peers:.).
 set -u
@@ -46,6 +46,7 @@ for part in "$@"; do
     prefill) run prefill 540 python3 -m mla bench prefill --out "$OUT" ;;
     prefill-crossover) run prefill-crossover 240 python3 benchmarks/lab/prefill_crossover.py --out "$OUT" ;;  # writes h200-prefill-crossover.json
     prefill-paired) run prefill-paired 240 python3 benchmarks/lab/probe_prefill_paired.py --shapes 1x1024,1x2048,1x4096 --out "$OUT" ;;  # short prompts' layer timed in turn with the SDPA layer, on each path
+    candidate-checks) run candidate-checks 560 env OUT="$OUT" bash -c 'for n in ${CANDIDATES:?name the candidate patches in CANDIDATES}; do bash benchmarks/lab/check_candidate.sh "$OUT/checks-$n" "$n" "${CHECK_TESTS:-tests/test_kernels_decode_fp8.py tests/test_paged_fp8.py -k \"sm90 or cuda or default\"}" "${CHECK_SANITIZER:-benchmarks/lab/sanitize_decode.py --only cuda-sm90}"; done' ;;  # each candidate's GPU tests, memcheck and racecheck in its copy
     candidates) run candidates 560 bash benchmarks/lab/ab_candidates.sh "$OUT/candidates" "${AB_ARGS:---shapes 64x4096x16,128x8192x16,4x131072x16,64x4096x128,128x8192x128,1x32768x128 --kv-cache-dtype auto,fp8_e4m3,fp8_ds_mla}" ${CANDIDATES:?name the candidate patches in CANDIDATES} ;;  # benchmarks/lab/candidates/*.patch beside main, two rounds
     layer-host) run layer-host 120 python3 benchmarks/lab/probe_layer_host.py --device cuda --out "$OUT/layer-host-probe.json" ;;  # the host's share of a paged prompt
     prefill-probe) run prefill-probe 540 bash -c 'python3 benchmarks/lab/probe_prefill_layer.py --flex-compile --shapes 1x1024,1x4096,4x2048 && TORCHINDUCTOR_COMPILE_THREADS=1 python3 benchmarks/lab/probe_prefill_layer.py --flex-compile --shapes 1x1024,1x4096,4x2048' ;;
