@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from benchmarks.lab.model_sm80_fp8_fragments import fp16_range_scale
 from mla.kernels import fp8
 
 C, R, N = 512, 64, 64  # latent, rope, tokens a tile
@@ -35,12 +36,6 @@ def tile_exponent(m: float) -> int | None:
         return None
     e = int(torch.tensor(m, dtype=torch.float32).view(torch.int32).item() >> 23 & 0xFF) - 127
     return e - 5 if e > 5 else (max(e + 14, -60) if e < -14 else 0)
-
-
-def fp16_range_scale(x: float) -> float:
-    """The power of two that takes x to [2^14, 2^15) (the kernels' fp16_range_scale)."""
-    e = int(torch.tensor(x, dtype=torch.float32).view(torch.int32).item() >> 23 & 0xFF) - 127
-    return 2.0 ** min(14 - e, 126)
 
 
 def rows_of(args, b):

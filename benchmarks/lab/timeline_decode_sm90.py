@@ -53,8 +53,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHAPES = ((1, 32768, 128), (64, 4096, 128), (2, 65536, 128), (4, 131072, 128))
 PARTS = ("issue", "load_wait", "wg_wait", "mma_wait", "convert", "raw_wait")  # raw_wait: inside convert
 NESTED = ("raw_wait",)  # parts counted inside another: not subtracted from the loop for "other"
-SLOTS = 26  # 5 x (globaltimer, clock64), SM id, then per warpgroup: 6 part sums and the loop's cycles
-PER_WG = len(PARTS) + 1
+PER_WG = len(PARTS) + 1  # a warpgroup's slots: its part sums, then its loop's cycles
+SLOTS = 11 + 2 * PER_WG  # 5 x (globaltimer, clock64), SM id, then each warpgroup's
 
 
 def instrumented_source() -> str:
@@ -72,11 +72,11 @@ def instrumented_source() -> str:
     edit("const float* __restrict__ kv_scale) {", "const float* __restrict__ kv_scale, long long* timing) {")
     edit("  const int split = blockIdx.z;\n", """  const int split = blockIdx.z;
   const int64_t cta = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-""" + stamp_code(SLOTS) + """  long long acc[6] = {0, 0, 0, 0, 0, 0};
+""" + stamp_code(SLOTS) + f"""  long long acc[{len(PARTS)}] = {{}};
 """)
-    # an fp8 group's wait for its raw bytes, inside finish_fp8_blocks: the caller's acc[5]
+    # an fp8 group's wait for its raw bytes, inside finish_fp8_blocks: the caller's acc of raw_wait
     src, n_fn = re.subn(r"(__device__ __forceinline__ \w+ finish_fp8_blocks\([^)]*)\)", r"\1, long long& raw_wait)", src)
-    src, n_call = re.subn(r"(finish_fp8_blocks<MT, F, j0>\([^;]*)\);", r"\1, acc[5]);", src)
+    src, n_call = re.subn(r"(finish_fp8_blocks<MT, F, j0>\([^;]*)\);", rf"\1, acc[{PARTS.index('raw_wait')}]);", src)
     assert n_fn == 1 and n_call == 1, (n_fn, n_call)
     edit("  mbar_wait(raw, parity);", "  { const long long c_ = clock64(); mbar_wait(raw, parity); raw_wait += clock64() - c_; }")
     edit("      mbar_wait(bar(buf, j), parity);\n", "      " + timed("mbar_wait(bar(buf, j), parity)", 1) + "\n")
@@ -92,14 +92,14 @@ def instrumented_source() -> str:
     body, n_load = re.subn(r"load_blocks\(([^;]*)\);", lambda m: timed(f"load_blocks({m[1]})", 0), body)
     body, n_finish = re.subn(r"finish_blocks\(([^;]*)\);", lambda m: timed(f"finish_blocks({m[1]})", 4), body)
     assert n_sync == 4 and n_wait == 6 and n_load == 4 and n_finish == 4, (n_sync, n_wait, n_load, n_finish)
-    head = head.rstrip("\n") + """
+    head = head.rstrip("\n") + f"""
   if (tid == 0) stamp(2);
   const long long c_loop = clock64();
-  for (int k = 0; k < 6; ++k) acc[k] = 0;
+  for (int k = 0; k < {len(PARTS)}; ++k) acc[k] = 0;
 """
     tail = f"""  if (wtid == 0) {{
-    for (int k = 0; k < 6; ++k) timing[cta * {SLOTS} + 11 + {PER_WG} * wg + k] = acc[k];
-    timing[cta * {SLOTS} + 17 + {PER_WG} * wg] = clock64() - c_loop;
+    for (int k = 0; k < {len(PARTS)}; ++k) timing[cta * {SLOTS} + 11 + {PER_WG} * wg + k] = acc[k];
+    timing[cta * {SLOTS} + 11 + {PER_WG} * wg + {len(PARTS)}] = clock64() - c_loop;
   }}
   stamp(3);
 """ + tail
@@ -156,7 +156,7 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto"):
                    loop_us=us(2, 3).median().item(), epilogue_us=us(3, 4).median().item(), ghz=ghz,
                    sms=len(set(x[:, 10].tolist())))
         for wg in (0, 1):
-            loop = x[:, 17 + PER_WG * wg].double()
+            loop = x[:, 11 + PER_WG * wg + len(PARTS)].double()
             parts = {name: x[:, 11 + PER_WG * wg + k].double() for k, name in enumerate(PARTS)}
             parts["other"] = loop - sum(v for name, v in parts.items() if name not in NESTED)
             run[f"wg{wg}_loop_cycles"] = loop.median().item()
