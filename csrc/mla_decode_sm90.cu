@@ -43,10 +43,13 @@
 // stored bytes are copied by the TMA unit into the group's own blocks (the latent bytes into their
 // upper half), and the warpgroup that asked for a group turns it into the swizzled layout of its
 // products' dtype there before it completes the group's mbarrier (finish_fp8_blocks), with the
-// values of the Triton kernel: fp8_e4m3's e4m3 values as they are (exact in fp16, which its
-// products run in whatever q's dtype, q brought into range by a power of two; the cache's one
-// scale is folded into the softmax scale and the output), fp8_ds_mla's e4m3 x its group's scale
-// in float32 rounded once to q's dtype and its bf16 rope values converted. A group's copies are issued where
+// latent products in fp16 whatever q's dtype (q brought into range by a power of two):
+// fp8_e4m3's e4m3 values as they are (exact in fp16; the cache's one scale is folded into the
+// softmax scale and the output, the Triton kernel's values), fp8_ds_mla's e4m3 x (its group's
+// scale / 2^F) rounded to fp16, with F a power of two a tile (tile_exponent) that keeps the
+// tile's values and scales in fp16's range and is folded back into the tile's scores and
+// probabilities in float32; fp8_ds_mla's rope block stays bf16 (times 2^-F), and its products run
+// in bf16 beside the latent's. A group's copies are issued where
 // a TMA copy would be and finished (waited for, converted, the mbarrier completed) later, so the
 // copies' latency and the conversion overlap other work: warpgroup 0 converts the next A's blocks
 // 0-3 while its P_B . V_B runs and the next B's while the next A's last scores run; warpgroup 1
@@ -310,6 +313,45 @@ __device__ __forceinline__ uint32_t pack(float x, float y, __half) {
   const __half2 v = __floats2half2_rn(x, y);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
+// a pair of T (the first in the low half) -> two floats, exactly
+__device__ __forceinline__ float2 pair_to_float2(uint32_t w, __nv_bfloat16) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
+}
+__device__ __forceinline__ float2 pair_to_float2(uint32_t w, __half) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+
+// ---- fp8_ds_mla: a tile's values e4m3 x scale come into fp16 divided by 2^F, F from the largest
+// group scale m of the tile's valid rows (m = 1.x 2^e): 0 for e in [-14, 5] (every value below
+// 448 x 2^6 = 28,672 < 65,504, the largest scale a normal fp16 >= 2^-14), else e - 5 above and
+// e + 14 below, at least -60 (the bf16 rope values times 2^-F stay finite); kNoRows for a tile
+// with no valid row (m = 0). The tile's scores take 2^F back in float32, and its probabilities
+// 2^(F - G), G the largest F so far (at most 1 before fp16 rounding, so none overflows and the
+// largest tiles' keep their bits), O holding P . V / 2^G until the end.
+constexpr int kNoRows = -1000;
+__device__ __forceinline__ int tile_exponent(float m) {
+  const int e = static_cast<int>((__float_as_uint(m) >> 23) & 0xFF) - 127;  // inf: 128
+  if (m == 0.f) return kNoRows;
+  return e > 5 ? e - 5 : (e < -14 ? max(e + 14, -60) : 0);
+}
+// 2^e for e <= 127, 0 below -126 (kNoRows included)
+__device__ __forceinline__ float pow2(int e) {
+  return e < -126 ? 0.f : __uint_as_float(static_cast<uint32_t>(e + 127) << 23);
+}
+
+// 8 e4m3 bytes x s -> four fp16 pairs (bytes 0, 1 of x in the first): each pair to fp16 exactly in
+// one cvt, then one fp16 multiply by s (a group's scale / 2^F, rounded to fp16)
+__device__ __forceinline__ uint4 e4m3x8_times(uint2 bytes, __half2 s) {
+  uint32_t w[4];
+  e4m3x4_to<__half>(bytes.x, w[0], w[1]);
+  e4m3x4_to<__half>(bytes.y, w[2], w[3]);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&w[j]), s);
+    w[j] = *reinterpret_cast<const uint32_t*>(&v);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
 
 // ---- An fp8 cache's block group J0 of a tile -> the group's blocks in its products' dtype T,
 // swizzled as a TMA copy of a cache in T leaves them, by one warpgroup (wtid < 128 of warpgroup
@@ -327,32 +369,51 @@ __device__ __forceinline__ uint32_t pack(float x, float y, __half) {
 // the bytes it overwrites, and the last block, whose output covers its own bytes, reads them all
 // before a barrier and writes after it; fp8_ds_mla reads its scales into registers, and passes a
 // barrier, before block 0's output covers them. fp8_e4m3's values become fp16 exactly (one cvt a
-// pair; the cache's scale is folded into the softmax scale and the output), fp8_ds_mla's e4m3 x
-// its group's scale in float32 rounded once to T, and its rope values are converted for fp16 q.
-// Rows at and past `valid` become zeros.
+// pair; the cache's scale is folded into the softmax scale and the output); fp8_ds_mla's the
+// tile's 2^F from the largest scale of its valid rows (each warpgroup finds the same from the
+// scales its group holds; `tile_max_s`, 4 floats a warpgroup, carries its warps' maxima), then
+// e4m3 x (group scale / 2^F) in fp16, and its bf16 rope values times 2^-F (exact). Rows at and
+// past `valid` become zeros. Returns F (fp8_e4m3: 0; no valid row: kNoRows).
 template <typename T, CacheFormat F, int J0>
-__device__ __forceinline__ void finish_fp8_blocks(unsigned char* blocks, int valid, int wtid, int wg, uint32_t raw,
-                                                  int parity, uint32_t bar) {
+__device__ __forceinline__ int finish_fp8_blocks(unsigned char* blocks, int valid, int wtid, int wg, uint32_t raw,
+                                                   int parity, uint32_t bar, float* tile_max_s) {
   constexpr bool ds_mla = F == CacheFormat::kFp8DsMla;
   constexpr int NB = ds_mla || J0 == 0 ? kLoBlocks : kBlocks - kLoBlocks;
   // the barriers below keep outputs behind reads for groups of 4 or 5 blocks (not 3: block 1's
   // output would cover block 0's bytes with no barrier between)
   static_assert(NB == 4 || NB == 5, "a block group of 4 or 5 blocks");
-  static_assert(ds_mla || std::is_same_v<T, __half>, "fp8_e4m3's products run in fp16");
+  static_assert(std::is_same_v<T, __half>, "an fp8 cache's latent products run in fp16");
   constexpr int kRawAt = NB * 4096;
   mbar_wait(raw, parity);  // the copies landed (the TMA unit's writes, visible to this thread)
   // this thread's rows: wtid / 4 and wtid / 4 + 32; fp8_ds_mla: their scales of the group's two
-  // latent groups of 128 (block k takes scale k / 2)
-  float scale[2][2] = {{1.f, 1.f}, {1.f, 1.f}};
+  // latent groups of 128 (block k takes scale k / 2), over 2^F, in fp16
+  __half2 scale[2][2];
+  int fe = 0, tile_f = 0;  // F, and what is returned (kNoRows where no row is valid; fe 0 then)
   if constexpr (ds_mla) {
+    float4 row_scales[2];
+    float top = 0.f;  // the largest scale of this thread's valid rows (fmaxf passes over a NaN)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int g = 0; g < 2; ++g) {
-        scale[h][g] = *reinterpret_cast<const float*>(blocks + 16 * ((wtid >> 2) + 32 * h) + 4 * (J0 / 2 + g));
+      const int r = (wtid >> 2) + 32 * h;
+      row_scales[h] = *reinterpret_cast<const float4*>(blocks + 16 * r);
+      if (r < valid) {
+        top = fmaxf(top, fmaxf(fmaxf(row_scales[h].x, row_scales[h].y), fmaxf(row_scales[h].z, row_scales[h].w)));
       }
     }
-    sync_warpgroup(wg);  // every scale read before block 0's output covers them
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, x));
+    if ((wtid & 31) == 0) tile_max_s[4 * wg + (wtid >> 5)] = top;
+    sync_warpgroup(wg);  // every scale read, every warp's maximum written, before block 0's output
+    top = fmaxf(fmaxf(tile_max_s[4 * wg], tile_max_s[4 * wg + 1]), fmaxf(tile_max_s[4 * wg + 2], tile_max_s[4 * wg + 3]));
+    tile_f = tile_exponent(top);
+    fe = tile_f == kNoRows ? 0 : tile_f;
+    const float down = pow2(-fe);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float mine[2] = {J0 == 0 ? row_scales[h].x : row_scales[h].z, J0 == 0 ? row_scales[h].y : row_scales[h].w};
+#pragma unroll
+      for (int g = 0; g < 2; ++g) scale[h][g] = __float2half2_rn(mine[g] * down);
+    }
   }
 #pragma unroll
   for (int k = 0; k < NB; ++k) {
@@ -367,8 +428,8 @@ __device__ __forceinline__ void finish_fp8_blocks(unsigned char* blocks, int val
       uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
       if (r < valid) {
         if constexpr (ds_mla) {
-          lo = e4m3x8_to<T>(make_uint2(v[h].x, v[h].y), scale[h][k >> 1]);
-          hi = e4m3x8_to<T>(make_uint2(v[h].z, v[h].w), scale[h][k >> 1]);
+          lo = e4m3x8_times(make_uint2(v[h].x, v[h].y), scale[h][k >> 1]);
+          hi = e4m3x8_times(make_uint2(v[h].z, v[h].w), scale[h][k >> 1]);
         } else {
           e4m3x4_to<__half>(v[h].x, lo.x, lo.y);
           e4m3x4_to<__half>(v[h].y, lo.z, lo.w);
@@ -383,22 +444,30 @@ __device__ __forceinline__ void finish_fp8_blocks(unsigned char* blocks, int val
     if (k >= 1 && k < NB - 1) sync_warpgroup(wg);  // block k's stored bytes read before block k + 1's output
   }
   if constexpr (ds_mla && J0 == kLoBlocks) {
-    // the rope block (8), as the TMA unit left it: zeros for rows past the split's end, fp16 for
-    // fp16 q; chunk i % 8 of row i / 8 (a chunk stays in its row under the swizzle)
+    // the rope block (8), bf16 as the TMA unit left it: zeros for rows past the split's end, the
+    // rest times 2^-F (a power of two in bf16's range: exact); chunk i % 8 of row i / 8 (a chunk
+    // stays in its row under the swizzle)
+    const __nv_bfloat162 down = __float2bfloat162_rn(pow2(-fe));
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       const int i = wtid + 128 * m;
       uint4* rope = reinterpret_cast<uint4*>(blocks + 4 * kBlockBytes + 16 * i);
       if ((i >> 3) >= valid) {
         *rope = make_uint4(0u, 0u, 0u, 0u);
-      } else if constexpr (!kIsBf16<T>) {
-        *rope = bf16x8_to<T>(*rope);
+      } else if (fe != 0) {
+        uint4 v = *rope;
+        for (uint32_t* w : {&v.x, &v.y, &v.z, &v.w}) {
+          const __nv_bfloat162 x = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(w), down);
+          *w = *reinterpret_cast<const uint32_t*>(&x);
+        }
+        *rope = v;
       }
     }
   }
   fence_async_shared();  // the converted blocks, visible to wgmma ...
   sync_warpgroup(wg);      // ... everyone's
   if (wtid == 0) mbar_arrive(bar);
+  return tile_f;
 }
 
 // T: q's dtype; F: the cache's layout; MultiToken: s_q > 1 new tokens a sequence (per-row causal
@@ -426,13 +495,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     int64_t sob, int64_t soh, int64_t sos, int64_t slb, int64_t slh, int64_t sls,
     const float* __restrict__ kv_scale) {  // (1,): the fp8_e4m3 cache's scale; not read otherwise
 #ifdef MLA_SM90A
-  // The products' type: T, except fp8_e4m3 with bf16 q, whose products run in fp16: e4m3 becomes
+  // The products' type: T on a cache in T; fp16 on an fp8 cache whatever q's dtype: e4m3 becomes
   // fp16 exactly in one instruction a pair, where bf16 takes a float round trip of five, and the
   // conversions run in the warpgroups that issue the products. q enters them times a power of two
-  // that brings the CTA's largest |q| into fp16's range (exact); P in [0, 1] takes 11 significant
-  // bits there (bf16: 8). fp8_ds_mla keeps T: its values, e4m3 x a group scale, have no bound
-  // fp16 could hold.
-  using MT = std::conditional_t<F == CacheFormat::kFp8E4M3 && kIsBf16<T>, __half, T>;
+  // that brings the CTA's largest |q| into fp16's range (exact from bf16); P in [0, 1] takes 11
+  // significant bits there (bf16: 8). fp8_ds_mla's values e4m3 x a group scale have no bound fp16
+  // could hold: a tile's come in over a power of two 2^F (finish_fp8_blocks), and its bf16 rope
+  // block (RT, with q's rope part in bf16) keeps bf16's range.
+  static constexpr bool kDsMla = F == CacheFormat::kFp8DsMla;
+  using MT = std::conditional_t<F == CacheFormat::kAuto, T, __half>;
+  using RT = std::conditional_t<kDsMla, __nv_bfloat16, MT>;  // the rope block's products
   extern __shared__ unsigned char smem_raw[];
   // the swizzle pattern repeats every 1024 bytes: the layouts start on such a boundary
   const uint32_t raw = smem_u32(smem_raw);
@@ -546,11 +618,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   // ---- an fp8 cache: the group load_blocks(buf, t, J0, ...) asked for, landed -> the products'
   // dtype -> its mbarrier (finish_fp8_blocks). A cache in T: nothing (its copies complete the
   // mbarrier themselves).
+  // fp8_ds_mla: each tile's F lands in tile_f[buf], in both warpgroups (each finishes a group of
+  // every tile, and finds the same F), after the pair that last used the buffer's F read it
+  int tile_f[2] = {kNoRows, kNoRows};
+  int g_run = kNoRows;  // G: the largest F so far; O holds P . V / 2^G
   auto finish_blocks = [&](int buf, int t, auto J0) {
     if constexpr (F != CacheFormat::kAuto) {
       constexpr int j0 = decltype(J0)::value;
-      finish_fp8_blocks<MT, F, j0>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes, end - (start + t * kN), wtid, wg,
-                                   raw_bar(buf, j0), (t >> 1) & 1, bar(buf, j0));
+      const int f = finish_fp8_blocks<MT, F, j0>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes,
+                                                   end - (start + t * kN), wtid, wg, raw_bar(buf, j0), (t >> 1) & 1,
+                                                   bar(buf, j0), l_s + kM);
+      if (buf == 0) tile_f[0] = f; else tile_f[1] = f;
     }
   };
   // ---- S (+)= q . K^T over blocks [J0, J1) of buffer buf (4 k-steps of 16 each), each block
@@ -570,7 +648,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
         const uint32_t off = (j * kBlockBytes + ks * 32) >> 4;
-        mma_s<MT>(s, q_desc + off, k_desc + off, !(decltype(Fresh)::value && j == j0 && ks == 0));
+        if (j == kBlocks - 1) {
+          mma_s<RT>(s, q_desc + off, k_desc + off, !(decltype(Fresh)::value && j == j0 && ks == 0));
+        } else {
+          mma_s<MT>(s, q_desc + off, k_desc + off, !(decltype(Fresh)::value && j == j0 && ks == 0));
+        }
       }
     }
     wgmma_commit();
@@ -614,6 +696,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       mx0 *= scale_log2;
       mx1 *= scale_log2;
     }
+  };
+  // ---- fp8_ds_mla: S of a tile whose values came in over 2^F, times 2^F (exact; skipped, uniformly
+  // over the warpgroup, for F = 0 and for a tile of no valid row, whose S is masked)
+  auto undo_tile_power = [&](float (&s)[32], int fe) {
+    if (fe == 0 || fe == kNoRows) return;
+    const float f = pow2(fe);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) s[i] *= f;
   };
   // ---- P = exp2(scale * S - m) in place; returns this thread's share of the row sums
   auto exponentiate = [&](float (&s)[32], float m0, float m1, float& sum0, float& sum1) {
@@ -741,15 +831,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     }
     // q landed (a cache in T: the tiles' copies are in no group; fp8: landed, finished above) ...
     cp_async_wait_all();
-    if constexpr (!std::is_same_v<MT, T>) {
-      // ... bf16 q -> fp16 x q_scale in place, each thread its own 16-byte chunks (the swizzle
-      // moves whole chunks): the CTA's largest |q| first (l_s is free until the end) ...
+    if constexpr (!std::is_same_v<MT, T> || !std::is_same_v<RT, T>) {
+      // ... q -> its products' dtypes times q_scale in place (the latent blocks MT, the rope block
+      // RT), each thread its own 16-byte chunks (the swizzle moves whole chunks): the CTA's
+      // largest |q| first (l_s is free until the end; fp8_ds_mla's finishes use l_s[kM ..]) ...
       __syncthreads();
       float top = 0.f;
       for (int i = tid; i < kMatBytes / 16; i += kThreads) {
         const uint4 v = *reinterpret_cast<const uint4*>(smem + 16 * i);
         for (const uint32_t w : {v.x, v.y, v.z, v.w}) {
-          top = fmaxf(top, fmaxf(fabsf(__uint_as_float(w << 16)), fabsf(__uint_as_float(w & 0xFFFF0000u))));
+          const float2 x = pair_to_float2(w, T{});
+          top = fmaxf(top, fmaxf(fabsf(x.x), fabsf(x.y)));
         }
       }
 #pragma unroll
@@ -761,9 +853,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       const float q_scale = fp16_range_scale(top);
       for (int i = tid; i < kMatBytes / 16; i += kThreads) {
         uint4* chunk = reinterpret_cast<uint4*>(smem + 16 * i);
+        const bool rope = 16 * i >= (kBlocks - 1) * kBlockBytes;  // block 8
         uint4 v = *chunk;
         for (uint32_t* w : {&v.x, &v.y, &v.z, &v.w}) {
-          *w = pack(__uint_as_float(*w << 16) * q_scale, __uint_as_float(*w & 0xFFFF0000u) * q_scale, MT{});
+          const float2 x = pair_to_float2(*w, T{});
+          *w = rope ? pack(x.x * q_scale, x.y * q_scale, RT{}) : pack(x.x * q_scale, x.y * q_scale, MT{});
         }
         *chunk = v;
       }
@@ -795,11 +889,22 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   // So S_A's inputs are the critical path: warpgroup 1 finishes buffer 0's group before its own.
   for (int p = 0; p < n_pairs; ++p) {
     const int tile_a = 2 * p;
+    // fp8_ds_mla: G moves up to the pair's largest F; O takes 2^(G_before - G) with the pair's
+    // first rescale, and P_A, P_B go out times 2^(F_A - G), 2^(F_B - G) (else: all 1)
+    float o_shift = 1.f, pa_f = 1.f, pb_f = 1.f;
+    if constexpr (kDsMla) {
+      const int g_new = max(g_run, max(tile_f[0], tile_f[1]));
+      o_shift = pow2(g_run - g_new);  // 0 on the first pair: O is 0 then
+      pa_f = pow2(tile_f[0] - g_new);
+      pb_f = pow2(tile_f[1] - g_new);
+      g_run = g_new;
+    }
     const bool more = tile_a + 2 < n_tiles;  // a next pair: its tiles load into these buffers
     const int next_parity = (p + 1) & 1;
     if (wg == 0) {
       // -- m_A = max(m, rowmax S_A); P_A = exp2(S_A - m_A); O_L, l rescaled to m_A
       float mx0, mx1, sum0, sum1;
+      if constexpr (kDsMla) undo_tile_power(s, tile_f[0]);  // A's 2^F back into S_A
       row_max(s, start + tile_a * kN, mx0, mx1);
       const float old0 = m_s[row0], old1 = m_s[row0 + 8];
       // finite with one new token (A has a real token); -inf for a row that has seen none yet
@@ -812,9 +917,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       exponentiate(s, ref0, ref1, sum0, sum1);
       l0 = l0 * sa0 + sum0;
       l1 = l1 * sa1 + sum1;
-      rescale(o, sa0, sa1);
+      rescale(o, sa0 * o_shift, sa1 * o_shift);
       // -- O_L += P_A . V_A[:, :256]
-      fragments(s, 1.f, 1.f, pf);
+      fragments(s, pa_f, pa_f, pf);
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) mma_o_reg<MT>(o, pf[ks], v_desc(0, ks));
@@ -823,7 +928,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       // (packed from S: the fragments stay its operand)
       bar_sync(kBarScaleB);
       const float sb0 = scale_b_s[row0], sb1 = scale_b_s[row0 + 8];
-      store_p_scaled(pa_ptr, s, sb0, sb1);
+      store_p_scaled(pa_ptr, s, sb0 * pa_f, sb1 * pa_f);
       fence_async_shared();
       bar_arrive(kBarPA);
       wgmma_wait<0>();
@@ -859,6 +964,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     } else {
       // -- m_B = max(m_A, rowmax S_B); P_B = exp2(S_B - m_B); O_R, l rescaled from m to m_B
       float mx0, mx1, sum0, sum1;
+      if constexpr (kDsMla) undo_tile_power(s, tile_f[1]);  // B's 2^F back into S_B
       row_max(s, start + (tile_a + 1) * kN, mx0, mx1);  // no tile B: all -inf
       bar_sync(kBarScaleA);
       const float ma0 = m_s[row0], ma1 = m_s[row0 + 8];
@@ -872,9 +978,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       exponentiate(s, ref0, ref1, sum0, sum1);
       l0 = l0 * f0 + sum0;
       l1 = l1 * f1 + sum1;
-      rescale(o, f0, f1);
+      rescale(o, f0 * o_shift, f1 * o_shift);
       // -- P_B -> shared memory for warpgroup 0
-      fragments(s, 1.f, 1.f, pf);
+      fragments(s, pb_f, pb_f, pf);
       store_p(pb_ptr, pf);
       fence_async_shared();
       bar_arrive(kBarPB);
@@ -930,11 +1036,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   // 4 bytes a thread (the op allows rows 8- and 4-byte aligned); rows padded by 32 and 16 bytes, so
   // the accumulators' 8 rows a store fall in different banks
   const int pitch = final_out ? 2 * kC + 16 : 4 * kC + 32;
+  const float o_scale = kDsMla && g_run != kNoRows ? pow2(g_run) : 1.f;  // fp8_ds_mla: O is P . V / 2^G
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = row0 + 8 * half, h = h0 + r;
     const float l = l_s[r] + l_s[kM + r];
-    const float inv = l > 0.f ? e4m3_scale / l : 0.f;
+    const float inv = l > 0.f ? e4m3_scale * o_scale / l : 0.f;
     if (wg == 0 && c == 0 && h < num_rows) {
       part_lse[b * slb + h * slh + split * sls] =
           l > 0.f ? (m_s[r] + log2f(l)) * 0.6931471805599453f : -INFINITY;

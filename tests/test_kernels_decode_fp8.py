@@ -483,13 +483,13 @@ def _skip_unless_sm90():
     skip()
 
 
-def _cuda_case(kind, dtype, heads, block_size, seed, seq_lens=SM80_LENGTHS, row_pad=0, s_q=None):
+def _cuda_case(kind, dtype, heads, block_size, seed, seq_lens=SM80_LENGTHS, row_pad=0, s_q=None, poison=0xFF):
     """DeepSeek-V3 sizes (c = 512, r = 64) on the GPU, q in ``dtype`` ((b, s_q, heads, 576) when
-    s_q is given); every unwritten byte of the cache 0xFF (an e4m3 NaN, and a NaN scale or bf16
-    rope value in fp8_ds_mla's other bytes); the latent's 128-value groups 1, 2, 4 and 8 times as
-    large, so a wrong group's scale shows."""
+    s_q is given); every unwritten byte of the cache ``poison`` (0xFF: an e4m3 NaN, and a NaN scale
+    or bf16 rope value in fp8_ds_mla's other bytes); the latent's 128-value groups 1, 2, 4 and 8
+    times as large, so a wrong group's scale shows."""
     args, _, _, _ = make_fp8_case(kind, seq_lens, heads=heads, c=512, r=64, block_size=block_size, seed=seed,
-                                  device="cuda", poison=0xFF, group_growth=2.0, row_pad=row_pad, s_q=s_q)
+                                  device="cuda", poison=poison, group_growth=2.0, row_pad=row_pad, s_q=s_q)
     args["q"] = args["q"].to(dtype)
     return args
 
@@ -497,15 +497,17 @@ def _cuda_case(kind, dtype, heads, block_size, seed, seq_lens=SM80_LENGTHS, row_
 def _scales_in_float32(kind, backend):
     """Whether ``backend`` applies the cache's scales to scores and probabilities in float32 and
     reads the e4m3 values themselves: fp8_e4m3 everywhere (one scale), and fp8_ds_mla in the sm_80
-    kernel (its group scales); the other kernels round e4m3 x group scale to q's dtype."""
+    kernel (its group scales); Triton rounds e4m3 x group scale to q's dtype, the wgmma kernel
+    e4m3 x (group scale / a tile's power of two) to fp16."""
     return kind == "fp8_e4m3" or (kind == "fp8_ds_mla" and backend == "cuda-sm80")
 
 
 def _reference_in_q_dtype(args, backend=None):
     """The float32 reference on the values the kernels' products read: a cache in q's dtype as it
     is; fp8_ds_mla dequantised by mla.kernels.fp8 (value * group scale in float32) and rounded once
-    to q's dtype; fp8_e4m3, and fp8_ds_mla for a backend that keeps its scales in float32
-    (``_scales_in_float32``), dequantised in float32 and not rounded."""
+    to q's dtype (Triton's values; the wgmma kernel's, rounded to fp16 over a tile's power of two,
+    lie closer to the float32 ones); fp8_e4m3, and fp8_ds_mla for a backend that keeps its scales
+    in float32 (``_scales_in_float32``), dequantised in float32 and not rounded."""
     kind = args["kv_cache_dtype"]
     if _scales_in_float32(kind, backend):  # q in float32 beside the float32 cache: the same values
         return mla_decode_reference(**as_auto(dict(args, q=args["q"].float()), dequantised(args)),
@@ -515,12 +517,12 @@ def _reference_in_q_dtype(args, backend=None):
 
 
 def _assert_same_kernel_values(out, lse, out_t, lse_t, lse_tol=1e-3):
-    """A CUDA stage 1 against triton on the same fp8 cache: the same values in q's dtype (fp8_e4m3's
-    scale applied in float32 by both) and the same rounding of p, only the order of the float32
-    sums differs (as for a bf16 cache). Where the CUDA kernel keeps fp8_ds_mla's group scales in
-    float32 and Triton rounds e4m3 x scale to q's dtype, their lse differ by that rounding, and
-    the caller passes a wider ``lse_tol``; the tight check is then the one against the float32
-    reference."""
+    """A CUDA stage 1 against triton on the same fp8 cache: on fp8_e4m3 the same values (the scale
+    applied in float32 by both), only the order of the float32 sums and the rounding of p differ.
+    On fp8_ds_mla Triton rounds e4m3 x scale to q's dtype, which the CUDA kernels do not (the
+    sm_80 kernel keeps the group scales in float32, the wgmma kernel rounds to fp16): their lse
+    differ by that rounding, and the caller passes a wider ``lse_tol``; the tight check is then
+    the one against the float32 reference."""
     assert torch.equal(lse.isinf(), lse_t.isinf()) and not lse.isnan().any()
     seen = ~lse_t.isinf()
     if seen.any():
@@ -535,8 +537,10 @@ def _check_against_reference_and_triton(args, backend, splits_list):
     ref_out, ref_lse = _reference_in_q_dtype(args, backend)
     # Triton rounds fp8_ds_mla's e4m3 x scale to q's dtype: up to ~2.4e-3 in lse from a kernel
     # that keeps the scale in float32 (benchmarks/lab/model_sm80_fp8_fragments.py's replay of
-    # these cases)
+    # these cases), and as far from the wgmma kernel's values in fp16 (rounded twice, 11
+    # significant bits each time, against bf16's 8)
     own_scales = args["kv_cache_dtype"] == "fp8_ds_mla" and _scales_in_float32("fp8_ds_mla", backend)
+    own_values = args["kv_cache_dtype"] == "fp8_ds_mla" and backend in ("cuda-sm80", "cuda-sm90")
     for splits in splits_list:
         out, lse = mla_decode(**args, num_kv_splits=splits, _backend=backend)
         assert out.dtype == args["q"].dtype and lse.dtype == torch.float32
@@ -546,7 +550,7 @@ def _check_against_reference_and_triton(args, backend, splits_list):
             seen = ~ref_lse.isinf()
             assert (lse[seen].cpu() - ref_lse[seen].cpu()).abs().max().item() < 1e-4
         out_t, lse_t = mla_decode(**args, num_kv_splits=splits, _backend="triton")
-        _assert_same_kernel_values(out, lse, out_t, lse_t, lse_tol=5e-3 if own_scales else 1e-3)
+        _assert_same_kernel_values(out, lse, out_t, lse_t, lse_tol=5e-3 if own_values else 1e-3)
     for k, v in before.items():
         assert same_bytes(args[k], v)
 
@@ -566,8 +570,8 @@ def test_gpu_sm80_fp8_matches_reference_and_triton(kind, dtype, heads, block_siz
 @pytest.mark.parametrize("backend", ["cuda-sm80", "cuda-sm90"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_gpu_cuda_fp8_bf16_q_outside_fp16s_range(kind, backend):
-    # Where a CUDA kernel's fp8 products run in fp16 (the sm_80 kernel on sm_89+ for both layouts,
-    # the wgmma kernel on fp8_e4m3), bf16 q comes in times a power of two that brings it into
+    # Where a CUDA kernel's fp8 products run in fp16 (the sm_80 kernel on sm_89+ and the wgmma
+    # kernel, both layouts), bf16 q comes in times a power of two that brings it into
     # fp16's range (65504 at most, normal from 2^-14). A q 2^20 and 2^-40 times its size (the
     # softmax scale the inverse: the same scores) gives the reference's answer.
     heads, lengths = 16, SM80_LENGTHS
@@ -581,24 +585,65 @@ def test_gpu_cuda_fp8_bf16_q_outside_fp16s_range(kind, backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend, k", [("cuda-sm80", 16), ("cuda-sm90", 16), ("cuda-sm90", 30), ("cuda-sm90", -20),
+                                        ("cuda-sm90", -40)])
 @pytest.mark.parametrize("kind", KINDS)
-def test_gpu_sm80_fp8_cached_values_outside_fp16s_range(kind):
-    # On sm_89+ the sm_80 kernel's fp8 products run in fp16, fp8_ds_mla's p x scale times a power
-    # of two set a tile at a time. Cached values 2^16 times larger (their scales; the softmax
-    # scale 2^-16 times, so the scores stay spread), past fp16's range, give the reference's
-    # answer with bf16 q.
-    args = _cuda_case(kind, torch.bfloat16, 16, 64, seed=5)
-    big = dict(args, kv_cache=args["kv_cache"].clone(), softmax_scale=args["softmax_scale"] * 2.0**-16)
+def test_gpu_cuda_fp8_cached_values_outside_fp16s_range(kind, backend, k):
+    # On sm_89+ the CUDA kernels' fp8 products run in fp16: the sm_80 kernel's fp8_ds_mla p x scale
+    # times a power of two set a tile at a time, the wgmma kernel's values e4m3 x scale over one.
+    # Cached values 2^16 and 2^30 times larger (their scales; the softmax scale 2^-k times, so the
+    # scores stay spread), past fp16's range, give the reference's answer with bf16 q; so do values
+    # 2^-20 and 2^-40 times as large (rope values too), whose group scales lie below fp16's normal
+    # range (the wgmma kernel lifts them by up to 2^34, its probabilities down by as much).
+    heads, lengths = 16, SM80_LENGTHS
+    if backend == "cuda-sm90":
+        _skip_unless_sm90()
+        heads, lengths = 64, SM90_LENGTHS
+    args = _cuda_case(kind, torch.bfloat16, heads, 64, seed=5, seq_lens=lengths)
+    scaled = dict(args, kv_cache=args["kv_cache"].clone(), softmax_scale=args["softmax_scale"] * 2.0**-k)
     if kind == "fp8_e4m3":
-        big["kv_scale"] = args["kv_scale"] * 2.0**16
-    else:  # the four float32 group scales of every row
-        big["kv_cache"][..., 512:528].view(torch.float32).mul_(2.0**16)
-    values = dequantised(big)
-    assert values[values.isfinite()].abs().max() > 2 * 65504  # past fp16's range
-    ref_out, ref_lse = _reference_in_q_dtype(big, "cuda-sm80")  # float32, no rounding of values
+        scaled["kv_scale"] = args["kv_scale"] * 2.0**k
+    else:  # the four float32 group scales of every row; below fp16's range, the bf16 rope values too
+        scaled["kv_cache"][..., 512:528].view(torch.float32).mul_(2.0**k)
+        if k < 0:
+            scaled["kv_cache"][..., 528:656].view(torch.bfloat16).mul_(2.0**k)
+    values = dequantised(scaled)
+    top = values[values.isfinite()].abs().max()
+    assert top > 2 * 65504 if k > 0 else top < 2.0**-10  # past fp16's range, or scales under 2^-14
+    ref_out, ref_lse = _reference_in_q_dtype(scaled, "cuda-sm80")  # float32, no rounding of values
     for splits in (None, 1, 5):
-        out, lse = mla_decode(**big, num_kv_splits=splits, _backend="cuda-sm80")
+        out, lse = mla_decode(**scaled, num_kv_splits=splits, _backend=backend)
         assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_sm90_ds_mla_tiles_far_apart_in_size():
+    # The wgmma kernel sets its power of two a 64-token tile at a time and keeps O over the
+    # largest so far: pages (here a tile each) whose values, scales and rope values are 2^-12, 1
+    # and 2^12 times as large, in turn, so the two tiles of a pair and the pairs of a split differ
+    # (a tile given another's power would be 2^12 off)
+    _skip_unless_sm90()
+    args = _cuda_case("fp8_ds_mla", torch.bfloat16, 64, 64, seed=9, seq_lens=SM90_LENGTHS)
+    cache = args["kv_cache"].clone()
+    grow = 2.0 ** (12 * (torch.arange(cache.shape[0], device=cache.device) % 3 - 1)).float()  # (pages,)
+    cache[..., 512:528].view(torch.float32).mul_(grow[:, None, None])
+    rope = cache[..., 528:656].view(torch.bfloat16)
+    rope.copy_((rope.float() * grow[:, None, None]).to(torch.bfloat16))  # exact: powers of two
+    spread = dict(args, kv_cache=cache, softmax_scale=args["softmax_scale"] * 2.0**-12)
+    ref_out, ref_lse = _reference_in_q_dtype(spread, "cuda-sm80")  # float32, no rounding of values
+    for splits in (None, 1, 3):
+        out, lse = mla_decode(**spread, num_kv_splits=splits, _backend="cuda-sm90")
+        assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_sm90_fp8_finite_poison_past_the_rows(kind):
+    # Unwritten bytes 0x7F: in fp8_ds_mla a finite scale of 3.4e38 (and rope values as large) in
+    # every row past a sequence's end; the kernel's power of two comes from the valid rows only
+    _skip_unless_sm90()
+    args = _cuda_case(kind, torch.bfloat16, 64, 64, seed=4, seq_lens=SM90_LENGTHS, poison=0x7F)
+    _check_against_reference_and_triton(args, "cuda-sm90", (None, 1, 5))
 
 
 @pytest.mark.gpu

@@ -17,7 +17,8 @@ same partials, which the Triton merge combines (with one split, each writes the 
   Any heads, 64 a program (the compute-bound case), c = 512, r = 64, bf16 / fp16 q, pages of a
   multiple of 64 rows; one 64-token tile load serves both products. It reads caches in q's dtype
   and both fp8 layouts, dequantising each block group of a tile in place in shared memory into
-  the products' dtype (q's, but fp16 for fp8_e4m3 with bf16 q: e4m3 is exact in fp16).
+  fp16 products (e4m3 is exact in fp16; fp8_ds_mla's values over a power of two a tile that its
+  scores and p take back in float32, its rope block in bf16).
 
 All three are validated on an H200 on caches in q's dtype and on both fp8 layouts (the GPU tests
 of ``tests/test_kernels_decode*.py``, compute-sanitizer memcheck). On an fp8 cache the CUDA kernel
