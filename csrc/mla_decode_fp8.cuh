@@ -1,9 +1,7 @@
 // Reading the fp8 cache layouts in the CUDA decode stage-1 kernels (mla_decode_sm80.cu,
 // mla_decode_sm90.cu): where the parts of a stored row lie, and the device helpers that turn its
-// bytes into values in q's dtype (bf16 / fp16): e4m3 x scale in float32, rounded once to q's dtype
-// (the values mla/kernels/triton_decode.py computes; mla_decode_sm90.cu), or the e4m3 values
-// themselves, exactly, with the scale applied elsewhere (mla_decode_sm80.cu); fp8_ds_mla's bf16
-// rope values converted.
+// bytes into values in the products' dtype (bf16 / fp16): the e4m3 values themselves, exactly,
+// with the scale applied elsewhere; fp8_ds_mla's bf16 rope values converted.
 #pragma once
 
 #include "concat_and_cache_mla.h"  // CacheFormat, kDsMlaGroup
@@ -13,7 +11,6 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 namespace mla {
@@ -36,74 +33,12 @@ __device__ __forceinline__ void store_pair(__half* dst, float x, float y) {
   *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(x, y);
 }
 
-// A float8_e4m3fn byte (in the low 8 bits) -> its float value, exactly, with integer operations
-// and one exact multiply: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 holds
-// the subnormals m * 2^-9 and the zeros, 0x7F / 0xFF are NaN (no infinities), as in
-// mla/kernels/triton_decode.py's _e4m3_to_float32_by_integer_ops. GPUs before sm_89 use it (they have no e4m3
-// conversion instruction).
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 890
-__host__ __device__ __forceinline__ float e4m3_to_float(uint32_t byte) {
-  const uint32_t mag = byte & 0x7Fu;
-  // a normal value 2^(e-7) (1 + m/8) is the float with exponent field e + 120 and the 3 mantissa
-  // bits on top of float's 23
-  uint32_t bits = (mag << 20) + (120u << 23);
-  if ((mag >> 3) == 0) {  // m * 2^-9: exact (m < 8), a normal float
-    const float subnormal = static_cast<float>(mag) * 0.001953125f;
-    memcpy(&bits, &subnormal, 4);
-  }
-  if (mag == 0x7Fu) bits = 0x7FC00000u;  // NaN
-  bits |= (byte & 0x80u) << 24;          // the sign, -0 included
-  float value;
-  memcpy(&value, &bits, 4);
-  return value;
-}
-#endif
-
-// Two e4m3 bytes (the low 16 bits, the lower byte first) -> their float values, exactly: on
-// sm_89 and later one cvt.rn.f16x2.e4m3x2 (every e4m3 value, NaN included, is exact in fp16),
-// before that e4m3_to_float.
-__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t two) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  __half2 h;
-  h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xFFFFu), __NV_E4M3);
-  return __half22float2(h);
-#else
-  return make_float2(e4m3_to_float(two & 0xFFu), e4m3_to_float((two >> 8) & 0xFFu));
-#endif
-}
-
 // Two floats rounded to T (round to nearest even) as 4 bytes, x in the low half.
 template <typename T>
 __device__ __forceinline__ uint32_t pack_pair(float x, float y) {
   uint32_t pair;
   store_pair(reinterpret_cast<T*>(&pair), x, y);
   return pair;
-}
-
-// 8 e4m3 bytes -> 8 values e4m3 * scale in T (16 bytes): the product in float32, rounded once.
-template <typename T>
-__device__ __forceinline__ uint4 e4m3x8_to(uint2 bytes, float scale) {
-  uint32_t out[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 v = e4m3x2_to_float2((j < 2 ? bytes.x : bytes.y) >> (16 * (j & 1)));
-    out[j] = pack_pair<T>(v.x * scale, v.y * scale);
-  }
-  return make_uint4(out[0], out[1], out[2], out[3]);
-}
-
-// 8 bf16 values -> T: as they are for bf16, rounded to nearest even for fp16 (a bf16 is the top
-// half of the float of the same value).
-template <typename T>
-__device__ __forceinline__ uint4 bf16x8_to(uint4 v) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return v;
-  } else {
-    uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) w[j] = pack_pair<T>(__uint_as_float(w[j] << 16), __uint_as_float(w[j] & 0xFFFF0000u));
-    return make_uint4(w[0], w[1], w[2], w[3]);
-  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -22,8 +22,8 @@ each warpgroup (0 and 128) sums, over the pair loop, the cycles it spends:
 - ``raw_wait``: the part of ``convert`` spent waiting for the raw bytes (the mbarrier of the
   group's TMA copies), so that ``convert - raw_wait`` is the conversion and its barriers;
 
-and ``other`` is the rest of the loop (``raw_wait`` is not subtracted twice): the softmax, fragments, stores of P and the issue of
-the MMAs. The clock reads add a few cycles each, and registers (254 a thread against the
+and ``other`` is the rest of the loop (``raw_wait`` is not subtracted twice): the softmax,
+fragments, stores of P and the issue of the MMAs. The clock reads add a few cycles each, and registers (254 a thread against the
 kernel's 240 at row 46, 238 since row 48; no spills). Medians over CTAs, then over 5 repetitions;
 ``*_per_tile`` divides a warpgroup's loop by the CTA's tiles (cycles).
 
