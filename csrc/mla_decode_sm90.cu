@@ -364,11 +364,11 @@ __device__ __forceinline__ uint4 e4m3x8_times(uint2 bytes, __half2 s) {
 // NB = 4 for both of its groups; fp8_e4m3's second group holds the e4m3 rope block, NB = 5).
 //
 // Here the warpgroup waits for them, then converts the blocks in place from the first: block k's
-// output (bytes 8192 k ..) covers the stored bytes of blocks 2k - NB and 2k - NB + 1, converted
-// before, so a barrier after each block from the second on keeps every output behind the reads of
-// the bytes it overwrites, and the last block, whose output covers its own bytes, reads them all
-// before a barrier and writes after it; fp8_ds_mla reads its scales into registers, and passes a
-// barrier, before block 0's output covers them. fp8_e4m3's values become fp16 exactly (one cvt a
+// output (bytes 8192 k ..) covers the stored bytes of blocks 2k - NB and 2k - NB + 1, so the
+// outputs of the first NB / 2 blocks cover none and are written at once; then each thread reads
+// the rest of its stored bytes into registers, and one barrier keeps the other outputs behind
+// every read of the bytes they overwrite; fp8_ds_mla reads its scales into registers, and passes a barrier, before
+// block 0's output covers them. fp8_e4m3's values become fp16 exactly (one cvt a
 // pair; the cache's scale is folded into the softmax scale and the output); fp8_ds_mla's the
 // tile's 2^F from the largest scale of its valid rows (each warpgroup finds the same from the
 // scales its group holds; `tile_max_s`, 4 floats a warpgroup, carries its warps' maxima), then
@@ -379,11 +379,12 @@ __device__ __forceinline__ int finish_fp8_blocks(unsigned char* blocks, int vali
                                                    int parity, uint32_t bar, float* tile_max_s) {
   constexpr bool ds_mla = F == CacheFormat::kFp8DsMla;
   constexpr int NB = ds_mla || J0 == 0 ? kLoBlocks : kBlocks - kLoBlocks;
-  // the barriers below keep outputs behind reads for groups of 4 or 5 blocks (not 3: block 1's
-  // output would cover block 0's bytes with no barrier between)
   static_assert(NB == 4 || NB == 5, "a block group of 4 or 5 blocks");
   static_assert(std::is_same_v<T, __half>, "an fp8 cache's latent products run in fp16");
   constexpr int kRawAt = NB * 4096;
+  // the outputs of blocks 0 .. kFree - 1 end at byte 8192 kFree <= kRawAt, where the stored bytes
+  // start (fp8_ds_mla's scales, under block 0's, are read before the barrier below)
+  constexpr int kFree = NB / 2;
   mbar_wait(raw, parity);  // the copies landed (the TMA unit's writes, visible to this thread)
   // this thread's rows: wtid / 4 and wtid / 4 + 32; fp8_ds_mla: their scales of the group's two
   // latent groups of 128 (block k takes scale k / 2), over 2^F, in fp16
@@ -415,34 +416,42 @@ __device__ __forceinline__ int finish_fp8_blocks(unsigned char* blocks, int vali
       for (int g = 0; g < 2; ++g) scale[h][g] = __float2half2_rn(mine[g] * down);
     }
   }
+  // pieces wtid and wtid + 128 of block k: row i / 4, 16 bytes (i % 4) of its 64
+  uint4 v[NB][2];
+  auto load = [&](int k) {
 #pragma unroll
-  for (int k = 0; k < NB; ++k) {
-    // pieces wtid and wtid + 128 of block k: row i / 4, 16 bytes (i % 4) of its 64
-    uint4 v[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) v[h] = *reinterpret_cast<const uint4*>(blocks + kRawAt + 4096 * k + 16 * (wtid + 128 * h));
-    if (k == NB - 1) sync_warpgroup(wg);  // the last block's output covers its own stored bytes
+    for (int h = 0; h < 2; ++h) v[k][h] = *reinterpret_cast<const uint4*>(blocks + kRawAt + 4096 * k + 16 * (wtid + 128 * h));
+  };
+  auto convert = [&](int k) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int i = wtid + 128 * h, r = i >> 2, p = i & 3;
       uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
       if (r < valid) {
         if constexpr (ds_mla) {
-          lo = e4m3x8_times(make_uint2(v[h].x, v[h].y), scale[h][k >> 1]);
-          hi = e4m3x8_times(make_uint2(v[h].z, v[h].w), scale[h][k >> 1]);
+          lo = e4m3x8_times(make_uint2(v[k][h].x, v[k][h].y), scale[h][k >> 1]);
+          hi = e4m3x8_times(make_uint2(v[k][h].z, v[k][h].w), scale[h][k >> 1]);
         } else {
-          e4m3x4_to<__half>(v[h].x, lo.x, lo.y);
-          e4m3x4_to<__half>(v[h].y, lo.z, lo.w);
-          e4m3x4_to<__half>(v[h].z, hi.x, hi.y);
-          e4m3x4_to<__half>(v[h].w, hi.z, hi.w);
+          e4m3x4_to<__half>(v[k][h].x, lo.x, lo.y);
+          e4m3x4_to<__half>(v[k][h].y, lo.z, lo.w);
+          e4m3x4_to<__half>(v[k][h].z, hi.x, hi.y);
+          e4m3x4_to<__half>(v[k][h].w, hi.z, hi.w);
         }
       }
       unsigned char* row = blocks + 8192 * k + 128 * r;
       *reinterpret_cast<uint4*>(row + (((2 * p) ^ (r & 7)) << 4)) = lo;
       *reinterpret_cast<uint4*>(row + (((2 * p + 1) ^ (r & 7)) << 4)) = hi;
     }
-    if (k >= 1 && k < NB - 1) sync_warpgroup(wg);  // block k's stored bytes read before block k + 1's output
-  }
+  };
+#pragma unroll
+  for (int k = 0; k < kFree; ++k) load(k);
+#pragma unroll
+  for (int k = 0; k < kFree; ++k) convert(k);  // below the stored blocks
+#pragma unroll
+  for (int k = kFree; k < NB; ++k) load(k);
+  sync_warpgroup(wg);  // every stored byte read before the outputs below cover them
+#pragma unroll
+  for (int k = kFree; k < NB; ++k) convert(k);
   if constexpr (ds_mla && J0 == kLoBlocks) {
     // the rope block (8), bf16 as the TMA unit left it: zeros for rows past the split's end, the
     // rest times 2^-F (a power of two in bf16's range: exact); chunk i % 8 of row i / 8 (a chunk

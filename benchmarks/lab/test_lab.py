@@ -112,3 +112,21 @@ def test_ab_table_reads_concat_runs(tmp_path):
     auto, ds_mla = summarise(load_runs(tmp_path))
     assert (auto["tokens"], auto["kv_cache_dtype"]) == (65536, "auto")
     assert ds_mla["over_main"] == {"concat2": 60.0 / 80.0}
+
+
+def test_ncu_summary_reads_the_metric_tables(tmp_path):
+    """ncu_decode.py --summarize: ncu's printed metric table to numbers, units and thousands
+    separators dropped, a subject without a file left out."""
+    from benchmarks.lab.ncu_decode import summarize
+
+    (tmp_path / "mla-auto-metrics.txt").write_text(
+        "==PROF== Connected to process\n"
+        "  void mla_decode_sm90_kernel<...>(...) (2, 64, 1)x(256, 1, 1), Context 1, Stream 7\n"
+        "    ---------------------------------------- ----------- ------------\n"
+        "    Metric Name                              Metric Unit Metric Value\n"
+        "    gpu__time_duration.sum                            us       145.38\n"
+        "    l1tex__data_bank_reads.sum                                458,297,008\n"
+        "    smsp__warp_issue_stalled_wait_per_warp_active.pct   %        13.37\n")
+    assert summarize(str(tmp_path)) == {"mla-auto": {
+        "gpu__time_duration.sum": 145.38, "l1tex__data_bank_reads.sum": 458297008.0,
+        "smsp__warp_issue_stalled_wait_per_warp_active.pct": 13.37}}

@@ -1,0 +1,80 @@
+"""One decode call per process, for Nsight Compute to count (``benchmarks/lab/ncu_decode.sh``).
+
+    PYTHONPATH=. python3 benchmarks/lab/ncu_decode.py --who mla --kv-cache-dtype fp8_e4m3 --shape 64x4096x128
+    PYTHONPATH=.peers:. python3 benchmarks/lab/ncu_decode.py --who flashmla --shape 64x4096x128
+
+Runs ``--calls`` calls (default 3) of ``mla_decode`` (its stage 1 and split count as the decode
+benchmark plans them) or of FlashMLA's dense decode, on the decode benchmark's inputs, and waits
+for them. The wrapper has ncu skip the first calls and count the last one's stage-1 kernel, so
+the counts come from a warm call whose build and metadata are done. Prints the kernel and split
+count it ran. ``--summarize DIR --out FILE`` reads the wrapper's metric files in DIR (no GPU
+needed) and writes them as one JSON file: each subject's metrics, by name, as numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+
+SUBJECTS = ("mla-auto", "mla-fp8_e4m3", "mla-fp8_ds_mla", "flashmla-auto")
+
+
+def summarize(folder: str) -> dict:
+    """{subject: {metric: value}} from ncu's printed metric tables (SUBJECT-metrics.txt)."""
+    row = re.compile(r"^\s+(\w+__[\w.]+)\s+(?:\S+\s+)?([\d.,]+)\s*$")
+    out = {}
+    for subject in SUBJECTS:
+        path = pathlib.Path(folder) / f"{subject}-metrics.txt"
+        if path.exists():
+            found = (row.match(line) for line in path.read_text().splitlines())
+            out[subject] = {m.group(1): float(m.group(2).replace(",", "")) for m in found if m}
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--who", choices=("mla", "flashmla"), default="mla")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3", "fp8_ds_mla"))
+    parser.add_argument("--shape", default="64x4096x128", help="BxTxH")
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--summarize", metavar="DIR", help="write DIR's metric files as JSON (--out) and stop")
+    parser.add_argument("--out", help="the JSON file --summarize writes")
+    parser.add_argument("--device", default="", help="the GPU's name, for --summarize's JSON")
+    args = parser.parse_args(argv)
+    if args.summarize:
+        pathlib.Path(args.out).write_text(json.dumps(dict(device=args.device, shape=args.shape, subjects=summarize(args.summarize)),
+                                                     indent=1) + "\n")
+        print(f"wrote {args.out}")
+        return
+    import torch
+
+    from benchmarks.bench_decode import (C, decode_call, flashmla_fn, kernel_and_splits, make_inputs, parse_shapes,
+                                         write_fp8_caches)
+
+    (b, t, h), = parse_shapes(args.shape)
+    q, caches, table, lens = make_inputs(b, t, h)
+    cache, scale = caches[0], None
+    if args.who == "flashmla":
+        if args.kv_cache_dtype != "auto":
+            raise SystemExit("--who flashmla: FlashMLA's dense decode reads bf16 caches only")
+        fn = flashmla_fn(q, table, lens)
+        what = "flashmla"
+    else:
+        if args.kv_cache_dtype != "auto":
+            fp8_caches, scale = write_fp8_caches(args.kv_cache_dtype, caches, 1)
+            cache = fp8_caches[0]
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        kernel, _, splits = kernel_and_splits(q, cache, table, lens, C, t, num_sms,
+                                              kv_cache_dtype=args.kv_cache_dtype)
+        fn = decode_call(q, table, lens, kernel, splits, kv_cache_dtype=args.kv_cache_dtype, kv_scale=scale)
+        what = f"mla {kernel}, {splits} splits"
+    for _ in range(args.calls):
+        fn(cache)
+    torch.cuda.synchronize()
+    print(f"{args.shape} {args.kv_cache_dtype}: {what}, {args.calls} calls", flush=True)
+
+
+if __name__ == "__main__":
+    main()
