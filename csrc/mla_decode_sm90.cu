@@ -373,7 +373,8 @@ __device__ __forceinline__ uint4 e4m3x8_times(uint2 bytes, __half2 s) {
 // tile's 2^F from the largest scale of its valid rows (each warpgroup finds the same from the
 // scales its group holds; `tile_max_s`, 4 floats a warpgroup, carries its warps' maxima), then
 // e4m3 x (group scale / 2^F) in fp16, and its bf16 rope values times 2^-F (exact). Rows at and
-// past `valid` become zeros. Returns F (fp8_e4m3: 0; no valid row: kNoRows).
+// past `valid` become zeros (their bytes taken as 0, fp8_ds_mla's scales as 0). Returns F
+// (fp8_e4m3: 0; no valid row: kNoRows).
 template <typename T, CacheFormat F, int J0>
 __device__ __forceinline__ int finish_fp8_blocks(unsigned char* blocks, int valid, int wtid, int wg, uint32_t raw,
                                                    int parity, uint32_t bar, float* tile_max_s) {
@@ -412,31 +413,36 @@ __device__ __forceinline__ int finish_fp8_blocks(unsigned char* blocks, int vali
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float mine[2] = {J0 == 0 ? row_scales[h].x : row_scales[h].z, J0 == 0 ? row_scales[h].y : row_scales[h].w};
+      const bool row_valid = (wtid >> 2) + 32 * h < valid;  // 0 for a row past the end (below)
 #pragma unroll
-      for (int g = 0; g < 2; ++g) scale[h][g] = __float2half2_rn(mine[g] * down);
+      for (int g = 0; g < 2; ++g) scale[h][g] = __float2half2_rn(row_valid ? mine[g] * down : 0.f);
     }
   }
   // pieces wtid and wtid + 128 of block k: row i / 4, 16 bytes (i % 4) of its 64
   uint4 v[NB][2];
   auto load = [&](int k) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) v[k][h] = *reinterpret_cast<const uint4*>(blocks + kRawAt + 4096 * k + 16 * (wtid + 128 * h));
+    for (int h = 0; h < 2; ++h) {
+      // a row past the end is not read: its zeros (e4m3 0 is +0) times its fp8_ds_mla scale of 0
+      // leave no NaN or inf of its bytes or scales, with no branch around the conversion
+      v[k][h] = make_uint4(0u, 0u, 0u, 0u);
+      if ((wtid >> 2) + 32 * h < valid) v[k][h] = *reinterpret_cast<const uint4*>(blocks + kRawAt + 4096 * k + 16 * (wtid + 128 * h));
+    }
   };
   auto convert = [&](int k) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int i = wtid + 128 * h, r = i >> 2, p = i & 3;
-      uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
-      if (r < valid) {
-        if constexpr (ds_mla) {
-          lo = e4m3x8_times(make_uint2(v[k][h].x, v[k][h].y), scale[h][k >> 1]);
-          hi = e4m3x8_times(make_uint2(v[k][h].z, v[k][h].w), scale[h][k >> 1]);
-        } else {
-          e4m3x4_to<__half>(v[k][h].x, lo.x, lo.y);
-          e4m3x4_to<__half>(v[k][h].y, lo.z, lo.w);
-          e4m3x4_to<__half>(v[k][h].z, hi.x, hi.y);
-          e4m3x4_to<__half>(v[k][h].w, hi.z, hi.w);
-        }
+      const uint4 x = v[k][h];
+      uint4 lo, hi;
+      if constexpr (ds_mla) {
+        lo = e4m3x8_times(make_uint2(x.x, x.y), scale[h][k >> 1]);
+        hi = e4m3x8_times(make_uint2(x.z, x.w), scale[h][k >> 1]);
+      } else {
+        e4m3x4_to<__half>(x.x, lo.x, lo.y);
+        e4m3x4_to<__half>(x.y, lo.z, lo.w);
+        e4m3x4_to<__half>(x.z, hi.x, hi.y);
+        e4m3x4_to<__half>(x.w, hi.z, hi.w);
       }
       unsigned char* row = blocks + 8192 * k + 128 * r;
       *reinterpret_cast<uint4*>(row + (((2 * p) ^ (r & 7)) << 4)) = lo;
