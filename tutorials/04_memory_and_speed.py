@@ -408,10 +408,11 @@ else:
 # time over the bf16 row's (`over_bf16`). At 16 heads a step is memory bound and
 # `"fp8_ds_mla"` reads 656 of 1152 bytes a token, so it could approach 0.57x; at 128 heads it is
 # compute bound and the dequantisation is extra work. The cell prints each file's fp8 rows and,
-# per head count, the range of `over_bf16` at b >= 4. In the committed H200 run an fp8 cache is
-# faster than a bf16 one at 16 heads, by less than its bytes, and slower at 128 heads, where the
-# warpgroups that issue the products also wait for each tile's fp8 bytes and convert them (the
-# documentation's fp8 page says more). At 128 heads an fp8 cache buys memory, not speed.
+# per head count, the range of `over_bf16` at b >= 4. In both committed runs (the H200's, and
+# the H100's of newer kernels) an fp8 cache is faster than a bf16 one at 16 heads, by less than
+# its bytes, and slower at 128 heads, where the warpgroups that issue the products also convert
+# each tile's fp8 bytes in shared memory (the documentation's fp8 page says more). At 128 heads
+# an fp8 cache buys memory, not speed.
 
 # %%
 fp8_runs = {name: data for name, data in results.items() if data.get("fp8_rows")}

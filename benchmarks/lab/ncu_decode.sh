@@ -4,7 +4,9 @@
 # SpeedOfLight, MemoryWorkloadAnalysis_Tables, ComputeWorkloadAnalysis and WarpStateStats
 # sections, then the metrics of METRICS that this ncu knows (shared-memory banks and wavefronts,
 # the tensor pipe, warp stalls). Text under OUT_DIR, one file a subject and pass, and the metrics
-# as JSON (OUT_DIR/ncu-decode.json, ncu_decode.py --summarize).
+# as JSON (OUT_DIR/ncu-decode.json, ncu_decode.py --summarize). SOURCE=1 adds a third pass: the
+# SourceCounters section's page of SASS, each instruction with its executed count, as CSV (its
+# flags not yet tried on the GPU machine).
 #   bash benchmarks/lab/ncu_decode.sh OUT_DIR [BxTxH]
 # Run from the repository root on the GPU machine with PYTHONPATH=.peers:. (FlashMLA is skipped
 # when it does not import). ncu runs with --clock-control none (the device README's advice), so
@@ -32,9 +34,12 @@ subjects="mla:auto mla:fp8_e4m3 mla:fp8_ds_mla"
 python3 -c "import flash_mla" 2>/dev/null && subjects="$subjects flashmla:auto"
 for s in $subjects; do
   who=${s%%:*} kind=${s##*:} name=${s/:/-}
-  for pass in sections metrics; do
-    if [ $pass = sections ]; then what="--section SpeedOfLight --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section WarpStateStats"
-    else what="--metrics ${known%,}"; fi
+  for pass in sections metrics $([ "${SOURCE:-0}" = 1 ] && echo source); do
+    case $pass in
+      sections) what="--section SpeedOfLight --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section WarpStateStats" ;;
+      metrics) what="--metrics ${known%,}" ;;
+      source) what="--section SourceCounters --page source --print-source sass --csv" ;;
+    esac
     # shellcheck disable=SC2086  # ncu's arguments, split as written
     ncu --clock-control none -k "regex:mla_decode_sm90_kernel|mla_decode_sm80|flash_fwd_splitkv_mla_kernel" \
       --launch-skip 2 --launch-count 1 $what \
