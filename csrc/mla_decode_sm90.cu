@@ -365,16 +365,16 @@ __device__ __forceinline__ uint4 e4m3x8_times(uint2 bytes, __half2 s) {
 //
 // Here the warpgroup waits for them, then converts the blocks in place from the first: block k's
 // output (bytes 8192 k ..) covers the stored bytes of blocks 2k - NB and 2k - NB + 1, so the
-// outputs of the first NB / 2 blocks cover none and are written at once; then each thread reads
-// the rest of its stored bytes into registers, and one barrier keeps the other outputs behind
-// every read of the bytes they overwrite; fp8_ds_mla reads its scales into registers, and passes a barrier, before
-// block 0's output covers them. fp8_e4m3's values become fp16 exactly (one cvt a
-// pair; the cache's scale is folded into the softmax scale and the output); fp8_ds_mla's the
-// tile's 2^F from the largest scale of its valid rows (each warpgroup finds the same from the
-// scales its group holds; `tile_max_s`, 4 floats a warpgroup, carries its warps' maxima), then
-// e4m3 x (group scale / 2^F) in fp16, and its bf16 rope values times 2^-F (exact). Rows at and
-// past `valid` become zeros (their bytes taken as 0, fp8_ds_mla's scales as 0). Returns F
-// (fp8_e4m3: 0; no valid row: kNoRows).
+// outputs of the first NB / 2 blocks (rounded down) cover none and are written at once; then
+// each thread reads the rest of its stored bytes into registers, and one barrier keeps the other
+// outputs behind every read of the bytes they overwrite; fp8_ds_mla reads its scales into
+// registers, and passes a barrier, before block 0's output covers them. fp8_e4m3's values become
+// fp16 exactly (one cvt a pair; the cache's scale is folded into the softmax scale and the
+// output); fp8_ds_mla's the tile's 2^F from the largest scale of its valid rows (each warpgroup
+// finds the same from the scales its group holds; `tile_max_s`, 4 floats a warpgroup, carries
+// its warps' maxima), then e4m3 x (group scale / 2^F) in fp16, and its bf16 rope values times
+// 2^-F (exact). Rows at and past `valid` become zeros (their bytes taken as 0, fp8_ds_mla's
+// scales as 0). Returns F (fp8_e4m3: 0; no valid row: kNoRows).
 template <typename T, CacheFormat F, int J0>
 __device__ __forceinline__ int finish_fp8_blocks(unsigned char* blocks, int valid, int wtid, int wg, uint32_t raw,
                                                    int parity, uint32_t bar, float* tile_max_s) {
@@ -426,7 +426,9 @@ __device__ __forceinline__ int finish_fp8_blocks(unsigned char* blocks, int vali
       // a row past the end is not read: its zeros (e4m3 0 is +0) times its fp8_ds_mla scale of 0
       // leave no NaN or inf of its bytes or scales, with no branch around the conversion
       v[k][h] = make_uint4(0u, 0u, 0u, 0u);
-      if ((wtid >> 2) + 32 * h < valid) v[k][h] = *reinterpret_cast<const uint4*>(blocks + kRawAt + 4096 * k + 16 * (wtid + 128 * h));
+      if ((wtid >> 2) + 32 * h < valid) {
+        v[k][h] = *reinterpret_cast<const uint4*>(blocks + kRawAt + 4096 * k + 16 * (wtid + 128 * h));
+      }
     }
   };
   auto convert = [&](int k) {
