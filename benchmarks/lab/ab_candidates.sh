@@ -18,18 +18,9 @@ rounds=${ROUNDS:-2}
 bench=${BENCH:-decode}
 flashmla=; [ "$bench" = decode ] && flashmla=--no-flashmla  # decode alone runs FlashMLA beside it
 mkdir -p "$out/ab" .ab
-for name in "${names[@]}"; do
-  patch_file=benchmarks/lab/candidates/$name.patch
-  [ -f "$patch_file" ] || { echo "no $patch_file"; exit 2; }
-  rm -rf ".ab/$name" && mkdir -p ".ab/$name"
-  tar c --exclude=./.ab --exclude=./.peers --exclude=./.venv --exclude=./.git . | tar x -C ".ab/$name"
-  if command -v patch >/dev/null; then
-    patch -s -p1 -d ".ab/$name" < "$patch_file" || { echo "$name: the patch does not apply"; exit 2; }
-  else
-    (cd ".ab/$name" && GIT_CEILING_DIRECTORIES="$(cd .. && pwd)" git apply "../../$patch_file") \
-      || { echo "$name: the patch does not apply"; exit 2; }
-  fi
-done
+# shellcheck source=benchmarks/lab/candidate_copy.sh
+. benchmarks/lab/candidate_copy.sh
+for name in "${names[@]}"; do copy_candidate "$name" || exit 2; done
 build() {  # folder, extension cache name
   (cd "$1" && TORCH_EXTENSIONS_DIR=/tmp/ext-$2 python3 -c \
     "from mla.kernels.extension import load_extension as load; state = load(); print('$2', state); assert state['loaded']")

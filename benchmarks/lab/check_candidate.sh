@@ -12,11 +12,9 @@
 # Run from the repository root with PYTHONPATH=. on the GPU machine.
 set -u
 out=$(mkdir -p "$1" && cd "$1" && pwd) name=$2 tests=$3 sanitizer=${4:-}
-patch_file=benchmarks/lab/candidates/$name.patch
-[ -f "$patch_file" ] || { echo "no $patch_file"; exit 2; }
-rm -rf ".ab/$name" && mkdir -p ".ab/$name"
-tar c --exclude=./.ab --exclude=./.peers --exclude=./.venv --exclude=./.git . | tar x -C ".ab/$name"
-patch -s -p1 -d ".ab/$name" < "$patch_file" || { echo "$name: the patch does not apply"; exit 2; }
+# shellcheck source=benchmarks/lab/candidate_copy.sh
+. benchmarks/lab/candidate_copy.sh
+copy_candidate "$name" || exit 2
 cd ".ab/$name" || exit 2
 export TORCH_EXTENSIONS_DIR=/tmp/ext-$name PYTHONPATH=.
 start=$SECONDS

@@ -23,8 +23,9 @@ each warpgroup (0 and 128) sums, over the pair loop, the cycles it spends:
   group's TMA copies), so that ``convert - raw_wait`` is the conversion and its barriers;
 
 and ``other`` is the rest of the loop (``raw_wait`` is not subtracted twice): the softmax,
-fragments, stores of P and the issue of the MMAs. The clock reads add a few cycles each, and registers (254 a thread against the
-kernel's 240 at row 46, 238 since row 48; no spills). Medians over CTAs, then over 5 repetitions;
+fragments, stores of P and the issue of the MMAs. The clock reads add a few cycles each, and
+registers (254 a thread against the kernel's 240 at row 46, 238 since row 48; no spills).
+Medians over CTAs, then over 5 repetitions;
 ``*_per_tile`` divides a warpgroup's loop by the CTA's tiles (cycles).
 
 Writes the rows of one run to ``--out-name`` (``h200-decode-sm90-timeline-rows.json``). The
