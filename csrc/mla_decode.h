@@ -42,6 +42,16 @@ __device__ __forceinline__ SplitTokens split_tokens(int seq_len, int split, int 
   const int end = max(min(start + tiles_per_split * tile, seq_len), start);
   return {start, end, (end - start + tile - 1) / tile};
 }
+
+// 2^x in one instruction (ex2.approx.ftz): exp2f's own approximation, without the steps it takes
+// to return a denormal result for x < -126 (a compare and two multiplies an exponent); here such a
+// result is +0. The kernels exponentiate x = S - m <= 0 against a row maximum whose own term is 1,
+// so what is flushed is below 2^-126 of the sum it joins, and the products take P in bf16 or fp16.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 #endif
 
 }  // namespace mla

@@ -510,11 +510,11 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
 #pragma unroll
       for (int o = S::kRowThreads / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
       const float m_new = fmaxf(m_row, mx);      // finite: every tile holds a real token
-      const float alpha = exp2f(m_row - m_new);  // 0 on the first tile (m_row = -inf)
+      const float alpha = exp2_ftz(m_row - m_new);  // 0 on the first tile (m_row = -inf)
       float sum = 0.f;
 #pragma unroll
       for (int k = 0; k < S::kRowTok; ++k) {
-        v[k] = exp2f(v[k] - m_new);
+        v[k] = exp2_ftz(v[k] - m_new);
         sum += v[k];
       }
 #pragma unroll

@@ -730,8 +730,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     for (int j = 0; j < 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        s[4 * j + e] = exp2f(fmaf(s[4 * j + e], exp_mult, -m0));
-        s[4 * j + 2 + e] = exp2f(fmaf(s[4 * j + 2 + e], exp_mult, -m1));
+        s[4 * j + e] = exp2_ftz(fmaf(s[4 * j + e], exp_mult, -m0));
+        s[4 * j + 2 + e] = exp2_ftz(fmaf(s[4 * j + 2 + e], exp_mult, -m1));
         sum0 += s[4 * j + e];
         sum1 += s[4 * j + 2 + e];
       }
@@ -926,7 +926,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       const float old0 = m_s[row0], old1 = m_s[row0 + 8];
       // finite with one new token (A has a real token); -inf for a row that has seen none yet
       const float new0 = fmaxf(old0, mx0), new1 = fmaxf(old1, mx1);
-      float sa0 = exp2f(old0 - new0), sa1 = exp2f(old1 - new1);  // 0 on the first tile
+      float sa0 = exp2_ftz(old0 - new0), sa1 = exp2_ftz(old1 - new1);  // 0 on the first tile
       float ref0 = new0, ref1 = new1;  // what the exponents are taken against
       if constexpr (MultiToken) no_token_yet(new0, new1, sa0, sa1, ref0, ref1);
       publish_max(new0, new1, scale_a_s, sa0, sa1);
@@ -986,7 +986,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       bar_sync(kBarScaleA);
       const float ma0 = m_s[row0], ma1 = m_s[row0 + 8];
       const float new0 = fmaxf(ma0, mx0), new1 = fmaxf(ma1, mx1);
-      float sb0 = exp2f(ma0 - new0), sb1 = exp2f(ma1 - new1);
+      float sb0 = exp2_ftz(ma0 - new0), sb1 = exp2_ftz(ma1 - new1);
       float ref0 = new0, ref1 = new1;
       if constexpr (MultiToken) no_token_yet(new0, new1, sb0, sb1, ref0, ref1);
       const float f0 = scale_a_s[row0] * sb0, f1 = scale_a_s[row0 + 8] * sb1;
