@@ -140,6 +140,18 @@ __device__ __forceinline__ void bar_sync_wg() { asm volatile("bar.sync %0, 128;\
 __device__ __forceinline__ void sync_warpgroup(int wg) {
   if (wg == 0) bar_sync_wg<5>(); else bar_sync_wg<6>();
 }
+// sync_warpgroup that also returns whether p held in any of the warpgroup's threads
+template <int Id>
+__device__ __forceinline__ bool any_wg(bool p) {
+  uint32_t any;
+  asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, 128, p;\n"
+               " selp.u32 %0, 1, 0, q;\n}\n"
+               : "=r"(any) : "r"(static_cast<uint32_t>(p)), "n"(Id) : "memory");
+  return any != 0;
+}
+__device__ __forceinline__ bool sync_warpgroup_any(int wg, bool p) {
+  return wg == 0 ? any_wg<5>(p) : any_wg<6>(p);
+}
 
 // byte offset of 16-byte vector v (of 72) of row r (of 64) in the swizzled layout
 __device__ __forceinline__ uint32_t swizzled(int r, int v) {
@@ -402,12 +414,21 @@ __device__ __forceinline__ int finish_fp8_blocks(unsigned char* blocks, int vali
         top = fmaxf(top, fmaxf(fmaxf(row_scales[h].x, row_scales[h].y), fmaxf(row_scales[h].z, row_scales[h].w)));
       }
     }
+    // Where every thread's largest lies in [2^-14, 2^6), so does the tile's: F = 0, the usual case,
+    // known from one barrier's vote (the barrier also keeps every scale read before block 0's
+    // output covers them). Otherwise (a large or small scale, or a thread with no valid row) F
+    // comes from the tile's largest, the maximum of its warps' maxima.
+    const bool in_range = top >= 0x1p-14f && top < 0x1p6f;
+    if (!sync_warpgroup_any(wg, !in_range)) {
+      tile_f = 0;
+    } else {
 #pragma unroll
-    for (int x = 16; x > 0; x >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, x));
-    if ((wtid & 31) == 0) tile_max_s[4 * wg + (wtid >> 5)] = top;
-    sync_warpgroup(wg);  // every scale read, every warp's maximum written, before block 0's output
-    top = fmaxf(fmaxf(tile_max_s[4 * wg], tile_max_s[4 * wg + 1]), fmaxf(tile_max_s[4 * wg + 2], tile_max_s[4 * wg + 3]));
-    tile_f = tile_exponent(top);
+      for (int x = 16; x > 0; x >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, x));
+      if ((wtid & 31) == 0) tile_max_s[4 * wg + (wtid >> 5)] = top;
+      sync_warpgroup(wg);  // every warp's maximum written
+      top = fmaxf(fmaxf(tile_max_s[4 * wg], tile_max_s[4 * wg + 1]), fmaxf(tile_max_s[4 * wg + 2], tile_max_s[4 * wg + 3]));
+      tile_f = tile_exponent(top);
+    }
     fe = tile_f == kNoRows ? 0 : tile_f;
     const float down = pow2(-fe);
 #pragma unroll
