@@ -7,13 +7,17 @@ Runs ``--calls`` calls (default 3) of ``mla_decode`` (its stage 1 and split coun
 benchmark plans them) or of FlashMLA's dense decode, on the decode benchmark's inputs, and waits
 for them. The wrapper has ncu skip the first calls and count the last one's stage-1 kernel, so
 the counts come from a warm call whose build and metadata are done. Prints the kernel and split
-count it ran. ``--summarize DIR --out FILE`` reads the wrapper's metric files in DIR (no GPU
-needed) and writes them as one JSON file: each subject's metrics, by name, as numbers.
+count it ran. ``--summarize DIR --out FILE`` reads the wrapper's files in DIR (no GPU needed)
+and writes them as one JSON file: each subject's metrics, by name, as numbers, and where the
+SourceCounters pass ran (SUBJECT-source.csv), its executed instructions summed by opcode and by
+opcode with its modifiers (the most executed).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import csv
 import json
 import pathlib
 import re
@@ -33,6 +37,29 @@ def summarize(folder: str) -> dict:
     return out
 
 
+def source_counts(path, top: int = 40) -> dict:
+    """A SourceCounters CSV (the kernel's name, a header row, then one row a SASS instruction) to
+    its executed warp instructions: the total, by opcode (HGMMA, FMUL) and by opcode with its
+    modifiers (FSETP.GEU.AND), the `top` most executed, and of those the ones under a guard
+    predicate (@P0, @!P2; executed whether or not the predicate holds) by opcode with modifiers."""
+    rows = list(csv.reader(pathlib.Path(path).read_text().splitlines()))
+    header = next(r for r in rows if "Instructions Executed" in r)
+    at, sass = header.index("Instructions Executed"), header.index("Source")
+    by_op, by_mnemonic, guarded, total = collections.Counter(), collections.Counter(), collections.Counter(), 0
+    for row in rows[rows.index(header) + 1:]:
+        if len(row) <= max(at, sass) or not row[at].replace(",", "").isdigit():
+            continue
+        n = int(row[at].replace(",", ""))
+        guard = re.match(r"^@!?U?P[T\d]+\s+", row[sass].strip())
+        mnemonic = row[sass].strip()[guard.end() if guard else 0:].split(" ")[0]
+        by_op[mnemonic.split(".")[0]] += n
+        by_mnemonic[mnemonic] += n
+        guarded[mnemonic] += n if guard else 0
+        total += n
+    return dict(total=total, by_opcode=dict(by_op.most_common()), by_mnemonic=dict(by_mnemonic.most_common(top)),
+                guarded={m: n for m, n in guarded.most_common(top) if n})
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--who", choices=("mla", "flashmla"), default="mla")
@@ -44,8 +71,10 @@ def main(argv=None):
     parser.add_argument("--device", default="", help="the GPU's name, for --summarize's JSON")
     args = parser.parse_args(argv)
     if args.summarize:
-        pathlib.Path(args.out).write_text(json.dumps(dict(device=args.device, shape=args.shape, subjects=summarize(args.summarize)),
-                                                     indent=1) + "\n")
+        sources = {p.name.removesuffix("-source.csv"): source_counts(p)
+                   for p in sorted(pathlib.Path(args.summarize).glob("*-source.csv"))}
+        found = dict(device=args.device, shape=args.shape, subjects=summarize(args.summarize), sources=sources)
+        pathlib.Path(args.out).write_text(json.dumps(found, indent=1) + "\n")
         print(f"wrote {args.out}")
         return
     import torch

@@ -5,9 +5,12 @@
 # sections, then the metrics of METRICS that this ncu knows (shared-memory banks and wavefronts,
 # the tensor pipe, warp stalls). Text under OUT_DIR, one file a subject and pass, and the metrics
 # as JSON (OUT_DIR/ncu-decode.json, ncu_decode.py --summarize). SOURCE=1 adds a third pass: the
-# SourceCounters section's page of SASS, each instruction with its executed count, as CSV (its
-# flags not yet tried on the GPU machine).
+# SourceCounters section saved as a report (SUBJECT-source.ncu-rep), then its source page printed
+# from it: the SASS, each instruction with its executed counts, as CSV (SUBJECT-source.csv).
+# SUBJECTS picks the subjects (default: all four, FlashMLA where it imports), PASSES the first
+# two passes (default "sections metrics"; "" for the source pass alone).
 #   bash benchmarks/lab/ncu_decode.sh OUT_DIR [BxTxH]
+#   SOURCE=1 PASSES= SUBJECTS="mla:auto flashmla:auto" bash benchmarks/lab/ncu_decode.sh OUT_DIR
 # Run from the repository root on the GPU machine with PYTHONPATH=.peers:. (FlashMLA is skipped
 # when it does not import). ncu runs with --clock-control none (the device README's advice), so
 # its durations are at the clocks the GPU picks.
@@ -32,13 +35,14 @@ known=$(for m in $METRICS; do grep -q "^${m%%.*} " "$out/query-metrics.txt" && e
 echo "metrics ncu knows: ${known%,}" > "$out/metrics-used.txt"
 subjects="mla:auto mla:fp8_e4m3 mla:fp8_ds_mla"
 python3 -c "import flash_mla" 2>/dev/null && subjects="$subjects flashmla:auto"
+subjects=${SUBJECTS:-$subjects}
 for s in $subjects; do
   who=${s%%:*} kind=${s##*:} name=${s/:/-}
-  for pass in sections metrics $([ "${SOURCE:-0}" = 1 ] && echo source); do
+  for pass in ${PASSES-sections metrics} $([ "${SOURCE:-0}" = 1 ] && echo source); do
     case $pass in
       sections) what="--section SpeedOfLight --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section WarpStateStats" ;;
       metrics) what="--metrics ${known%,}" ;;
-      source) what="--section SourceCounters --page source --print-source sass --csv" ;;
+      source) what="--section SourceCounters --import-source no -f -o $out/$name-source" ;;
     esac
     # shellcheck disable=SC2086  # ncu's arguments, split as written
     ncu --clock-control none -k "regex:mla_decode_sm90_kernel|mla_decode_sm80|flash_fwd_splitkv_mla_kernel" \
@@ -46,6 +50,10 @@ for s in $subjects; do
       python3 benchmarks/lab/ncu_decode.py --who "$who" --kv-cache-dtype "$kind" --shape "$shape" \
       > "$out/$name-$pass.txt" 2>&1
     echo "$name $pass rc=$?"
+    if [ "$pass" = source ]; then
+      ncu -i "$out/$name-source.ncu-rep" --page source --print-source sass --csv > "$out/$name-source.csv" 2>&1
+      echo "$name source page rc=$? ($(wc -l < "$out/$name-source.csv") lines)"
+    fi
   done
 done
 python3 benchmarks/lab/ncu_decode.py --summarize "$out" --shape "$shape" --out "$out/ncu-decode.json" \

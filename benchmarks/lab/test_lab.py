@@ -130,3 +130,24 @@ def test_ncu_summary_reads_the_metric_tables(tmp_path):
     assert summarize(str(tmp_path)) == {"mla-auto": {
         "gpu__time_duration.sum": 145.38, "l1tex__data_bank_reads.sum": 458297008.0,
         "smsp__warp_issue_stalled_wait_per_warp_active.pct": 13.37}}
+
+
+def test_ncu_source_counts_sum_the_sass_page(tmp_path):
+    """ncu_decode.py's source_counts: a SourceCounters CSV's executed instructions summed by
+    opcode and by mnemonic, guard predicates dropped, rows without a count skipped."""
+    from benchmarks.lab.ncu_decode import source_counts
+
+    path = tmp_path / "mla-auto-source.csv"
+    path.write_text(
+        '"Kernel Name","void mla_decode_sm90_kernel<...>(...)"\n'
+        '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"\n'
+        '"0x10","      FSETP.GEU.AND P2, PT, R193, -126, PT","3","16384"\n'
+        '"0x20","@!P2  FMUL R193, R193, 0.5","1","16,384"\n'
+        '"0x30","      FMUL.FTZ R1, R2, R3","0","100"\n'
+        '"0x40","@!PT  LDS RZ, [RZ]","0","7"\n'
+        '"0x50","      EXIT","0",""\n')
+    counts = source_counts(path)
+    assert counts["total"] == 16384 + 16384 + 100 + 7
+    assert counts["by_opcode"] == {"FMUL": 16484, "FSETP": 16384, "LDS": 7}
+    assert counts["by_mnemonic"] == {"FSETP.GEU.AND": 16384, "FMUL": 16384, "FMUL.FTZ": 100, "LDS": 7}
+    assert counts["guarded"] == {"FMUL": 16384, "LDS": 7}
