@@ -383,9 +383,10 @@ __device__ __forceinline__ uint4 e4m3x8_times(uint2 bytes, __half2 s) {
 // registers, and passes a barrier, before block 0's output covers them. fp8_e4m3's values become
 // fp16 exactly (one cvt a pair; the cache's scale is folded into the softmax scale and the
 // output); fp8_ds_mla's the tile's 2^F from the largest scale of its valid rows (each warpgroup
-// finds the same from the scales its group holds; `tile_max_s`, 4 floats a warpgroup, carries
-// its warps' maxima), then e4m3 x (group scale / 2^F) in fp16, and its bf16 rope values times
-// 2^-F (exact). Rows at and past `valid` become zeros (their bytes taken as 0, fp8_ds_mla's
+// finds the same from the scales its group holds: F = 0 from the barrier's vote where every
+// thread's largest is in range, else from its warps' maxima, 4 floats a warpgroup at
+// `tile_max_s`), then e4m3 x (group scale / 2^F) in fp16, and its bf16 rope values times 2^-F
+// (exact). Rows at and past `valid` become zeros (their bytes taken as 0, fp8_ds_mla's
 // scales as 0). Returns F (fp8_e4m3: 0; no valid row: kNoRows).
 template <typename T, CacheFormat F, int J0>
 __device__ __forceinline__ int finish_fp8_blocks(unsigned char* blocks, int valid, int wtid, int wg, uint32_t raw,
