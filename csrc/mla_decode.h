@@ -45,8 +45,9 @@ __device__ __forceinline__ SplitTokens split_tokens(int seq_len, int split, int 
 
 // 2^x in one instruction (ex2.approx.ftz): exp2f's own approximation, without the steps it takes
 // to return a denormal result for x < -126 (a compare and two multiplies an exponent); here such a
-// result is +0. The kernels exponentiate x = S - m <= 0 against a row maximum whose own term is 1,
-// so what is flushed is below 2^-126 of the sum it joins, and the products take P in bf16 or fp16.
+// result is +0. The kernels exponentiate x <= 0 only: a score less its row's maximum, whose own
+// term is 1, or an old maximum less a new one (the factor that rescales O and l); so what is
+// flushed weighs less than 2^-126 of the row sum it joins or of the terms it rescales.
 __device__ __forceinline__ float exp2_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
