@@ -41,11 +41,14 @@ def source_counts(path, top: int = 40) -> dict:
     """A SourceCounters CSV (the kernel's name, a header row, then one row a SASS instruction) to
     its executed warp instructions: the total, by opcode (HGMMA, FMUL) and by opcode with its
     modifiers (FSETP.GEU.AND), the `top` most executed, and of those the ones under a guard
-    predicate (@P0, @!P2; executed whether or not the predicate holds) by opcode with modifiers."""
+    predicate (@P0, @!P2; executed whether or not the predicate holds) by opcode with modifiers;
+    where the page has the warp-state sampling columns, the samples summed by stall reason."""
     rows = list(csv.reader(pathlib.Path(path).read_text().splitlines()))
     header = next(r for r in rows if "Instructions Executed" in r)
     at, sass = header.index("Instructions Executed"), header.index("Source")
+    reasons = [(i, h) for i, h in enumerate(header) if h.startswith("stall_") and not h.endswith("(Not Issued)")]
     by_op, by_mnemonic, guarded, total = collections.Counter(), collections.Counter(), collections.Counter(), 0
+    stalls = collections.Counter()
     for row in rows[rows.index(header) + 1:]:
         if len(row) <= max(at, sass) or not row[at].replace(",", "").isdigit():
             continue
@@ -56,8 +59,10 @@ def source_counts(path, top: int = 40) -> dict:
         by_mnemonic[mnemonic] += n
         guarded[mnemonic] += n if guard else 0
         total += n
+        for i, reason in reasons:
+            stalls[reason.removeprefix("stall_")] += int(row[i].replace(",", "") or 0) if i < len(row) else 0
     return dict(total=total, by_opcode=dict(by_op.most_common()), by_mnemonic=dict(by_mnemonic.most_common(top)),
-                guarded={m: n for m, n in guarded.most_common(top) if n})
+                guarded={m: n for m, n in guarded.most_common(top) if n}, stall_samples=dict(stalls.most_common()))
 
 
 def main(argv=None):

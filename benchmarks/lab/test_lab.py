@@ -140,14 +140,15 @@ def test_ncu_source_counts_sum_the_sass_page(tmp_path):
     path = tmp_path / "mla-auto-source.csv"
     path.write_text(
         '"Kernel Name","void mla_decode_sm90_kernel<...>(...)"\n'
-        '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"\n'
-        '"0x10","      FSETP.GEU.AND P2, PT, R193, -126, PT","3","16384"\n'
-        '"0x20","@!P2  FMUL R193, R193, 0.5","1","16,384"\n'
-        '"0x30","      FMUL.FTZ R1, R2, R3","0","100"\n'
-        '"0x40","@!PT  LDS RZ, [RZ]","0","7"\n'
-        '"0x50","      EXIT","0",""\n')
+        '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_wait","stall_wait (Not Issued)"\n'
+        '"0x10","      FSETP.GEU.AND P2, PT, R193, -126, PT","3","16384","3","2"\n'
+        '"0x20","@!P2  FMUL R193, R193, 0.5","1","16,384","1","0"\n'
+        '"0x30","      FMUL.FTZ R1, R2, R3","0","100","0","0"\n'
+        '"0x40","@!PT  LDS RZ, [RZ]","0","7","0","0"\n'
+        '"0x50","      EXIT","0","","0","0"\n')
     counts = source_counts(path)
     assert counts["total"] == 16384 + 16384 + 100 + 7
     assert counts["by_opcode"] == {"FMUL": 16484, "FSETP": 16384, "LDS": 7}
     assert counts["by_mnemonic"] == {"FSETP.GEU.AND": 16384, "FMUL": 16384, "FMUL.FTZ": 100, "LDS": 7}
     assert counts["guarded"] == {"FMUL": 16384, "LDS": 7}
+    assert counts["stall_samples"] == {"wait": 4}
