@@ -9,8 +9,7 @@ for them. The wrapper has ncu skip the first calls and count the last one's stag
 the counts come from a warm call whose build and metadata are done. Prints the kernel and split
 count it ran. ``--summarize DIR --out FILE`` reads the wrapper's files in DIR (no GPU needed)
 and writes them as one JSON file: each subject's metrics, by name, as numbers, and where the
-SourceCounters pass ran (SUBJECT-source.csv), its executed instructions summed by opcode and by
-opcode with its modifiers (the most executed).
+SourceCounters pass ran (SUBJECT-source.csv), its page summed as ``source_counts`` says.
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ def main(argv=None):
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3", "fp8_ds_mla"))
     parser.add_argument("--shape", default="64x4096x128", help="BxTxH")
     parser.add_argument("--calls", type=int, default=3)
-    parser.add_argument("--summarize", metavar="DIR", help="write DIR's metric files as JSON (--out) and stop")
+    parser.add_argument("--summarize", metavar="DIR", help="write DIR's metric and source files as JSON (--out) and stop")
     parser.add_argument("--out", help="the JSON file --summarize writes")
     parser.add_argument("--device", default="", help="the GPU's name, for --summarize's JSON")
     args = parser.parse_args(argv)

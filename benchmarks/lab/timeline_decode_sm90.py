@@ -24,7 +24,7 @@ each warpgroup (0 and 128) sums, over the pair loop, the cycles it spends:
 
 and ``other`` is the rest of the loop (``raw_wait`` is not subtracted twice): the softmax,
 fragments, stores of P and the issue of the MMAs. The clock reads add a few cycles each, and
-registers (254 a thread against the kernel's 240 at row 46, 238 since row 48; no spills).
+registers (the instrumented copy takes more than the kernel's own).
 Medians over CTAs, then over 5 repetitions;
 ``*_per_tile`` divides a warpgroup's loop by the CTA's tiles (cycles).
 
