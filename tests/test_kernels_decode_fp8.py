@@ -617,6 +617,43 @@ def test_gpu_cuda_fp8_cached_values_outside_fp16s_range(kind, backend, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bound, side", [(-14, "at"), (-14, "below"), (6, "at"), (6, "below")])
+@pytest.mark.parametrize("spread", [False, True])
+def test_gpu_sm90_ds_mla_tile_exponent_at_its_bounds(bound, side, spread):
+    # The wgmma kernel takes F = 0 for a tile from one vote when every thread's largest scale lies
+    # in [2^-14, 2^6), and otherwise F from the tile's largest (F = 0 at 2^-14, -1 just below it,
+    # 1 at 2^6). Every tile's largest scale here sits on a bound or one float32 step below it:
+    # every scale that value (each thread votes the same way, and the values are exact in fp16),
+    # or the cache's scales grown as one, each page's largest then set to it (a thread or two a
+    # tile votes one way, the rest the other; the scores spread as before).
+    _skip_unless_sm90()
+    args = _cuda_case("fp8_ds_mla", torch.bfloat16, 64, 64, seed=11, seq_lens=SM90_LENGTHS)
+    target = torch.tensor(2.0**bound, device="cuda")
+    if side == "below":
+        target = torch.nextafter(target, torch.zeros_like(target))
+    cache = args["kv_cache"].clone()
+    scales = cache[..., 512:528].view(torch.float32)  # (pages, 64, 4); unwritten rows NaN
+    grow = target / scales.nan_to_num(nan=0.0).max()
+    if spread:
+        scales.copy_(torch.minimum(scales * grow, target))  # NaN stays NaN
+        biggest = scales.nan_to_num(nan=0.0).flatten(1).max(dim=1)  # each page's
+        used = torch.nonzero(biggest.values > 0).flatten()
+        scales[used, biggest.indices[used] // 4, biggest.indices[used] % 4] = target
+    else:
+        scales.copy_(torch.where(scales.isnan(), scales, target))
+    written = scales[~scales.isnan()]
+    assert written.max() == target and (spread or written.min() == target)
+    assert spread == bool(written.min() < target)
+    rope = cache[..., 528:656].view(torch.bfloat16)
+    rope.copy_((rope.float() * grow).to(torch.bfloat16))
+    at_bound = dict(args, kv_cache=cache, softmax_scale=args["softmax_scale"] / grow.item())
+    ref_out, ref_lse = _reference_in_q_dtype(at_bound, "cuda-sm80")  # float32, no rounding of values
+    for splits in (None, 1):
+        out, lse = mla_decode(**at_bound, num_kv_splits=splits, _backend="cuda-sm90")
+        assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
+
+
+@pytest.mark.gpu
 def test_gpu_sm90_ds_mla_tiles_far_apart_in_size():
     # The wgmma kernel sets its power of two a 64-token tile at a time and keeps O over the
     # largest so far: pages (here a tile each) whose values, scales and rope values are 2^-12, 1
