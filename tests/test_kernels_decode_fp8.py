@@ -621,11 +621,14 @@ def test_gpu_cuda_fp8_cached_values_outside_fp16s_range(kind, backend, k):
 @pytest.mark.parametrize("spread", [False, True])
 def test_gpu_sm90_ds_mla_tile_exponent_at_its_bounds(bound, side, spread):
     # The wgmma kernel takes F = 0 for a tile from one vote when every thread's largest scale lies
-    # in [2^-14, 2^6), and otherwise F from the tile's largest (F = 0 at 2^-14, -1 just below it,
-    # 1 at 2^6). Every tile's largest scale here sits on a bound or one float32 step below it:
-    # every scale that value (each thread votes the same way, and the values are exact in fp16),
-    # or the cache's scales grown as one, each page's largest then set to it (a thread or two a
-    # tile votes one way, the rest the other; the scores spread as before).
+    # in [2^-14, 2^6), and otherwise F from the tile's largest (tile_exponent: F = 0 at 2^-14, -1
+    # just below it, 1 at 2^6). Each tile's largest scale here sits on a bound or one float32 step
+    # below it: every scale that value, or the cache's scales grown as one and each page's largest
+    # then set to it (at 2^6 the four threads a warpgroup that hold that row vote out of range and
+    # the rest in, at 2^-14 the reverse). Both paths must match the reference there. An F off by
+    # one changes no fp16 value at these bounds (they keep a factor of two of headroom), so this
+    # catches a wrong path only where it breaks the values (an overflow, a hang, the warpgroups
+    # disagreeing); the next test checks the vote itself.
     _skip_unless_sm90()
     args = _cuda_case("fp8_ds_mla", torch.bfloat16, 64, 64, seed=11, seq_lens=SM90_LENGTHS)
     target = torch.tensor(2.0**bound, device="cuda")
@@ -650,6 +653,32 @@ def test_gpu_sm90_ds_mla_tile_exponent_at_its_bounds(bound, side, spread):
     ref_out, ref_lse = _reference_in_q_dtype(at_bound, "cuda-sm80")  # float32, no rounding of values
     for splits in (None, 1):
         out, lse = mla_decode(**at_bound, num_kv_splits=splits, _backend="cuda-sm90")
+        assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_sm90_ds_mla_one_row_past_the_bound_sets_the_tile():
+    # Every group scale under 2^6 but one a page, 2^8: that group's values reach 448 x 2^8, past
+    # fp16's 65,504 unless F >= 2. Only the four threads a warpgroup that hold its row vote out of
+    # range; the tile must still take F from its largest (an AND in place of the vote's OR would
+    # keep F = 0 and overflow).
+    _skip_unless_sm90()
+    args = _cuda_case("fp8_ds_mla", torch.bfloat16, 64, 64, seed=12, seq_lens=SM90_LENGTHS)
+    cache = args["kv_cache"].clone()
+    scales = cache[..., 512:528].view(torch.float32)  # (pages, 64, 4); unwritten rows NaN
+    grow = 2.0**5 / scales.nan_to_num(nan=0.0).max()
+    scales.mul_(grow)  # NaN stays NaN
+    biggest = scales.nan_to_num(nan=0.0).flatten(1).max(dim=1)  # each page's
+    used = torch.nonzero(biggest.values > 0).flatten()
+    scales[used, biggest.indices[used] // 4, biggest.indices[used] % 4] = 2.0**8
+    tops = scales.nan_to_num(nan=0.0).flatten(1).topk(2, dim=1).values[used]  # (used pages, 2)
+    assert (tops[:, 0] == 2.0**8).all() and (tops[:, 1] <= 2.0**5).all()
+    rope = cache[..., 528:656].view(torch.bfloat16)
+    rope.copy_((rope.float() * grow).to(torch.bfloat16))
+    one_row = dict(args, kv_cache=cache, softmax_scale=args["softmax_scale"] / grow.item())
+    ref_out, ref_lse = _reference_in_q_dtype(one_row, "cuda-sm80")  # float32, no rounding of values
+    for splits in (None, 1):
+        out, lse = mla_decode(**one_row, num_kv_splits=splits, _backend="cuda-sm90")
         assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
 
 
