@@ -616,6 +616,20 @@ def test_gpu_cuda_fp8_cached_values_outside_fp16s_range(kind, backend, k):
         assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
 
 
+def _check_grown_scales(args, cache, grow):
+    """The wgmma kernel on ``cache``, fp8_ds_mla's rows of ``args`` with their scales grown by
+    ``grow`` (a float32 scalar tensor) and changed further in place: its rope values grown the
+    same, the softmax scale shrunk the same (so the scores spread as before), against the float32
+    reference on the dequantised cache, with either split rule."""
+    rope = cache[..., 528:656].view(torch.bfloat16)
+    rope.copy_((rope.float() * grow).to(torch.bfloat16))
+    grown = dict(args, kv_cache=cache, softmax_scale=args["softmax_scale"] / grow.item())
+    ref_out, ref_lse = _reference_in_q_dtype(grown, "cuda-sm80")  # float32, no rounding of values
+    for splits in (None, 1):
+        out, lse = mla_decode(**grown, num_kv_splits=splits, _backend="cuda-sm90")
+        assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bound, side", [(-14, "at"), (-14, "below"), (6, "at"), (6, "below")])
 @pytest.mark.parametrize("spread", [False, True])
@@ -647,13 +661,7 @@ def test_gpu_sm90_ds_mla_tile_exponent_at_its_bounds(bound, side, spread):
     written = scales[~scales.isnan()]
     assert written.max() == target and (spread or written.min() == target)
     assert spread == bool(written.min() < target)
-    rope = cache[..., 528:656].view(torch.bfloat16)
-    rope.copy_((rope.float() * grow).to(torch.bfloat16))
-    at_bound = dict(args, kv_cache=cache, softmax_scale=args["softmax_scale"] / grow.item())
-    ref_out, ref_lse = _reference_in_q_dtype(at_bound, "cuda-sm80")  # float32, no rounding of values
-    for splits in (None, 1):
-        out, lse = mla_decode(**at_bound, num_kv_splits=splits, _backend="cuda-sm90")
-        assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
+    _check_grown_scales(args, cache, grow)
 
 
 @pytest.mark.gpu
@@ -673,13 +681,7 @@ def test_gpu_sm90_ds_mla_one_row_past_the_bound_sets_the_tile():
     scales[used, biggest.indices[used] // 4, biggest.indices[used] % 4] = 2.0**8
     tops = scales.nan_to_num(nan=0.0).flatten(1).topk(2, dim=1).values[used]  # (used pages, 2)
     assert (tops[:, 0] == 2.0**8).all() and (tops[:, 1] <= 2.0**5).all()
-    rope = cache[..., 528:656].view(torch.bfloat16)
-    rope.copy_((rope.float() * grow).to(torch.bfloat16))
-    one_row = dict(args, kv_cache=cache, softmax_scale=args["softmax_scale"] / grow.item())
-    ref_out, ref_lse = _reference_in_q_dtype(one_row, "cuda-sm80")  # float32, no rounding of values
-    for splits in (None, 1):
-        out, lse = mla_decode(**one_row, num_kv_splits=splits, _backend="cuda-sm90")
-        assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
+    _check_grown_scales(args, cache, grow)
 
 
 @pytest.mark.gpu
