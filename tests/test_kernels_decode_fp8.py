@@ -616,6 +616,23 @@ def test_gpu_cuda_fp8_cached_values_outside_fp16s_range(kind, backend, k):
         assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
 
 
+def _ds_mla_scales(seed):
+    """A fp8_ds_mla case for the wgmma kernel, a copy of its cache, and that copy's group scales as
+    a (pages, 64, 4) float32 view (unwritten rows NaN) to change in place."""
+    args = _cuda_case("fp8_ds_mla", torch.bfloat16, 64, 64, seed=seed, seq_lens=SM90_LENGTHS)
+    cache = args["kv_cache"].clone()
+    return args, cache, cache[..., 512:528].view(torch.float32)
+
+
+def _set_each_pages_largest(scales, value):
+    """Each written page's largest scale (``scales`` as ``_ds_mla_scales`` gives them) set to
+    ``value`` in place; returns those pages' indices."""
+    biggest = scales.nan_to_num(nan=0.0).flatten(1).max(dim=1)
+    used = torch.nonzero(biggest.values > 0).flatten()
+    scales[used, biggest.indices[used] // 4, biggest.indices[used] % 4] = value
+    return used
+
+
 def _check_grown_scales(args, cache, grow):
     """The wgmma kernel on ``cache``, fp8_ds_mla's rows of ``args`` with their scales grown by
     ``grow`` (a float32 scalar tensor) and changed further in place: its rope values grown the
@@ -644,18 +661,14 @@ def test_gpu_sm90_ds_mla_tile_exponent_at_its_bounds(bound, side, spread):
     # catches a wrong path only where it breaks the values (an overflow, a hang, the warpgroups
     # disagreeing); the next test checks the vote itself.
     _skip_unless_sm90()
-    args = _cuda_case("fp8_ds_mla", torch.bfloat16, 64, 64, seed=11, seq_lens=SM90_LENGTHS)
+    args, cache, scales = _ds_mla_scales(seed=11)
     target = torch.tensor(2.0**bound, device="cuda")
     if side == "below":
         target = torch.nextafter(target, torch.zeros_like(target))
-    cache = args["kv_cache"].clone()
-    scales = cache[..., 512:528].view(torch.float32)  # (pages, 64, 4); unwritten rows NaN
     grow = target / scales.nan_to_num(nan=0.0).max()
     if spread:
         scales.copy_(torch.minimum(scales * grow, target))  # NaN stays NaN
-        biggest = scales.nan_to_num(nan=0.0).flatten(1).max(dim=1)  # each page's
-        used = torch.nonzero(biggest.values > 0).flatten()
-        scales[used, biggest.indices[used] // 4, biggest.indices[used] % 4] = target
+        _set_each_pages_largest(scales, target)
     else:
         scales.copy_(torch.where(scales.isnan(), scales, target))
     written = scales[~scales.isnan()]
@@ -671,14 +684,10 @@ def test_gpu_sm90_ds_mla_one_row_past_the_bound_sets_the_tile():
     # range; the tile must still take F from its largest (an AND in place of the vote's OR would
     # keep F = 0 and overflow).
     _skip_unless_sm90()
-    args = _cuda_case("fp8_ds_mla", torch.bfloat16, 64, 64, seed=12, seq_lens=SM90_LENGTHS)
-    cache = args["kv_cache"].clone()
-    scales = cache[..., 512:528].view(torch.float32)  # (pages, 64, 4); unwritten rows NaN
+    args, cache, scales = _ds_mla_scales(seed=12)
     grow = 2.0**5 / scales.nan_to_num(nan=0.0).max()
     scales.mul_(grow)  # NaN stays NaN
-    biggest = scales.nan_to_num(nan=0.0).flatten(1).max(dim=1)  # each page's
-    used = torch.nonzero(biggest.values > 0).flatten()
-    scales[used, biggest.indices[used] // 4, biggest.indices[used] % 4] = 2.0**8
+    used = _set_each_pages_largest(scales, 2.0**8)
     tops = scales.nan_to_num(nan=0.0).flatten(1).topk(2, dim=1).values[used]  # (used pages, 2)
     assert (tops[:, 0] == 2.0**8).all() and (tops[:, 1] <= 2.0**5).all()
     _check_grown_scales(args, cache, grow)
