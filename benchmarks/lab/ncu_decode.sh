@@ -8,7 +8,8 @@
 # SourceCounters section saved as a report (SUBJECT-source.ncu-rep), then its source page printed
 # from it: the SASS, each instruction with its executed counts, as CSV (SUBJECT-source.csv).
 # SUBJECTS picks the subjects (default: all four, FlashMLA where it imports), PASSES the first
-# two passes (default "sections metrics"; "" for the source pass alone).
+# two passes (default "sections metrics"; "" for the source pass alone), EXTRA_METRICS more
+# metric names for the metrics pass (space-separated).
 #   bash benchmarks/lab/ncu_decode.sh OUT_DIR [BxTxH]
 #   SOURCE=1 PASSES= SUBJECTS="mla:auto flashmla:auto" bash benchmarks/lab/ncu_decode.sh OUT_DIR
 # Run from the repository root on the GPU machine with PYTHONPATH=.peers:. (FlashMLA is skipped
@@ -29,7 +30,8 @@ smsp__warp_issue_stalled_mio_throttle_per_warp_active.pct smsp__warp_issue_stall
 smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct smsp__warp_issue_stalled_wait_per_warp_active.pct
 smsp__warp_issue_stalled_math_pipe_throttle_per_warp_active.pct smsp__warp_issue_stalled_sleeping_per_warp_active.pct
 smsp__warp_issue_stalled_dispatch_stall_per_warp_active.pct smsp__warp_issue_stalled_lg_throttle_per_warp_active.pct
-smsp__warp_issue_stalled_selected_per_warp_active.pct smsp__warp_issue_stalled_not_selected_per_warp_active.pct"
+smsp__warp_issue_stalled_selected_per_warp_active.pct smsp__warp_issue_stalled_not_selected_per_warp_active.pct
+${EXTRA_METRICS:-}"
 ncu --query-metrics > "$out/query-metrics.txt" 2>&1
 known=$(for m in $METRICS; do grep -q "^${m%%.*} " "$out/query-metrics.txt" && echo -n "$m,"; done)
 echo "metrics ncu knows: ${known%,}" > "$out/metrics-used.txt"

@@ -22,13 +22,16 @@ the clock the two timers give. (``h200-decode-cuda-timeline-first.json`` is the 
 the four parts: NOTES row 40.)
 
 Writes ``h200-decode-cuda-timeline.json`` (NOTES row 40), with L2 zeroed before each run as
-do_bench leaves it. ``--clear both --out-name h200-decode-cuda-timeline-l2.json`` runs every shape
+do_bench leaves it. ``--shapes 64x4096x4,128x8192x2 --kv-cache-dtype auto,fp8_ds_mla`` picks the
+shapes (b x t x splits) and the cache layouts (an fp8 cache written from the same rows by
+``bench_decode.write_fp8_caches``). ``--clear both --out-name h200-decode-cuda-timeline-l2.json`` runs every shape
 after a read clear and after a zeroing one, in turn, on one build (NOTES row 44).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import pathlib
@@ -43,6 +46,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHAPES = ((1, 32768, 128), (1, 32768, 256), (1, 32768, 64), (64, 4096, 4), (4, 131072, 66))
 SECTIONS = ("issue", "scores", "softmax", "pv")  # the loop body between its barriers
 SLOTS = 16  # a CTA's row: 5 x (globaltimer, clock64), SM id, wait cycles, 4 section cycle sums
+
+
+def parse_shapes(text: str) -> tuple[tuple[int, int, int], ...]:
+    """'64x4096x4,128x8192x2' -> ((64, 4096, 4), (128, 8192, 2)): b, t and the split count."""
+    return tuple(tuple(int(v) for v in item.split("x")) for item in text.split(","))
 
 
 def stamp_code(slots: int) -> str:
@@ -138,7 +146,9 @@ def instrumented_source() -> str:
     edit("""  const CacheFormat format =
       check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
                        {"mla_decode_sm80", kHeads, kC, kR, DecodeShape::kTile}, kv_cache_dtype, kv_scale);""",
-         "  const CacheFormat format = CacheFormat::kAuto;  // bf16 caches only here")
+         """  const CacheFormat format = kv_cache_dtype == "fp8_ds_mla" ? CacheFormat::kFp8DsMla
+                             : kv_cache_dtype == "fp8_e4m3"  ? CacheFormat::kFp8E4M3
+                                                             : CacheFormat::kAuto;  // unchecked here""")
     edit("const std::optional<at::Tensor>& kv_scale) {", "const std::optional<at::Tensor>& kv_scale, at::Tensor& timing) {")
     edit("part_lse.stride(0), part_lse.stride(1), part_lse.stride(2));",
          "part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), (long long*)timing.data_ptr<int64_t>());")
@@ -183,17 +193,21 @@ def stamped_runs(launch, timing, clear, repeats=5):
         yield x, start, end, ghz, us
 
 
-def one_shape(mod, b, t, splits, repeats=5, clear="dirty"):
-    from benchmarks.bench_decode import SCALE, make_inputs
+def one_shape(mod, b, t, splits, repeats=5, clear="dirty", kv_cache_dtype="auto"):
+    from benchmarks.bench_decode import SCALE, make_inputs, write_fp8_caches
 
-    q, (cache,), table, lens = make_inputs(b, t, 16)
+    q, caches, table, lens = make_inputs(b, t, 16)
+    scale = None
+    if kv_cache_dtype != "auto":  # the same rows, written in the fp8 layout
+        caches, scale = write_fp8_caches(kv_cache_dtype, caches, 1)
+    cache = caches[0]
     part_out = torch.empty((b, 16, splits, 512), dtype=torch.float32, device="cuda")
     part_lse = torch.empty((b, 16, splits), dtype=torch.float32, device="cuda")
     timing = torch.zeros((b * splits, SLOTS), dtype=torch.int64, device="cuda")
     runs = []
 
     def launch():
-        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, "auto", None, timing)
+        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, kv_cache_dtype, scale, timing)
 
     for x, start, end, ghz, us in stamped_runs(launch, timing, clear, repeats):
         def med(v):
@@ -207,7 +221,7 @@ def one_shape(mod, b, t, splits, repeats=5, clear="dirty"):
             cta_max_us=us(0, 4).max().item(), ghz=ghz, sms=len(set(x[:, 10].tolist()))))
     row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     tiles = math.ceil(math.ceil(t / 32) / splits)
-    return dict(b=b, t=t, h=16, splits=splits, tiles_per_cta=tiles,
+    return dict(b=b, t=t, h=16, kv_cache_dtype=kv_cache_dtype, splits=splits, tiles_per_cta=tiles,
                 math_us_per_tile=(row["loop_us"] - row["loop_wait_us"]) / tiles, **row)
 
 
@@ -220,6 +234,10 @@ def main(argv=None):
                         help="L2 before each run: a buffer zeroed (dirty lines, do_bench's way), read (clean "
                              "lines), or both in turn (one build; writes runs = {clean: rows, dirty: rows})")
     parser.add_argument("--out-name", default="h200-decode-cuda-timeline.json")
+    parser.add_argument("--shapes", type=parse_shapes, default=SHAPES,
+                        help="comma-separated BxTxSPLITS, 16 heads (default: the five of NOTES row 40)")
+    parser.add_argument("--kv-cache-dtype", dest="kv_cache_dtypes", default="auto",
+                        help="comma-separated cache layouts: auto, fp8_e4m3, fp8_ds_mla")
     args = parser.parse_args(argv)
     t0 = time.time()
     mod = build()
@@ -227,8 +245,8 @@ def main(argv=None):
     runs = {}
     for clear in ("clean", "dirty") if args.clear == "both" else (args.clear,):
         runs[clear] = []
-        for b, t, splits in SHAPES:
-            runs[clear].append(one_shape(mod, b, t, splits, clear=clear))
+        for (b, t, splits), kind in itertools.product(args.shapes, args.kv_cache_dtypes.split(",")):
+            runs[clear].append(one_shape(mod, b, t, splits, clear=clear, kv_cache_dtype=kind))
             print(clear, json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in runs[clear][-1].items()}),
                   flush=True)
     result = dict(device=torch.cuda.get_device_name(0), clear=args.clear)
