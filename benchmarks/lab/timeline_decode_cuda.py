@@ -24,7 +24,9 @@ the four parts: NOTES row 40.)
 Writes ``h200-decode-cuda-timeline.json`` (NOTES row 40), with L2 zeroed before each run as
 do_bench leaves it. ``--shapes 64x4096x4,128x8192x2 --kv-cache-dtype auto,fp8_ds_mla`` picks the
 shapes (b x t x splits) and the cache layouts (an fp8 cache written from the same rows by
-``bench_decode.write_fp8_caches``). ``--clear both --out-name h200-decode-cuda-timeline-l2.json`` runs every shape
+``bench_decode.write_fp8_caches``); give such a run its own ``--out-name``. On an fp8 cache stamp 1
+comes before q is brought into fp16's range (a CTA-wide max and a barrier), so that step counts
+in ``first_tile_us``. ``--clear both --out-name h200-decode-cuda-timeline-l2.json`` runs every shape
 after a read clear and after a zeroing one, in turn, on one build (NOTES row 44).
 """
 
@@ -50,7 +52,13 @@ SLOTS = 16  # a CTA's row: 5 x (globaltimer, clock64), SM id, wait cycles, 4 sec
 
 def parse_shapes(text: str) -> tuple[tuple[int, int, int], ...]:
     """'64x4096x4,128x8192x2' -> ((64, 4096, 4), (128, 8192, 2)): b, t and the split count."""
-    return tuple(tuple(int(v) for v in item.split("x")) for item in text.split(","))
+    shapes = []
+    for item in text.split(","):
+        parts = item.strip().split("x")
+        if len(parts) != 3 or not all(v.isdigit() and int(v) > 0 for v in parts):
+            raise argparse.ArgumentTypeError(f"--shapes takes BxTxSPLITS items of positive ints, got {item!r}")
+        shapes.append(tuple(int(v) for v in parts))
+    return tuple(shapes)
 
 
 def stamp_code(slots: int) -> str:
@@ -226,6 +234,7 @@ def one_shape(mod, b, t, splits, repeats=5, clear="dirty", kv_cache_dtype="auto"
 
 
 def main(argv=None):
+    from benchmarks.bench_decode import parse_kv_cache_dtypes
     from benchmarks.timing import write_json
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -236,8 +245,8 @@ def main(argv=None):
     parser.add_argument("--out-name", default="h200-decode-cuda-timeline.json")
     parser.add_argument("--shapes", type=parse_shapes, default=SHAPES,
                         help="comma-separated BxTxSPLITS, 16 heads (default: the five of NOTES row 40)")
-    parser.add_argument("--kv-cache-dtype", dest="kv_cache_dtypes", default="auto",
-                        help="comma-separated cache layouts: auto, fp8_e4m3, fp8_ds_mla")
+    parser.add_argument("--kv-cache-dtype", dest="kv_cache_dtypes", type=parse_kv_cache_dtypes, default=["auto"],
+                        help="comma-separated cache layouts: auto, fp8_e4m3 (or fp8), fp8_ds_mla")
     args = parser.parse_args(argv)
     t0 = time.time()
     mod = build()
@@ -245,7 +254,7 @@ def main(argv=None):
     runs = {}
     for clear in ("clean", "dirty") if args.clear == "both" else (args.clear,):
         runs[clear] = []
-        for (b, t, splits), kind in itertools.product(args.shapes, args.kv_cache_dtypes.split(",")):
+        for (b, t, splits), kind in itertools.product(args.shapes, args.kv_cache_dtypes):
             runs[clear].append(one_shape(mod, b, t, splits, clear=clear, kv_cache_dtype=kind))
             print(clear, json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in runs[clear][-1].items()}),
                   flush=True)
