@@ -50,17 +50,6 @@ SECTIONS = ("issue", "scores", "softmax", "pv")  # the loop body between its bar
 SLOTS = 16  # a CTA's row: 5 x (globaltimer, clock64), SM id, wait cycles, 4 section cycle sums
 
 
-def parse_shapes(text: str) -> tuple[tuple[int, int, int], ...]:
-    """'64x4096x4,128x8192x2' -> ((64, 4096, 4), (128, 8192, 2)): b, t and the split count."""
-    shapes = []
-    for item in text.split(","):
-        parts = item.strip().split("x")
-        if len(parts) != 3 or not all(v.isdigit() and int(v) > 0 for v in parts):
-            raise argparse.ArgumentTypeError(f"--shapes takes BxTxSPLITS items of positive ints, got {item!r}")
-        shapes.append(tuple(int(v) for v in parts))
-    return tuple(shapes)
-
-
 def stamp_code(slots: int) -> str:
     """C++ for a kernel's top (``cta`` and ``timing`` defined): ``stamp(k)`` has thread 0 record
     ``%globaltimer`` and ``clock64`` in slots 2k, 2k + 1 of its CTA's row; stamp 0 and the SM id
@@ -234,7 +223,7 @@ def one_shape(mod, b, t, splits, repeats=5, clear="dirty", kv_cache_dtype="auto"
 
 
 def main(argv=None):
-    from benchmarks.bench_decode import parse_kv_cache_dtypes
+    from benchmarks.bench_decode import parse_kv_cache_dtypes, parse_shapes  # BxTxSPLITS here
     from benchmarks.timing import write_json
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
