@@ -665,22 +665,40 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
     }
   } else {
     // n-block 4 q4 + j's columns 2c, 2c + 1 are dims d + 8c + j, d + 8c + 4 + j (d = the run's
-    // first): lane c holds dims d + 8c .. d + 8c + 7 of its two head rows, written in pairs
+    // first): lane c holds dims d + 8c .. d + 8c + 7 of its two head rows, 32 bytes from its
+    // neighbours'. Stored from there, each instruction would write a quarter of four 32-byte
+    // sectors a row; so the rows go through shared memory (the stages' stored bytes, read for the
+    // last time before the barrier above) and come back out in order, a warp's store 256
+    // contiguous bytes of a row.
+    constexpr int kOutStride = kC + 4;  // floats: 8 lanes' 16-byte writes (rows r, r + 1) on 32 banks
+    static_assert(size_t(kHeads) * kOutStride * 4 <= size_t(S::kStages) * S::kTile * kRawStride<F>,
+                  "the output rows fit in the stages' bytes");
+    float* o_s = reinterpret_cast<float*>(raw_s);  // (kHeads, kOutStride)
 #pragma unroll
     for (int q4 = 0; q4 < S::kPVDims / 32; ++q4) {
       const int col = warp * S::kPVDims + q4 * 32 + (lane & 3) * 8;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // head row r (C registers 0, 1), r + 8 (2, 3)
-        const int h = h0 + r + 8 * half;
         const float inv = half ? inv_hi : inv_lo;
-        if (h < num_heads) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {  // column 2c + e: dims col + 4e + 0..3 = n-blocks j = 0..3
-            const int k = 2 * half + e;
-            write(out_at + h * soh + col + 4 * e, acc[4 * q4][k] * inv, acc[4 * q4 + 1][k] * inv);
-            write(out_at + h * soh + col + 4 * e + 2, acc[4 * q4 + 2][k] * inv, acc[4 * q4 + 3][k] * inv);
-          }
+        for (int e = 0; e < 2; ++e) {  // column 2c + e: dims col + 4e + 0..3 = n-blocks j = 0..3
+          const int k = 2 * half + e;
+          *reinterpret_cast<float4*>(o_s + (r + 8 * half) * kOutStride + col + 4 * e) =
+              make_float4(acc[4 * q4][k] * inv, acc[4 * q4 + 1][k] * inv, acc[4 * q4 + 2][k] * inv,
+                          acc[4 * q4 + 3][k] * inv);
         }
+      }
+    }
+    __syncthreads();
+    // thread tid: dims 2 tid', 2 tid' + 1 of a row, tid' = tid mod 256, kThreads / 256 rows a pass
+    constexpr int kPairs = kC / 2;
+    static_assert((kHeads * kPairs) % kThreads == 0, "whole passes over the rows");
+#pragma unroll 4
+    for (int i = tid; i < kHeads * kPairs; i += kThreads) {
+      const int row = i / kPairs, col = (i % kPairs) * 2;
+      if (h0 + row < num_heads) {
+        const float2 v = *reinterpret_cast<const float2*>(o_s + row * kOutStride + col);
+        write(out_at + (h0 + row) * soh + col, v.x, v.y);
       }
     }
   }
