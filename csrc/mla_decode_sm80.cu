@@ -666,10 +666,10 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
   } else {
     // n-block 4 q4 + j's columns 2c, 2c + 1 are dims d + 8c + j, d + 8c + 4 + j (d = the run's
     // first): lane c holds dims d + 8c .. d + 8c + 7 of its two head rows, 32 bytes from its
-    // neighbours'. Stored from there, each instruction would write a quarter of four 32-byte
-    // sectors a row; so the rows go through shared memory (the stages' stored bytes, read for the
-    // last time before the barrier above) and come back out in order, a warp's store 256
-    // contiguous bytes of a row.
+    // neighbours' in a float32 partial (16 in T). Stored from there, each instruction would write
+    // a quarter of four 32-byte sectors a row; so the rows go through shared memory (the stages'
+    // stored bytes, read for the last time before the barrier above) and come back out in order,
+    // a warp's store 256 contiguous bytes of a row (128 in T).
     constexpr int kOutStride = kC + 4;  // floats: 8 lanes' 16-byte writes (rows r, r + 1) on 32 banks
     static_assert(size_t(kHeads) * kOutStride * 4 <= size_t(S::kStages) * S::kTile * kRawStride<F>,
                   "the output rows fit in the stages' bytes");
@@ -690,7 +690,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks) mla_decode_sm80_ke
       }
     }
     __syncthreads();
-    // thread tid: dims 2 tid', 2 tid' + 1 of a row, tid' = tid mod 256, kThreads / 256 rows a pass
+    // pair i = tid + kThreads * pass: row i / kPairs, dims 2 (i mod kPairs) and + 1; a warp 32
+    // consecutive pairs of one row
     constexpr int kPairs = kC / 2;
     static_assert((kHeads * kPairs) % kThreads == 0, "whole passes over the rows");
 #pragma unroll 4

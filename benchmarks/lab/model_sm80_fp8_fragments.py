@@ -10,11 +10,11 @@ operations; from sm_89 fp16 whatever q's dtype, by cvt, bf16 q times a power of 
 checks that before it runs, so this script replays it: the index maps below are the CUDA
 expressions line by line (``fp8_qk_dim``, ``fp8_byte``, ``kRawStride``, the lane's loads, the byte
 permutes, ``e4m3x2_to`` / ``e4m3x4_to``, ``bf16x2_to``, ``q_pair``, the tile's ``p_scale``, the
-epilogue's columns), the shared memory is the bytes the copies leave there (rows past the split's
-end zero-filled, row padding and q's padding poisoned with NaN bytes), and each
-``mma.m16n8k16`` is computed in float64 from the fragment registers the lanes hold, by the PTX
-fragment layout. It prints, for each layout and each of the kernel's cases (``CASES``: q's
-dtype, the GPU, the conversion):
+epilogue's columns staged through shared memory and read back in dim order), the shared memory
+is the bytes the copies leave there (rows past the split's end zero-filled, row padding and q's
+padding poisoned with NaN bytes), and each ``mma.m16n8k16`` is computed in float64 from the
+fragment registers the lanes hold, by the PTX fragment layout. It prints, for each layout and
+each of the kernel's cases (``CASES``: q's dtype, the GPU, the conversion):
 
 1. the conversions against torch's float8_e4m3fn -> bfloat16 / float16 on all 256 bytes (bit for
    bit on the 254 finite ones);
@@ -46,6 +46,7 @@ DS_SCALES, DS_ROPE = 512, 528  # kDsMlaScales, kDsMlaRope
 STORED = {"fp8_e4m3": 576, "fp8_ds_mla": 656}  # kStoredRowBytes
 RAW_STRIDE = {"fp8_e4m3": 576 + 16, "fp8_ds_mla": 656}  # kRawStride
 PV_DIMS = C // WARPS  # kPVDims
+THREADS, PAIRS, OUT_STRIDE = 32 * WARPS, C // 2, C + 4  # kThreads, kPairs, kOutStride
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 ROUTES = [("bf16", "bf16"), ("fp16", "fp16-int"), ("fp16", "fp16-cvt")]  # (products' dtype, e4m3 conversion)
 # The kernel's cases (MmaType): q's dtype, the GPU, and the e4m3 conversion its products take: before
@@ -281,6 +282,8 @@ def kernel_output(kind, route, p32, raw):
     p_scale_w = p_scales(kind, dtype, raw)
     out = np.full((HEADS, C), np.nan)
     written = np.zeros((HEADS, C), dtype=int)
+    o_s = np.full(HEADS * OUT_STRIDE, np.nan)  # the rows staged in shared memory (floats)
+    staged = np.zeros(HEADS * OUT_STRIDE, dtype=int)
     p_bits = t_bits(p32, dtype)  # p_s in the products' type (fp8_e4m3)
     for w in range(WARPS):
         p_scale = p_scale_w[w]
@@ -314,18 +317,32 @@ def kernel_output(kind, route, p32, raw):
                     b.append([e4m3x2_to(route, x, x, lo, lo + 1) for x in words for lo in (0, 2)])
                 for j in range(4):
                     mma16816(acc[4 * q4 + j], pf, b[0][j], b[1][j], dtype)
-        for q4 in range(PV_DIMS // 32):  # the epilogue: lane c's dims col .. col + 7 in pairs
+        # the epilogue, first half: lane c's dims col .. col + 7 of rows g and g + 8 into the
+        # stages' shared memory as two float4 a row, in dim order (o_s: HEADS rows OUT_STRIDE apart)
+        for q4 in range(PV_DIMS // 32):
             col = w * PV_DIMS + q4 * 32 + CC * 8
             for half in range(2):
-                h = G + 8 * half
                 for e in range(2):
                     k = 2 * half + e
-                    for pair in range(2):
-                        for x in range(2):
-                            at = col + 4 * e + 2 * pair + x
-                            out[h, at] = acc[4 * q4 + 2 * pair + x, :, k] / p_scale
-                            np.add.at(written, (h, at), 1)
-    assert (written == 1).all(), "the epilogue writes every (head, dim) once"
+                    at = (G + 8 * half) * OUT_STRIDE + col + 4 * e
+                    assert conflict(4 * at, 16) == 1, "the rows' float4 writes are conflict-free"
+                    for j in range(4):
+                        o_s[at + j] = acc[4 * q4 + j, :, k] / p_scale
+                        np.add.at(staged, at + j, 1)
+    # the second half, after the barrier: pair i = tid + THREADS x pass is row i / PAIRS, dims
+    # 2 (i mod PAIRS) and + 1, stored to the output in order
+    for first in range(0, HEADS * PAIRS, THREADS):
+        for warp in range(WARPS):
+            i = first + warp * 32 + LANE
+            row, col = i // PAIRS, (i % PAIRS) * 2
+            at = row * OUT_STRIDE + col
+            assert conflict(4 * at, 8) == 1, "the read-back's float2 loads are conflict-free"
+            for x in range(2):
+                out[row, col + x] = o_s[at + x]
+                np.add.at(written, (row, col + x), 1)
+    assert (staged[: HEADS * OUT_STRIDE].reshape(HEADS, OUT_STRIDE)[:, :C] == 1).all(), \
+        "the epilogue stages every (head, dim) once"
+    assert (written == 1).all(), "the epilogue stores every (head, dim) once"
     return out
 
 
@@ -450,9 +467,10 @@ def check_tile(seed=0):
 
 
 def conflict(addr, size):
-    """Ways of the worst bank: 32-bit loads over the warp, 64-bit loads per half-warp."""
+    """Ways of the worst bank: 32-bit accesses over the warp, 64-bit ones per half-warp, 128-bit
+    ones per quarter-warp."""
     worst = 0
-    for lanes in ([range(32)] if size == 4 else [range(16), range(16, 32)]):
+    for lanes in [range(q, q + 128 // size) for q in range(0, 32, 128 // size)]:
         words = {int(addr[i]) // 4 + w for i in lanes for w in range(size // 4)}
         per_bank = {}
         for word in words:
