@@ -190,6 +190,23 @@ def stamped_runs(launch, timing, clear, repeats=5):
         yield x, start, end, ghz, us
 
 
+def by_sm_load(smid, end):
+    """How the CTAs spread over the SMs, and when they end by their SM's load: ``sms_with_k`` the
+    SMs that ran k CTAs over the launch, ``end_median_k_us`` / ``end_max_k_us`` the median and
+    last end of the CTAs on such SMs (us from the first start). Tells a tail of CTAs that share
+    their SM from one spread over all."""
+    smid = smid.long()
+    per_sm = torch.bincount(smid)
+    load = per_sm[smid]  # each CTA's SM's count
+    out = {}
+    for k in sorted(set(load.tolist())):
+        ends = end[load == k]
+        out[f"sms_with_{k}"] = int((per_sm == k).sum())
+        out[f"end_median_{k}_us"] = ends.median().item()
+        out[f"end_max_{k}_us"] = ends.max().item()
+    return out
+
+
 def one_shape(mod, b, t, splits, repeats=5, clear="dirty", kv_cache_dtype="auto"):
     from benchmarks.bench_decode import SCALE, make_inputs, write_fp8_caches
 
@@ -215,8 +232,10 @@ def one_shape(mod, b, t, splits, repeats=5, clear="dirty", kv_cache_dtype="auto"
             end_median_us=med(end), prologue_us=med(us(0, 1)), first_tile_us=med(us(1, 2)), loop_us=med(us(2, 3)),
             loop_wait_us=med(x[:, 11].double() / ghz / 1e3), epilogue_us=med(us(3, 4)), cta_us=med(us(0, 4)),
             **{f"{name}_us": med(x[:, 12 + k].double() / ghz / 1e3) for k, name in enumerate(SECTIONS)},
-            cta_max_us=us(0, 4).max().item(), ghz=ghz, sms=len(set(x[:, 10].tolist()))))
-    row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            cta_max_us=us(0, 4).max().item(), ghz=ghz, sms=len(set(x[:, 10].tolist())),
+            **by_sm_load(x[:, 10], end)))
+    keys = set.intersection(*(set(r) for r in runs))  # the SM loads may differ between runs
+    row = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k in keys}
     tiles = math.ceil(math.ceil(t / 32) / splits)
     return dict(b=b, t=t, h=16, kv_cache_dtype=kv_cache_dtype, splits=splits, tiles_per_cta=tiles,
                 math_us_per_tile=(row["loop_us"] - row["loop_wait_us"]) / tiles, **row)
