@@ -269,10 +269,11 @@ def layer_splits(config, cache) -> tuple[str, int]:
 
     b = cache.batch_size
     q = torch.empty(b, config.num_heads, config.kv_lora_rank + config.qk_rope_head_dim,
-                    dtype=cache.kv_cache.dtype, device=cache.kv_cache.device)  # the step's absorbed query
+                    dtype=cache.dtype, device=cache.kv_cache.device)  # the step's absorbed query
     t = int(cache.seq_lens.max()) + 1
     kernel, _, splits = kernel_and_splits(q, cache.kv_cache, cache.block_table, cache.seq_lens,
-                                          config.kv_lora_rank, t, sm_count(q.device))
+                                          config.kv_lora_rank, t, sm_count(q.device),
+                                          kv_cache_dtype=cache.kv_cache_dtype)
     return kernel, splits
 
 

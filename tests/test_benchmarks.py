@@ -53,18 +53,21 @@ def test_device_prefix_names_result_files():
 # ---- bench_decode.py: what a captured layer step fixes -----------------------------------------
 
 
-def test_layer_splits_is_what_mla_decode_picks_for_the_cache():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_ds_mla"])
+def test_layer_splits_is_what_mla_decode_picks_for_the_cache(kv_cache_dtype):
     # bench_layer.py and bench_tp.py fix a captured step's split count with this helper: it must
-    # read the paged cache's fields and agree with the kernel choice mla_decode makes
+    # read the paged cache's fields (its layout too: an fp8 cache takes its own tile) and agree
+    # with the kernel choice mla_decode makes
 
-    paged = mla.build(mla.MLAWeights(mla.MLAConfig.from_preset("tiny")), "paged", block_size=64)
+    cfg = mla.MLAConfig.from_preset("tiny").replace(kv_lora_rank=128)  # a whole fp8_ds_mla group
+    paged = mla.build(mla.MLAWeights(cfg), "paged", block_size=64, kv_cache_dtype=kv_cache_dtype)
     cache = paged.new_cache(3, 4096)
     lengths = torch.tensor([100, 2000, 40])
     cache.allocate(torch.arange(3), lengths)
     cache.seq_lens[:] = lengths.to(cache.seq_lens)
     kernel, splits = bd.layer_splits(paged.config, cache)
     h = paged.config.num_heads
-    config = decode.default_config(h)
+    config = decode.default_config(h, kv_cache_dtype)
     want = choose_num_kv_splits(3, h, 2001, sm_count(cache.kv_cache.device),
                                 block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
     assert (kernel, splits) == ("triton", want)  # on the CPU mla_decode runs the Triton kernel
