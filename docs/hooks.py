@@ -77,6 +77,7 @@ def _namespace() -> dict:
         "prefill_file_note": prefill_file_note,
         "split_rule": split_rule,
         "split_table": split_table,
+        "split_probe_summary": split_probe_summary,
         "default": default,
         "default_page_tiles": default_page_tiles,
         "result": result,
@@ -142,6 +143,48 @@ def split_table(batches=(1, 4, 16, 64, 132), contexts=(1024, 4096, 32768, 131072
     out += ["", "| length t (batch 1) " + head, rule]
     out += [f"| {t:,} | {pick(1, t)} |" for t in contexts]
     return "\n".join(out)
+
+
+SPLIT_PROBES = tuple(f"nvidia-h100-80gb-hbm3-decode-splits-probe-{part}.json" for part in ("grid", "grid2", "spill2"))
+
+
+def split_probe_summary():
+    """The 16-head split rule against every count timed by `probe_decode_splits.py` (the files
+    SPLIT_PROBES, rows of one (b, t, layout) merged): the geometric mean, over the rows where the
+    count was timed, of the rule's count's time over the fastest count's (floor_auto, floor_fp8:
+    bf16 and fp8_ds_mla), the same for the count nearest 2 programs an SM (the rule before the
+    one-wave cap: nearest_auto, nearest_fp8), and at (48, 8,192) the rule's time over the nearest
+    count's (at_48_auto, at_48_fp8); shapes: how many (b, t). Ratios as strings of two decimals."""
+    from statistics import geometric_mean
+    from types import SimpleNamespace
+
+    from mla.kernels import decode
+    from mla.kernels.backends import CUDA_TILES
+
+    block_h, block_n = CUDA_TILES["cuda-sm80"]
+    times: dict[tuple, dict[int, float]] = {}
+    for name in SPLIT_PROBES:
+        for r in result(name)["rows"]:
+            if r["h"] == 16 and r["kernel"] == "cuda-sm80":
+                times.setdefault((r["b"], r["t"], r["kv_cache_dtype"]), {}).update(
+                    {int(k): v for k, v in r["time_us"].items()})
+    sms = 132  # the H100's, where the files come from
+    ratios: dict[str, list[float]] = {}
+    at_48 = {}
+    for (b, t, layout), by_count in times.items():
+        most = max(1, min(128, t // (4 * block_n)))
+        counts = {"floor": decode.choose_num_kv_splits(b, 16, t, sms, block_h=block_h, block_n=block_n),
+                  "nearest": max(1, min(most, (2 * sms + b // 2) // b))}
+        best = min(by_count.values())
+        for rule, count in counts.items():
+            if count in by_count:
+                ratios.setdefault(f"{rule}_{'auto' if layout == 'auto' else 'fp8'}", []).append(by_count[count] / best)
+        if (b, t) == (48, 8192):
+            at_48["auto" if layout == "auto" else "fp8"] = by_count[counts["floor"]] / by_count[counts["nearest"]]
+    fields = {k: f"{geometric_mean(v):.2f}" for k, v in ratios.items()}
+    fields.update({f"at_48_{k}": f"{v:.2f}" for k, v in at_48.items()})
+    fields["shapes"] = len({(b, t) for b, t, _ in times})
+    return SimpleNamespace(**fields)
 
 
 def default_page_tiles() -> bool:

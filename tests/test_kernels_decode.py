@@ -534,8 +534,15 @@ def test_choose_num_kv_splits():
     assert choose_num_kv_splits(1, 64, 131_072, 132, one_wave=True) == 128  # max_splits
     assert choose_num_kv_splits(1, 128, 2048, 132, one_wave=True) == 8  # >= 4 tiles of 64 a split
     assert choose_num_kv_splits(64, 128, 4096, 132, one_wave=True) == 1
-    # 16-head blocks (memory bound): about 2 programs an SM, the nearest split count
+    # 16-head blocks (memory bound): the most splits within one wave of 2 programs an SM
     assert choose_num_kv_splits(64, 16, 4096, 132) == 4  # 256 programs (H200: 102 us vs 125 at 8)
+    assert choose_num_kv_splits(16, 16, 4096, 132, block_n=32) == 16  # 256 programs, not 17 (272)
+    assert choose_num_kv_splits(48, 16, 8192, 132) == 5  # 240, not 6 (288)
+    assert choose_num_kv_splits(96, 16, 8192, 132) == 2  # 192, not 3 (288)
+    # ... then the fewest splits of the same whole tiles: 33 of 128 tiles would be 32 of 4 and
+    # one empty
+    assert choose_num_kv_splits(8, 16, 8192, 132) == 32
+    assert choose_num_kv_splits(8, 16, 8192, 132, block_n=32) == 32  # 33 of 256 tiles: 8 a split
     assert choose_num_kv_splits(128, 16, 8192, 132) == 2
     assert choose_num_kv_splits(64, 16, 4096, 132, programs_per_sm=4) == 8
     assert choose_num_kv_splits(264, 16, 100_000, 132) == 1  # already 2 an SM
@@ -548,6 +555,26 @@ def test_choose_num_kv_splits():
     assert choose_num_kv_splits(1, 16, 100, 132) == 1
     assert choose_num_kv_splits(1, 16, 512, 132, block_n=32) == 4
     assert choose_num_kv_splits(0, 16, 0, 132) == 1
+
+
+@pytest.mark.parametrize("block_n", [32, 64])
+def test_small_head_block_splits_fit_one_wave_in_whole_tiles(block_n):
+    # every batch and length up to the caps: the programs of the chosen count fit one wave of 2
+    # an SM (or it is 1 split), every split keeps >= 4 tiles, and no count differs from the
+    # chosen one without changing the tiles a split (or past the wave or the caps)
+    sms, wave = 132, 264
+    for batch in [*range(1, 70), 96, 128, 200, 264, 300]:
+        for t in (100, 512, 2048, 4000, 8192, 32_768, 131_072):
+            splits = choose_num_kv_splits(batch, 16, t, sms, block_h=16, block_n=block_n)
+            tiles = math.ceil(t / block_n)
+            most = max(1, min(128, t // (4 * block_n)))
+            assert 1 <= splits <= most, (batch, t, splits)
+            assert splits == 1 or batch * splits <= wave, (batch, t, splits)
+            per = math.ceil(tiles / splits)
+            assert math.ceil(tiles / per) == splits, (batch, t, splits)  # no empty or short split
+            # the most such counts: one more tile-changing count would pass the wave or the caps
+            more = next((s for s in range(splits + 1, most + 1) if math.ceil(tiles / s) < per), None)
+            assert more is None or batch * more > wave, (batch, t, splits, more)
 
 
 # ---------------------------------------------------------------------------------------------

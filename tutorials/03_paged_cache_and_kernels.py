@@ -317,7 +317,9 @@ for splits in (1, 2, 3, 8):
 #
 # - **small head blocks** (BLOCK_H < 64: memory bound, a program's tile is small and several
 #   programs share an SM, each with its loads in flight) aim at a fixed number of programs per
-#   SM: the split count whose $P \cdot$ splits lands nearest that target;
+#   SM, in one wave: the most splits whose $P \cdot$ splits programs fit that target (a few
+#   programs past it would run a second round alone), then the fewest splits that cut the
+#   longest sequence into the same number of whole tiles each;
 # - **64-head blocks** (compute bound, one program an SM): 1 split if $P$ already covers the SMs,
 #   otherwise the smallest count whose programs keep at least 90% of the SMs busy over all their
 #   waves, $P s / (\lceil P s / \text{SMs} \rceil \cdot \text{SMs})$.
@@ -334,7 +336,7 @@ print("defaults:", {k: v.default for k, v in inspect.signature(choose_num_kv_spl
 print(f"{'b':>4s} {'h':>4s} {'t':>7s} {'BLOCK_H':>8s} {'BLOCK_N':>8s} {'programs':>9s} "
       f"{'splits':>7s} {'programs/SM':>12s} {'wave use':>9s}")
 for b_, h_, t_ in [(4, 16, 22), (1, 16, 32768), (1, 128, 32768), (8, 16, 4096),
-                   (64, 16, 4096), (64, 128, 4096), (132, 16, 1024)]:
+                   (48, 16, 8192), (64, 16, 4096), (64, 128, 4096), (132, 16, 1024)]:
     cfg_ = default_config(h_)
     programs = b_ * math.ceil(h_ / cfg_["BLOCK_H"])
     splits = choose_num_kv_splits(b_, h_, t_, SMS)

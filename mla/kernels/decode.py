@@ -479,8 +479,9 @@ def choose_num_kv_splits(
 
     ``heads``: query rows a sequence, h, or s_q x h with s_q new tokens (``mla_decode`` passes
     that). Stage 1 runs ``P = batch * ceil(heads / block_h)`` programs per split. Small head blocks
-    (``block_h < 64``: memory bound, several programs an SM) take the count nearest to
-    ``programs_per_sm`` (2) x ``num_sms`` programs. 64-head blocks (compute bound, one program
+    (``block_h < 64``: memory bound, several programs an SM) take the most splits whose
+    programs fit in one wave of ``programs_per_sm`` (2) x ``num_sms``, then the fewest splits
+    that cut the longest sequence into pieces of the same whole tiles. 64-head blocks (compute bound, one program
     an SM) take 1 if ``P >= num_sms``, else the smallest count whose programs keep >= 90% of the
     SMs busy over all their waves, or with ``one_wave`` (the wgmma stage 1) the most whose
     programs fit in one wave. Either way every split keeps ``min_tiles_per_split`` tiles of
@@ -498,7 +499,12 @@ def choose_num_kv_splits(
     most = max(1, min(max_splits, max_seq_len // (min_tiles_per_split * block_n)))
     if block_h < 64:
         target = (2 if programs_per_sm is None else programs_per_sm) * num_sms
-        return max(1, min(most, (target + programs // 2) // programs))  # nearest count
+        # a count past one wave leaves its last few programs a second round on their own
+        splits = max(1, min(most, target // programs))
+        # the kernels cut whole tiles, ceil(tiles / splits) a split: where that leaves the
+        # last splits short or empty, fewer splits of the same length do the same work
+        tiles = triton.cdiv(max_seq_len, block_n)
+        return triton.cdiv(tiles, triton.cdiv(tiles, splits)) if tiles > 0 else splits
     if programs >= num_sms:
         return 1
     if one_wave:
