@@ -67,12 +67,48 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+def well_conditioned(model, batch, margin=1e-4):
+    """transformers' greedy output for `batch`, or None where one of its choices is a near-tie:
+    two next-token logits, or the router logits of the last expert a token takes and the first
+    it leaves, within `margin`. Float32 rounding (the CPU's vector width, MKL's code path, the
+    tier's order of summation: ~1e-6 here) decides such a tie, and one expert or token taken for
+    another changes every token after it, so exact token equality would test the rounding."""
+    gaps = []
+
+    def record(gate, args, _):
+        # the router's logits: V3's sigmoid (zero bias) and V2's softmax keep their order
+        scores = torch.nn.functional.linear(args[0].reshape(-1, gate.weight.shape[1]).float(),
+                                            gate.weight.float())
+        top = scores.topk(gate.top_k + 1, dim=-1).values
+        gaps.append(top[:, -2] - top[:, -1])
+
+    hooks = [layer.mlp.gate.register_forward_hook(record)
+             for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    try:
+        out = generate(model, batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    real = batch["attention_mask"].flatten().bool()  # the prompt's pad tokens route as they may
+    gaps = [g[real] if len(g) == len(real) else g for g in gaps]
+    if gaps and float(torch.cat(gaps).min()) < margin:
+        return None
+    top2 = torch.stack(out.logits, 1).topk(2, dim=-1).values
+    return out if float((top2[..., 0] - top2[..., 1]).min()) >= margin else None
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["v2-lite", "v3"])
 def reference(request):
-    """(model, prompts, transformers' eager output) for one shape."""
-    model = tiny_model(request.param)
+    """(model, prompts, transformers' eager output) for one shape: the first seed's model whose
+    greedy reference has no near-tie (the V3 shape's seed 0 has one: two experts' router logits
+    1.8e-7 apart at the most padded row's first decode step)."""
     batch = prompts()
-    return model, batch, generate(model, batch)
+    for seed in range(8):
+        model = tiny_model(request.param, seed)
+        ref = well_conditioned(model, batch)
+        if ref is not None:
+            return model, batch, ref
+    pytest.fail("every seed's reference has a near-tie; see well_conditioned")
 
 
 TIER_OPTIONS = {"naive": {}, "absorbed": {}, "paged": {"block_size": 4, "num_kv_splits": 1}}
