@@ -556,9 +556,11 @@ def test_concat_table_and_targets_from_fake_rows():
             for kind, us, differ in [("auto", 160.0, 0), ("fp8", 250.0, 0), ("fp8_ds_mla", 140.0, 3)]]
     for row in rows:
         row["share_of_copy"] = row["GBps"] / 4200.0
+        row["share_of_same_copy"] = 0.9
     lines = [bc.format_row(r) for r in rows]
     assert " fp8_ds_mla " in lines[2] and lines[2].endswith("DIFFERS FROM TORCH in 3 bytes")
     assert "DIFFERS" not in lines[0] and len(lines[0]) == len(bc.HEADER)
+    assert lines[0].split()[6] == "0.90"  # the same-size copy's share, after the 2 GiB copy's
     checks = bc.target_checks(rows)
     assert [(c["kv_cache_dtype"], c["met"]) for c in checks] == [("fp8", False), ("fp8_ds_mla", True)]
     text = bc.format_targets(checks)
