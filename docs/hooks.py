@@ -145,45 +145,54 @@ def split_table(batches=(1, 4, 16, 64, 132), contexts=(1024, 4096, 32768, 131072
     return "\n".join(out)
 
 
-SPLIT_PROBES = tuple(f"nvidia-h100-80gb-hbm3-decode-splits-probe-{part}.json" for part in ("grid", "grid2", "spill2"))
+SPLIT_PROBE = "nvidia-h100-80gb-hbm3-decode-splits-probe-{}.json"
 
 
-def split_probe_summary():
-    """The 16-head split rule against every count timed by `probe_decode_splits.py` (the files
-    SPLIT_PROBES, rows of one (b, t, layout) merged): the geometric mean, over the rows where the
-    count was timed, of the rule's count's time over the fastest count's (floor_auto, floor_fp8:
-    bf16 and fp8_ds_mla), the same for the count nearest 2 programs an SM (the rule before the
-    one-wave cap: nearest_auto, nearest_fp8), and at (48, 8,192) the rule's time over the nearest
-    count's (at_48_auto, at_48_fp8); shapes: how many (b, t). Ratios as strings of two decimals."""
+def split_probe_summary(*parts: str):
+    """The 16-head split rule against the counts `probe_decode_splits.py` timed (the files
+    SPLIT_PROBE.format(part) for each of `parts`, "grid" if none; each ratio within one file's
+    run): over the rows where both the rule's count
+    (`plan_num_kv_splits` for the CUDA stage 1 at 132 SMs, the H100's) and the count nearest
+    `programs_per_sm` programs an SM (the rule before the one-wave cap) were timed, the geometric
+    mean of each count's time over the fastest timed count's: floor_auto, nearest_auto (bf16),
+    floor_fp8, nearest_fp8 (fp8_ds_mla), with rows_auto and rows_fp8 the rows it is over; at
+    (48, 8,192) the rule's time over the nearest count's (at_48_auto, at_48_fp8; the first file
+    that has both); shapes: how many (b, t); counts: the fewest and most counts timed a row.
+    Ratios as strings of two decimals."""
     from statistics import geometric_mean
     from types import SimpleNamespace
 
     from mla.kernels import decode
     from mla.kernels.backends import CUDA_TILES
 
-    block_h, block_n = CUDA_TILES["cuda-sm80"]
-    times: dict[tuple, dict[int, float]] = {}
-    for name in SPLIT_PROBES:
-        for r in result(name)["rows"]:
-            if r["h"] == 16 and r["kernel"] == "cuda-sm80":
-                times.setdefault((r["b"], r["t"], r["kv_cache_dtype"]), {}).update(
-                    {int(k): v for k, v in r["time_us"].items()})
-    sms = 132  # the H100's, where the files come from
+    defaults = {k: v.default for k, v in inspect.signature(decode.choose_num_kv_splits).parameters.items()}
+    block_n = CUDA_TILES["cuda-sm80"][1]
+    sms, per_sm = 132, split_rule().programs_per_sm
     ratios: dict[str, list[float]] = {}
-    at_48 = {}
-    for (b, t, layout), by_count in times.items():
-        most = max(1, min(128, t // (4 * block_n)))
-        counts = {"floor": decode.choose_num_kv_splits(b, 16, t, sms, block_h=block_h, block_n=block_n),
-                  "nearest": max(1, min(most, (2 * sms + b // 2) // b))}
-        best = min(by_count.values())
-        for rule, count in counts.items():
-            if count in by_count:
-                ratios.setdefault(f"{rule}_{'auto' if layout == 'auto' else 'fp8'}", []).append(by_count[count] / best)
-        if (b, t) == (48, 8192):
-            at_48["auto" if layout == "auto" else "fp8"] = by_count[counts["floor"]] / by_count[counts["nearest"]]
+    at_48, shapes, counts = {}, set(), []
+    for part in parts or ("grid",):
+        for r in result(SPLIT_PROBE.format(part))["rows"]:
+            if r["h"] != 16 or r["kernel"] != "cuda-sm80":
+                continue
+            b, t, layout = r["b"], r["t"], r["kv_cache_dtype"]
+            by_count = {int(k): v for k, v in r["time_us"].items()}
+            shapes.add((b, t))
+            counts.append(len(by_count))
+            most = max(1, min(defaults["max_splits"], t // (defaults["min_tiles_per_split"] * block_n)))
+            rule = decode.plan_num_kv_splits("cuda-sm80", b, 16, t, sms, kv_cache_dtype=layout)
+            nearest = max(1, min(most, (per_sm * sms + b // 2) // b))
+            if rule not in by_count or nearest not in by_count:
+                continue
+            kind = "auto" if layout == "auto" else "fp8"
+            best = min(by_count.values())
+            ratios.setdefault(f"floor_{kind}", []).append(by_count[rule] / best)
+            ratios.setdefault(f"nearest_{kind}", []).append(by_count[nearest] / best)
+            if (b, t) == (48, 8192):
+                at_48.setdefault(kind, by_count[rule] / by_count[nearest])
     fields = {k: f"{geometric_mean(v):.2f}" for k, v in ratios.items()}
     fields.update({f"at_48_{k}": f"{v:.2f}" for k, v in at_48.items()})
-    fields["shapes"] = len({(b, t) for b, t, _ in times})
+    fields.update(rows_auto=len(ratios["floor_auto"]), rows_fp8=len(ratios["floor_fp8"]),
+                  shapes=len(shapes), counts=f"{min(counts)}-{max(counts)}")
     return SimpleNamespace(**fields)
 
 

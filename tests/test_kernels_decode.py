@@ -560,19 +560,19 @@ def test_choose_num_kv_splits():
 @pytest.mark.parametrize("block_n", [32, 64])
 def test_small_head_block_splits_fit_one_wave_in_whole_tiles(block_n):
     # every batch and length up to the caps: the programs of the chosen count fit one wave of 2
-    # an SM (or it is 1 split), every split keeps >= 4 tiles, and no count differs from the
-    # chosen one without changing the tiles a split (or past the wave or the caps)
+    # an SM (or it is 1 split), the count is at most the tiles over 4 (and 128), no split is
+    # empty, and every larger count that shortens the splits passes the wave
     sms, wave = 132, 264
     for batch in [*range(1, 70), 96, 128, 200, 264, 300]:
-        for t in (100, 512, 2048, 4000, 8192, 32_768, 131_072):
+        for t in (100, 512, 2048, 4000, 4001, 8191, 8192, 10_000, 32_768, 131_072):
             splits = choose_num_kv_splits(batch, 16, t, sms, block_h=16, block_n=block_n)
             tiles = math.ceil(t / block_n)
             most = max(1, min(128, t // (4 * block_n)))
             assert 1 <= splits <= most, (batch, t, splits)
             assert splits == 1 or batch * splits <= wave, (batch, t, splits)
             per = math.ceil(tiles / splits)
-            assert math.ceil(tiles / per) == splits, (batch, t, splits)  # no empty or short split
-            # the most such counts: one more tile-changing count would pass the wave or the caps
+            assert math.ceil(tiles / per) == splits, (batch, t, splits)  # no empty split
+            # the most such counts: a larger one that shortens the splits passes the wave
             more = next((s for s in range(splits + 1, most + 1) if math.ceil(tiles / s) < per), None)
             assert more is None or batch * more > wave, (batch, t, splits, more)
 

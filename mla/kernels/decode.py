@@ -481,14 +481,14 @@ def choose_num_kv_splits(
     that). Stage 1 runs ``P = batch * ceil(heads / block_h)`` programs per split. Small head blocks
     (``block_h < 64``: memory bound, several programs an SM) take the most splits whose
     programs fit in one wave of ``programs_per_sm`` (2) x ``num_sms``, then the fewest splits
-    that cut the longest sequence into pieces of the same whole tiles. 64-head blocks (compute bound, one program
-    an SM) take 1 if ``P >= num_sms``, else the smallest count whose programs keep >= 90% of the
-    SMs busy over all their waves, or with ``one_wave`` (the wgmma stage 1) the most whose
-    programs fit in one wave. Either way every split keeps ``min_tiles_per_split`` tiles of
-    ``block_n`` tokens of the longest sequence, and at most ``max_splits`` (the merge reads every
-    split). ``block_h``, ``block_n``: the stage-1 tile, ``default_config(heads)``'s when None.
-    ``docs/derivations/split-kv.md`` derives the rule and tabulates its choices. Returns an int
-    in ``[1, max_splits]``.
+    that cut the longest sequence into pieces of the same whole tiles. 64-head blocks (compute
+    bound, one program an SM) take 1 if ``P >= num_sms``, else the smallest count whose
+    programs keep >= 90% of the SMs busy over all their waves, or with ``one_wave`` (the wgmma
+    stage 1) the most whose programs fit in one wave. Either way the count is at most the
+    longest sequence's tiles of ``block_n`` tokens over ``min_tiles_per_split``, and at most
+    ``max_splits`` (the merge reads every split). ``block_h``, ``block_n``: the stage-1 tile,
+    ``default_config(heads)``'s when None. ``docs/derivations/split-kv.md`` derives the rule
+    and tabulates its choices. Returns an int in ``[1, max_splits]``.
     """
     config = default_config(heads)
     block_h = config["BLOCK_H"] if block_h is None else block_h
@@ -502,7 +502,7 @@ def choose_num_kv_splits(
         # a count past one wave leaves its last few programs a second round on their own
         splits = max(1, min(most, target // programs))
         # the kernels cut whole tiles, ceil(tiles / splits) a split: where that leaves the
-        # last splits short or empty, fewer splits of the same length do the same work
+        # last splits empty, fewer splits of the same length do the same work
         tiles = triton.cdiv(max_seq_len, block_n)
         return triton.cdiv(tiles, triton.cdiv(tiles, splits)) if tiles > 0 else splits
     if programs >= num_sms:
