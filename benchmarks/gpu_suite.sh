@@ -2,7 +2,7 @@
 # Everything the GPU machine runs, in parts, each time-boxed, logs and JSON under $OUT.
 #   bash benchmarks/gpu_suite.sh tests concat-bench sanitize decode-bench decode-sq accuracy sweep layer prefill
 #   bash benchmarks/gpu_suite.sh tp   (two GPUs: nvidia-h200-x2)
-#   bash benchmarks/gpu_suite.sh variants fp8-variants compile concat-probe concat-slots concat-candidates cuda-probe cuda-timeline sm90-timeline sm90-probe ncu-decode prefill-crossover prefill-probe prefill-paired layer-host candidate-checks candidates   (the lab: benchmarks/lab/)
+#   bash benchmarks/gpu_suite.sh variants fp8-variants compile concat-probe concat-slots concat-candidates cuda-probe split-probe cuda-timeline sm90-timeline sm90-probe ncu-decode prefill-crossover prefill-probe prefill-paired layer-host candidate-checks candidates   (the lab: benchmarks/lab/)
 # Run from the repository root with PYTHONPATH=. (the device machine has no package registry);
 # FlashMLA runs beside mla_decode in decode-bench when .peers/flash_mla is there (PYTHONPATH=.peers:.).
 set -u
@@ -34,6 +34,7 @@ for part in "$@"; do
     compile) run compile 300 python3 benchmarks/compile_triton.py --out "$OUT" ;;  # the GPU's own Triton and ptxas: registers and spills beside the times
     cuda-probe) run cuda-probe 300 python3 benchmarks/lab/probe_decode_cuda.py --out "$OUT" ;;
     sm90-probe) run sm90-probe 300 python3 benchmarks/lab/probe_decode_sm90.py --out "$OUT" ;;  # writes h200-decode-sm90-probe.json
+    split-probe) run split-probe 300 python3 benchmarks/lab/probe_decode_splits.py --grid --kv-cache-dtype auto,fp8_ds_mla --out "$OUT/split-probe" ;;  # the 16-head split counts over NOTES row 91's grid
     cuda-timeline) run cuda-timeline 240 python3 benchmarks/lab/timeline_decode_cuda.py --out "$OUT" ;;
     sm90-timeline) run sm90-timeline 300 python3 benchmarks/lab/timeline_decode_sm90.py --kv-cache-dtype auto,fp8_e4m3,fp8_ds_mla --out "$OUT" ;;  # each warpgroup's cycles, fp8 caches' conversion included
     ncu-decode) run ncu-decode 500 bash benchmarks/lab/ncu_decode.sh "$OUT/ncu" 64x4096x128 ;;  # Nsight Compute's counts of one warm call, three layouts and FlashMLA

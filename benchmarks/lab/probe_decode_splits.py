@@ -8,6 +8,8 @@ an fp8 layout's caches written from the same bf16 rows by ``write_fp8_caches``),
 kernel ``mla_decode`` picks, and its time in a CUDA graph after a clean L2 (``bench_us``, as the
 benchmark's ``time_us``) at every split count given, the planned one among them. Prints a table
 (each count's time over the planned count's) and writes ``decode-splits-probe.json`` under DIR.
+``--grid`` takes GRID's shapes and GRID_SPLITS' counts (NOTES row 91's grid, ~2.5 min on an
+H100 with bf16 and fp8_ds_mla) where ``--shapes`` and ``--splits`` are not given.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ import torch
 from benchmarks.bench_decode import (C, cache_copies, decode_call, kernel_and_splits, make_inputs,
                                      parse_kv_cache_dtypes, parse_shapes, write_fp8_caches)
 from benchmarks.timing import bench_us, graphed, write_json
+
+
+# NOTES row 91's grid: 16 heads, 13 batches by 3 lengths, at most 2^20 cached tokens in all
+GRID = [(b, t, 16) for b in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) for t in (2048, 8192, 32768)
+        if b * t <= 1 << 20]
+GRID_SPLITS = [1, 2, 3, 4, 5, 6, 8, 11, 12, 16, 22, 24, 32, 33, 44, 48, 64, 66, 128]
 
 
 def probe(shapes, layouts, counts) -> list[dict]:
@@ -54,12 +62,17 @@ def probe(shapes, layouts, counts) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/lab/results")
-    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("64x4096x16,128x8192x16,64x16384x16"))
+    parser.add_argument("--shapes", type=parse_shapes, default=None,
+                        help="BxTxH, comma-separated (default 64x4096x16,128x8192x16,64x16384x16, or GRID)")
     parser.add_argument("--kv-cache-dtype", dest="layouts", type=parse_kv_cache_dtypes,
                         default=["auto", "fp8_e4m3", "fp8_ds_mla"])
-    parser.add_argument("--splits", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3, 4, 6, 8])
+    parser.add_argument("--splits", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                        help="counts, comma-separated (default 1,2,3,4,6,8, or GRID_SPLITS)")
+    parser.add_argument("--grid", action="store_true", help="GRID and GRID_SPLITS where not given")
     args = parser.parse_args()
-    rows = probe(args.shapes, args.layouts, args.splits)
+    shapes = args.shapes or (GRID if args.grid else parse_shapes("64x4096x16,128x8192x16,64x16384x16"))
+    counts = args.splits or (GRID_SPLITS if args.grid else [1, 2, 3, 4, 6, 8])
+    rows = probe(shapes, args.layouts, counts)
     write_json(args.out, "decode-splits-probe.json", dict(device=torch.cuda.get_device_name(0), rows=rows))
 
 
