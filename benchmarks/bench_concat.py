@@ -104,19 +104,8 @@ def format_targets(checks: list[dict]) -> list[str]:
     return lines + [f"  {sum(c['met'] for c in checks)} of {len(checks)} met"]
 
 
-def same_size_copy_us(nbytes: int) -> float:
-    """A device copy that reads nbytes / 2 and writes them, L2 cleared first (``bench_us``)."""
-    from benchmarks.timing import bench_us
-
-    src = torch.empty(max(1, nbytes // 2), dtype=torch.uint8, device="cuda").random_(0, 256)
-    dst = torch.empty_like(src)
-    us = bench_us(lambda: dst.copy_(src))
-    del src, dst
-    return us
-
-
 def run(out_dir: Path) -> dict:
-    from benchmarks.timing import bench_us, copy_bandwidth_GBps
+    from benchmarks.timing import bench_us, copy_bandwidth_GBps, copy_us
     from mla.kernels import concat_cache as cc
     from mla.kernels import fp8
     from mla.kernels.extension import load_extension
@@ -161,7 +150,7 @@ def run(out_dir: Path) -> dict:
             torch_us = bench_us(lambda: torch_write(kv_c, k_pe, kv_cache, slots,
                                                     kv_cache_dtype, scale_t))
             nbytes = concat_bytes(T, kv_cache_dtype)
-            copy_same_us = same_size_copy_us(nbytes)
+            copy_same_us = copy_us(nbytes // 2)  # nbytes / 2 read and as many written
             GBps = nbytes / (time_us * 1e-6) / 1e9
             row = dict(tokens=T, kv_cache_dtype=kv_cache_dtype, input_dtype="bfloat16", c=C, r=R,
                        block_size=BLOCK_SIZE, bytes=nbytes, time_us=time_us, GBps=GBps,

@@ -34,7 +34,7 @@ for part in "$@"; do
     compile) run compile 300 python3 benchmarks/compile_triton.py --out "$OUT" ;;  # the GPU's own Triton and ptxas: registers and spills beside the times
     cuda-probe) run cuda-probe 300 python3 benchmarks/lab/probe_decode_cuda.py --out "$OUT" ;;
     sm90-probe) run sm90-probe 300 python3 benchmarks/lab/probe_decode_sm90.py --out "$OUT" ;;  # writes h200-decode-sm90-probe.json
-    split-probe) run split-probe 300 python3 benchmarks/lab/probe_decode_splits.py --grid --kv-cache-dtype auto,fp8_ds_mla --out "$OUT/split-probe" ;;  # the 16-head split counts over NOTES row 91's grid
+    split-probe) run split-probe 300 python3 benchmarks/lab/probe_decode_splits.py --grid --kv-cache-dtype auto,fp8_ds_mla --out "$OUT/split-probe" ;;  # the 16-head split counts over the grid of lab/results/*-decode-splits-probe-grid.json
     cuda-timeline) run cuda-timeline 240 python3 benchmarks/lab/timeline_decode_cuda.py --out "$OUT" ;;
     sm90-timeline) run sm90-timeline 300 python3 benchmarks/lab/timeline_decode_sm90.py --kv-cache-dtype auto,fp8_e4m3,fp8_ds_mla --out "$OUT" ;;  # each warpgroup's cycles, fp8 caches' conversion included
     ncu-decode) run ncu-decode 500 bash benchmarks/lab/ncu_decode.sh "$OUT/ncu" 64x4096x128 ;;  # Nsight Compute's counts of one warm call, three layouts and FlashMLA

@@ -164,14 +164,19 @@ def steady_us(fn, inputs, min_calls=8) -> float:
     return bench_us(graph.replay) / calls
 
 
-def copy_bandwidth_GBps(nbytes=2 * 2**30) -> float:
-    """Device-to-device copy, bytes read + bytes written per second."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+def copy_us(nbytes: int) -> float:
+    """A device-to-device copy of nbytes (nbytes read, nbytes written), L2 cleared first."""
+    src = torch.empty(max(1, nbytes // 2), dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
     us = bench_us(lambda: dst.copy_(src))
     del src, dst
     torch.cuda.empty_cache()
-    return 2 * nbytes / (us * 1e-6) / 1e9
+    return us
+
+
+def copy_bandwidth_GBps(nbytes=2 * 2**30) -> float:
+    """Device-to-device copy, bytes read + bytes written per second."""
+    return 2 * nbytes / (copy_us(nbytes) * 1e-6) / 1e9
 
 
 def matmul_TFLOPs(n=8192) -> float:

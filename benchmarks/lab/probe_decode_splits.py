@@ -8,8 +8,9 @@ an fp8 layout's caches written from the same bf16 rows by ``write_fp8_caches``),
 kernel ``mla_decode`` picks, and its time in a CUDA graph after a clean L2 (``bench_us``, as the
 benchmark's ``time_us``) at every split count given, the planned one among them. Prints a table
 (each count's time over the planned count's) and writes ``decode-splits-probe.json`` under DIR.
-``--grid`` takes GRID's shapes and GRID_SPLITS' counts (NOTES row 91's grid, ~2.5 min on an
-H100 with bf16 and fp8_ds_mla) where ``--shapes`` and ``--splits`` are not given.
+``--grid`` takes GRID's shapes and GRID_SPLITS' counts (those of
+``lab/results/nvidia-h100-80gb-hbm3-decode-splits-probe-grid.json``, ~2.5 min on an H100 with
+bf16 and fp8_ds_mla) where ``--shapes`` and ``--splits`` are not given.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from benchmarks.bench_decode import (C, cache_copies, decode_call, kernel_and_sp
 from benchmarks.timing import bench_us, graphed, write_json
 
 
-# NOTES row 91's grid: 16 heads, 13 batches by 3 lengths, at most 2^20 cached tokens in all
+# 16 heads, 13 batches by 3 lengths, at most 2^20 cached tokens in all
 GRID = [(b, t, 16) for b in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) for t in (2048, 8192, 32768)
         if b * t <= 1 << 20]
 GRID_SPLITS = [1, 2, 3, 4, 5, 6, 8, 11, 12, 16, 22, 24, 32, 33, 44, 48, 64, 66, 128]
