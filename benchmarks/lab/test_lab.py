@@ -29,11 +29,55 @@ def test_sm90_timeline_benchmark_still_fits_the_kernel():
     assert src.count("stamp(") == 5  # its five points
     assert "TORCH_LIBRARY_IMPL" not in src and "check_mla_decode" not in src
     assert "PYBIND11_MODULE" in src and "at::Tensor& timing" in src
+    raw, cross = PARTS.index("raw_wait"), PARTS.index("cross_wait")
     for part, name in enumerate(PARTS):
         if name == "raw_wait":  # counted in finish_fp8_blocks, into the caller's acc[5]
-            assert "raw_wait += clock64() - c_;" in src and f", acc[{part}]);" in src
+            assert "raw_wait += clock64() - c_;" in src and f", acc[{raw}], acc[{cross}]);" in src
+        elif name == "cross_wait":  # crossover's waits on the other CTA: none in main's kernel
+            assert "cross_wait +=" not in src and f"acc[{part}] +=" not in src
         else:
             assert f"acc[{part}] += clock64() - c_;" in src
+
+
+def test_sm90_timeline_benchmark_fits_each_candidate_kernel(tmp_path):
+    """timeline_decode_sm90.py also times a candidate's kernel (run in the candidate's copy of the
+    tree, .ab/NAME): its text patches must apply to every candidate patch's csrc/mla_decode_sm90.cu,
+    the crossover kernels (NOTES rows 94-97) with their waits on the other CTA counted."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import pytest
+
+    from benchmarks.lab.timeline_decode_sm90 import PARTS, instrumented_source
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    root = Path(__file__).resolve().parents[2]
+    kernel = "csrc/mla_decode_sm90.cu"
+    patches = [p for p in sorted((root / "benchmarks" / "lab" / "candidates").glob("*.patch"))
+               if f"+++ b/{kernel}" in p.read_text()]
+    if not patches:
+        pytest.skip("no candidate patch of the wgmma kernel")
+    cross = f"acc[{PARTS.index('cross_wait')}] += clock64() - c_;"
+    for patch in patches:
+        copy = tmp_path / patch.stem
+        (copy / "csrc").mkdir(parents=True)
+        shutil.copy(root / kernel, copy / kernel)
+        done = subprocess.run(["git", "apply", f"--include={kernel}", str(patch)], cwd=copy, capture_output=True,
+                              text=True)
+        assert done.returncode == 0, f"{patch.name}: {done.stderr.strip()}"
+        src = (copy / kernel).read_text()
+        try:
+            out = instrumented_source(src)
+        except AssertionError as error:
+            raise AssertionError(f"timeline_decode_sm90.py does not fit {patch.name}: {error}") from None
+        assert out.count("stamp(") == 5, patch.name
+        if "mbar_wait_cluster(" in src:  # a crossed kernel: the free_bar wait, and row 96's receipts
+            assert "cross_wait += clock64() - c_;" in out, patch.name
+            assert out.count(cross) == (2 if "rcv_bar" in src else 0), patch.name
+        else:
+            assert cross not in out and "cross_wait +=" not in out, patch.name
 
 
 def test_sm90_ab_benchmark_renames_each_versions_library(tmp_path):

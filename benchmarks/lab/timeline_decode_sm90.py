@@ -1,6 +1,8 @@
 """Where each warpgroup of the wgmma decode stage 1 spends its cycles: per-CTA counters, on the GPU.
 
     PYTHONPATH=. python3 benchmarks/lab/timeline_decode_sm90.py --out benchmarks/lab/results   # ~1.5 min, JIT build included
+    (cd .ab/NAME && TORCH_EXTENSIONS_DIR=/tmp/ext-NAME PYTHONPATH=. python3 benchmarks/lab/timeline_decode_sm90.py \
+        --kv-cache-dtype fp8_ds_mla --out DIR --out-name NAME-timeline.json)   # a candidate's kernel, in its copy
 
 Builds a copy of ``csrc/mla_decode_sm90.cu`` with counters added (the source is edited as text
 here, so the package's kernel stays as it is; an edit that no longer applies fails loudly), as
@@ -21,8 +23,13 @@ each warpgroup (0 and 128) sums, over the pair loop, the cycles it spends:
   the mbarrier's arrival (nothing on a bf16 cache);
 - ``raw_wait``: the part of ``convert`` spent waiting for the raw bytes (the mbarrier of the
   group's TMA copies), so that ``convert - raw_wait`` is the conversion and its barriers;
+- ``cross_wait``: under crossover (a candidate's source with clusters of two CTAs, NOTES rows
+  94-97; zero on main's), the waits on the other CTA of the cluster for its release of a group
+  (inside ``convert``, before the bulk copy), for its receipt of this CTA's half (inside ``issue``
+  before a refill, and in ``other`` before ``fp8_e4m3``'s P_A write); the wait for the other
+  CTA's half of a group is the group's own mbarrier, in ``load_wait``;
 
-and ``other`` is the rest of the loop (``raw_wait`` is not subtracted twice): the softmax,
+and ``other`` is the rest of the loop (``raw_wait`` and ``cross_wait`` are not subtracted twice): the softmax,
 fragments, stores of P and the issue of the MMAs. The clock reads add a few cycles each, and
 registers (the instrumented copy takes more than the kernel's own).
 Medians over CTAs, then over 5 repetitions;
@@ -53,14 +60,17 @@ from benchmarks.lab.timeline_decode_cuda import stamp_code, stamped_runs
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # (b, t, h): 128 heads at four of the benchmark's shapes, the splits mla_decode picks
 SHAPES = ((1, 32768, 128), (64, 4096, 128), (2, 65536, 128), (4, 131072, 128))
-PARTS = ("issue", "load_wait", "wg_wait", "mma_wait", "convert", "raw_wait")  # raw_wait: inside convert
-NESTED = ("raw_wait",)  # parts counted inside another: not subtracted from the loop for "other"
+PARTS = ("issue", "load_wait", "wg_wait", "mma_wait", "convert", "raw_wait", "cross_wait")
+NESTED = ("raw_wait", "cross_wait")  # parts counted inside others: not subtracted from the loop for "other"
 PER_WG = len(PARTS) + 1  # a warpgroup's slots: its part sums, then its loop's cycles
 SLOTS = 11 + 2 * PER_WG  # 5 x (globaltimer, clock64), SM id, then each warpgroup's
 
 
-def instrumented_source() -> str:
-    src = (ROOT / "csrc" / "mla_decode_sm90.cu").read_text()
+def instrumented_source(src: str | None = None) -> str:
+    """The kernel's source (``src``, by default csrc/mla_decode_sm90.cu's) with the counters."""
+    if src is None:
+        src = (ROOT / "csrc" / "mla_decode_sm90.cu").read_text()
+    cross = "mbar_wait_cluster(" in src  # a crossover candidate's kernel (NOTES rows 94-97)
 
     def edit(old, new, count=1):
         nonlocal src
@@ -76,12 +86,23 @@ def instrumented_source() -> str:
   const int64_t cta = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
 """ + stamp_code(SLOTS) + f"""  long long acc[{len(PARTS)}] = {{}};
 """)
-    # an fp8 group's wait for its raw bytes, inside finish_fp8_blocks: the caller's acc of raw_wait
-    src, n_fn = re.subn(r"(__device__ __forceinline__ \w+ finish_fp8_blocks\([^)]*)\)", r"\1, long long& raw_wait)", src)
-    src, n_call = re.subn(r"(finish_fp8_blocks<MT, F, j0>\([^;]*)\);", rf"\1, acc[{PARTS.index('raw_wait')}]);", src)
-    assert n_fn == 1 and n_call == 1, (n_fn, n_call)
+    raw, cross_at = PARTS.index("raw_wait"), PARTS.index("cross_wait")
+    # an fp8 group's wait for its raw bytes (and under crossover for the other CTA's release of the
+    # group), inside finish_fp8_blocks: the caller's acc of raw_wait and cross_wait
+    src, n_fn = re.subn(r"(__device__ __forceinline__ \w+ finish_fp8_blocks\([^)]*)\)",
+                        r"\1, long long& raw_wait, long long& cross_wait)", src)
+    src, n_call = re.subn(r"(finish_fp8_blocks<MT, F, j0[^>]*>\([^;]*)\);", rf"\1, acc[{raw}], acc[{cross_at}]);", src)
+    assert n_fn == 1 and n_call == (3 if cross else 1), (n_fn, n_call)
     edit("  mbar_wait(raw, parity);", "  { const long long c_ = clock64(); mbar_wait(raw, parity); raw_wait += clock64() - c_; }")
-    edit("      mbar_wait(bar(buf, j), parity);\n", "      " + timed("mbar_wait(bar(buf, j), parity)", 1) + "\n")
+    # the wait for a group's blocks before its S (under crossover also the other CTA's half)
+    src, n_bar = re.subn(r"(mbar_wait(?:_cluster)?\(bar\(buf, j\), parity\));", lambda m: timed(m[1], 1), src)
+    assert n_bar == (2 if cross else 1), n_bar
+    if cross:
+        src, n_free = re.subn(r"(mbar_wait_cluster\(free_bar, parity\));",
+                              r"{ const long long c_ = clock64(); \1; cross_wait += clock64() - c_; }", src)
+        # row 96's receipts: before a refill, and before fp8_e4m3's P_A write (row 94 has none)
+        src, n_rcv = re.subn(r"(mbar_wait_cluster\(rcv_bar\([^;]*\));", lambda m: timed(m[1], cross_at), src)
+        assert n_free == 1 and n_rcv == (2 if "rcv_bar" in src else 0), (n_free, n_rcv)
     # the prologue's copies and waits do not count: the sums restart at the loop
     edit("  __syncthreads();         // ... everyone's\n",
          "  __syncthreads();         // ... everyone's\n  stamp(1);\n")
@@ -114,7 +135,9 @@ def instrumented_source() -> str:
          "                             : kv_cache_dtype == \"fp8_ds_mla\" ? CacheFormat::kFp8DsMla : CacheFormat::kAuto;")
     edit("const std::optional<at::Tensor>& kv_scale, int64_t q_tokens) {",
          "const std::optional<at::Tensor>& kv_scale, int64_t q_tokens, at::Tensor& timing) {")
-    edit("scale_ptr);", "scale_ptr, (long long*)timing.data_ptr<int64_t>());")
+    # the launch's last argument (under crossover inside cudaLaunchKernelEx's call)
+    src, n_launch = re.subn(r"scale_ptr\)(\)?);", r"scale_ptr, (long long*)timing.data_ptr<int64_t>())\1;", src)
+    assert n_launch == 1, n_launch
     src = src[: src.index("TORCH_LIBRARY_IMPL")]
     src = src.replace("namespace {\n", "", 1).replace("}  // namespace\n\n", "", 1)
     return src + 'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &mla::mla_decode_sm90); }\n'
