@@ -29,12 +29,12 @@ def test_sm90_timeline_benchmark_still_fits_the_kernel():
     assert src.count("stamp(") == 5  # its five points
     assert "TORCH_LIBRARY_IMPL" not in src and "check_mla_decode" not in src
     assert "PYBIND11_MODULE" in src and "at::Tensor& timing" in src
-    raw, cross = PARTS.index("raw_wait"), PARTS.index("cross_wait")
+    raw, free = PARTS.index("raw_wait"), PARTS.index("free_wait")
     for part, name in enumerate(PARTS):
         if name == "raw_wait":  # counted in finish_fp8_blocks, into the caller's acc[5]
-            assert "raw_wait += clock64() - c_;" in src and f", acc[{raw}], acc[{cross}]);" in src
-        elif name == "cross_wait":  # crossover's waits on the other CTA: none in main's kernel
-            assert "cross_wait +=" not in src and f"acc[{part}] +=" not in src
+            assert "raw_wait += clock64() - c_;" in src and f", acc[{raw}], acc[{free}]);" in src
+        elif name in ("free_wait", "rcv_wait"):  # crossover's waits on the other CTA: none in main's kernel
+            assert f"{name} +=" not in src and f"acc[{part}] +=" not in src
         else:
             assert f"acc[{part}] += clock64() - c_;" in src
 
@@ -43,6 +43,7 @@ def test_sm90_timeline_benchmark_fits_each_candidate_kernel(tmp_path):
     """timeline_decode_sm90.py also times a candidate's kernel (run in the candidate's copy of the
     tree, .ab/NAME): its text patches must apply to every candidate patch's csrc/mla_decode_sm90.cu,
     the crossover kernels (NOTES rows 94-97) with their waits on the other CTA counted."""
+    import os
     import shutil
     import subprocess
     from pathlib import Path
@@ -59,25 +60,28 @@ def test_sm90_timeline_benchmark_fits_each_candidate_kernel(tmp_path):
                if f"+++ b/{kernel}" in p.read_text()]
     if not patches:
         pytest.skip("no candidate patch of the wgmma kernel")
-    cross = f"acc[{PARTS.index('cross_wait')}] += clock64() - c_;"
+    rcv = f"acc[{PARTS.index('rcv_wait')}] += clock64() - c_;"
     for patch in patches:
         copy = tmp_path / patch.stem
         (copy / "csrc").mkdir(parents=True)
         shutil.copy(root / kernel, copy / kernel)
+        # the copy is its own ceiling: inside another repository's work tree git apply would skip
+        # the patch (no path of it under the copy) and still succeed
         done = subprocess.run(["git", "apply", f"--include={kernel}", str(patch)], cwd=copy, capture_output=True,
-                              text=True)
+                              text=True, env={**os.environ, "GIT_CEILING_DIRECTORIES": str(copy.parent)})
         assert done.returncode == 0, f"{patch.name}: {done.stderr.strip()}"
         src = (copy / kernel).read_text()
+        assert src != (root / kernel).read_text(), f"{patch.name} changed nothing of {kernel}"
         try:
             out = instrumented_source(src)
         except AssertionError as error:
             raise AssertionError(f"timeline_decode_sm90.py does not fit {patch.name}: {error}") from None
         assert out.count("stamp(") == 5, patch.name
         if "mbar_wait_cluster(" in src:  # a crossed kernel: the free_bar wait, and row 96's receipts
-            assert "cross_wait += clock64() - c_;" in out, patch.name
-            assert out.count(cross) == (2 if "rcv_bar" in src else 0), patch.name
+            assert "free_wait += clock64() - c_;" in out, patch.name
+            assert out.count(rcv) == (2 if "rcv_bar" in src else 0), patch.name
         else:
-            assert cross not in out and "cross_wait +=" not in out, patch.name
+            assert rcv not in out and "free_wait +=" not in out, patch.name
 
 
 def test_sm90_ab_benchmark_renames_each_versions_library(tmp_path):

@@ -23,13 +23,17 @@ each warpgroup (0 and 128) sums, over the pair loop, the cycles it spends:
   the mbarrier's arrival (nothing on a bf16 cache);
 - ``raw_wait``: the part of ``convert`` spent waiting for the raw bytes (the mbarrier of the
   group's TMA copies), so that ``convert - raw_wait`` is the conversion and its barriers;
-- ``cross_wait``: under crossover (a candidate's source with clusters of two CTAs, NOTES rows
-  94-97; zero on main's), the waits on the other CTA of the cluster for its release of a group
-  (inside ``convert``, before the bulk copy), for its receipt of this CTA's half (inside ``issue``
-  before a refill, and in ``other`` before ``fp8_e4m3``'s P_A write); the wait for the other
-  CTA's half of a group is the group's own mbarrier, in ``load_wait``;
+- under crossover (a candidate's kernel with clusters of two CTAs, NOTES rows 94-97; zero on
+  main's), the waits on the other CTA of the cluster: ``free_wait``, the part of ``convert``
+  spent waiting for its release of the group (row 94: before the conversion's stores into it;
+  rows 96-97: before the bulk copy), so that there ``convert - raw_wait - free_wait`` is the
+  conversion, its barriers and the copy's issue; ``rcv_wait`` (row 96), waiting for its receipt
+  of this CTA's half, inside ``issue`` before a refill and in ``other`` before ``fp8_e4m3``'s
+  P_A write. The wait for the other CTA's half of a group is the group's own mbarrier, in
+  ``load_wait``;
 
-and ``other`` is the rest of the loop (``raw_wait`` and ``cross_wait`` are not subtracted twice): the softmax,
+and ``other`` is the rest of the loop (the nested ``raw_wait``, ``free_wait`` and ``rcv_wait``
+are not subtracted twice): the softmax,
 fragments, stores of P and the issue of the MMAs. The clock reads add a few cycles each, and
 registers (the instrumented copy takes more than the kernel's own).
 Medians over CTAs, then over 5 repetitions;
@@ -60,8 +64,8 @@ from benchmarks.lab.timeline_decode_cuda import stamp_code, stamped_runs
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # (b, t, h): 128 heads at four of the benchmark's shapes, the splits mla_decode picks
 SHAPES = ((1, 32768, 128), (64, 4096, 128), (2, 65536, 128), (4, 131072, 128))
-PARTS = ("issue", "load_wait", "wg_wait", "mma_wait", "convert", "raw_wait", "cross_wait")
-NESTED = ("raw_wait", "cross_wait")  # parts counted inside others: not subtracted from the loop for "other"
+PARTS = ("issue", "load_wait", "wg_wait", "mma_wait", "convert", "raw_wait", "free_wait", "rcv_wait")
+NESTED = ("raw_wait", "free_wait", "rcv_wait")  # parts counted inside others: not subtracted from the loop for "other"
 PER_WG = len(PARTS) + 1  # a warpgroup's slots: its part sums, then its loop's cycles
 SLOTS = 11 + 2 * PER_WG  # 5 x (globaltimer, clock64), SM id, then each warpgroup's
 
@@ -86,12 +90,12 @@ def instrumented_source(src: str | None = None) -> str:
   const int64_t cta = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
 """ + stamp_code(SLOTS) + f"""  long long acc[{len(PARTS)}] = {{}};
 """)
-    raw, cross_at = PARTS.index("raw_wait"), PARTS.index("cross_wait")
+    raw, free, rcv = (PARTS.index(name) for name in ("raw_wait", "free_wait", "rcv_wait"))
     # an fp8 group's wait for its raw bytes (and under crossover for the other CTA's release of the
-    # group), inside finish_fp8_blocks: the caller's acc of raw_wait and cross_wait
+    # group), inside finish_fp8_blocks: the caller's acc of raw_wait and free_wait
     src, n_fn = re.subn(r"(__device__ __forceinline__ \w+ finish_fp8_blocks\([^)]*)\)",
-                        r"\1, long long& raw_wait, long long& cross_wait)", src)
-    src, n_call = re.subn(r"(finish_fp8_blocks<MT, F, j0[^>]*>\([^;]*)\);", rf"\1, acc[{raw}], acc[{cross_at}]);", src)
+                        r"\1, long long& raw_wait, long long& free_wait)", src)
+    src, n_call = re.subn(r"(finish_fp8_blocks<MT, F, j0[^>]*>\([^;]*)\);", rf"\1, acc[{raw}], acc[{free}]);", src)
     assert n_fn == 1 and n_call == (3 if cross else 1), (n_fn, n_call)
     edit("  mbar_wait(raw, parity);", "  { const long long c_ = clock64(); mbar_wait(raw, parity); raw_wait += clock64() - c_; }")
     # the wait for a group's blocks before its S (under crossover also the other CTA's half)
@@ -99,9 +103,9 @@ def instrumented_source(src: str | None = None) -> str:
     assert n_bar == (2 if cross else 1), n_bar
     if cross:
         src, n_free = re.subn(r"(mbar_wait_cluster\(free_bar, parity\));",
-                              r"{ const long long c_ = clock64(); \1; cross_wait += clock64() - c_; }", src)
+                              r"{ const long long c_ = clock64(); \1; free_wait += clock64() - c_; }", src)
         # row 96's receipts: before a refill, and before fp8_e4m3's P_A write (row 94 has none)
-        src, n_rcv = re.subn(r"(mbar_wait_cluster\(rcv_bar\([^;]*\));", lambda m: timed(m[1], cross_at), src)
+        src, n_rcv = re.subn(r"(mbar_wait_cluster\(rcv_bar\([^;]*\));", lambda m: timed(m[1], rcv), src)
         assert n_free == 1 and n_rcv == (2 if "rcv_bar" in src else 0), (n_free, n_rcv)
     # the prologue's copies and waits do not count: the sums restart at the loop
     edit("  __syncthreads();         // ... everyone's\n",
