@@ -33,9 +33,9 @@ each warpgroup (0 and 128) sums, over the pair loop, the cycles it spends:
   ``load_wait``;
 
 and ``other`` is the rest of the loop (the nested ``raw_wait``, ``free_wait`` and ``rcv_wait``
-are not subtracted twice): the softmax,
-fragments, stores of P and the issue of the MMAs. The clock reads add a few cycles each, and
-registers (the instrumented copy takes more than the kernel's own).
+are not subtracted twice): the softmax, fragments, stores of P and the issue of the MMAs. The
+clock reads add a few cycles each, and registers (the instrumented copy takes more than the
+kernel's own).
 Medians over CTAs, then over 5 repetitions;
 ``*_per_tile`` divides a warpgroup's loop by the CTA's tiles (cycles).
 
