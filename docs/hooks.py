@@ -83,6 +83,7 @@ def _namespace() -> dict:
         "result": result,
         "row": row,
         "rows_where": rows_where,
+        "same_copy": same_copy,
         "decode_tflops": decode_tflops,
         "flashmla_table": flashmla_table,
         "query_tokens_table": query_tokens_table,
@@ -611,6 +612,14 @@ def rows_where(name: str, key: str = "rows", min_b: int = 1, **match) -> list[di
     if not rows:
         raise PluginError(f"rows_where({name!r}, min_b={min_b}, {match}): no row matches")
     return rows
+
+
+def same_copy(tokens: int, kv_cache_dtype: str = "auto",
+              name: str = "nvidia-h100-80gb-hbm3-concat-same-copy.json") -> dict:
+    """`bench concat`'s row of `tokens` on a cache of `kv_cache_dtype` in result `name`, with
+    `copy_share`: a device copy of the write's bytes, its bandwidth over the 2 GiB copy's."""
+    r = row(name, tokens=tokens, kv_cache_dtype=kv_cache_dtype)
+    return {**r, "copy_share": r["share_of_copy"] / r["share_of_same_copy"]}
 
 
 def decode_tflops(b: int, t: int, h: int, field: str = "time_us", name: str = "h200-decode.json") -> float:

@@ -42,7 +42,7 @@ def test_sm90_timeline_benchmark_still_fits_the_kernel():
 def test_sm90_timeline_benchmark_fits_each_candidate_kernel(tmp_path):
     """timeline_decode_sm90.py also times a candidate's kernel (run in the candidate's copy of the
     tree, .ab/NAME): its text patches must apply to every candidate patch's csrc/mla_decode_sm90.cu,
-    the crossover kernels (NOTES rows 94-97) with their waits on the other CTA counted."""
+    the crossover kernels with their waits on the other CTA counted."""
     import os
     import shutil
     import subprocess
@@ -77,7 +77,7 @@ def test_sm90_timeline_benchmark_fits_each_candidate_kernel(tmp_path):
         except AssertionError as error:
             raise AssertionError(f"timeline_decode_sm90.py does not fit {patch.name}: {error}") from None
         assert out.count("stamp(") == 5, patch.name
-        if "mbar_wait_cluster(" in src:  # a crossed kernel: the free_bar wait, and row 96's receipts
+        if "mbar_wait_cluster(" in src:  # a crossed kernel: the free_bar wait, and crossover2's receipts
             assert "free_wait += clock64() - c_;" in out, patch.name
             assert out.count(rcv) == (2 if "rcv_bar" in src else 0), patch.name
         else:

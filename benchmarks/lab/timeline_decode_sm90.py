@@ -23,13 +23,13 @@ each warpgroup (0 and 128) sums, over the pair loop, the cycles it spends:
   the mbarrier's arrival (nothing on a bf16 cache);
 - ``raw_wait``: the part of ``convert`` spent waiting for the raw bytes (the mbarrier of the
   group's TMA copies), so that ``convert - raw_wait`` is the conversion and its barriers;
-- under crossover (a candidate's kernel with clusters of two CTAs, NOTES rows 94-97; zero on
-  main's), the waits on the other CTA of the cluster: ``free_wait``, the part of ``convert``
-  spent waiting for its release of the group (row 94: before the conversion's stores into it;
-  rows 96-97: before the bulk copy), so that there ``convert - raw_wait - free_wait`` is the
-  conversion, its barriers and the copy's issue; ``rcv_wait`` (row 96), waiting for its receipt
-  of this CTA's half, inside ``issue`` before a refill and in ``other`` before ``fp8_e4m3``'s
-  P_A write. The wait for the other CTA's half of a group is the group's own mbarrier, in
+- under crossover (the kernels of ``candidates/crossover*.patch`` and
+  ``probe-crossnosend.patch``, clusters of two CTAs; zero on main's), the waits on the other CTA
+  of the cluster: ``free_wait``, the part of ``convert`` spent waiting for its release of the
+  group (before the conversion's stores into it, or before the bulk copy), so that there
+  ``convert - raw_wait - free_wait`` is the conversion, its barriers and the copy's issue;
+  ``rcv_wait`` (crossover2's), waiting for its receipt of this CTA's half, inside ``issue``
+  before a refill and in ``other`` before ``fp8_e4m3``'s P_A write. The wait for the other CTA's half of a group is the group's own mbarrier, in
   ``load_wait``;
 
 and ``other`` is the rest of the loop (the nested ``raw_wait``, ``free_wait`` and ``rcv_wait``
@@ -74,7 +74,7 @@ def instrumented_source(src: str | None = None) -> str:
     """The kernel's source (``src``, by default csrc/mla_decode_sm90.cu's) with the counters."""
     if src is None:
         src = (ROOT / "csrc" / "mla_decode_sm90.cu").read_text()
-    cross = "mbar_wait_cluster(" in src  # a crossover candidate's kernel (NOTES rows 94-97)
+    cross = "mbar_wait_cluster(" in src  # a crossover candidate's kernel (clusters of two CTAs)
 
     def edit(old, new, count=1):
         nonlocal src
@@ -104,7 +104,7 @@ def instrumented_source(src: str | None = None) -> str:
     if cross:
         src, n_free = re.subn(r"(mbar_wait_cluster\(free_bar, parity\));",
                               r"{ const long long c_ = clock64(); \1; free_wait += clock64() - c_; }", src)
-        # row 96's receipts: before a refill, and before fp8_e4m3's P_A write (row 94 has none)
+        # crossover2's receipts: before a refill, and before fp8_e4m3's P_A write (crossover has none)
         src, n_rcv = re.subn(r"(mbar_wait_cluster\(rcv_bar\([^;]*\));", lambda m: timed(m[1], rcv), src)
         assert n_free == 1 and n_rcv == (2 if "rcv_bar" in src else 0), (n_free, n_rcv)
     # the prologue's copies and waits do not count: the sums restart at the loop
