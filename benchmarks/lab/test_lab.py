@@ -32,9 +32,12 @@ def test_sm90_timeline_benchmark_still_fits_the_kernel():
     raw, free = PARTS.index("raw_wait"), PARTS.index("free_wait")
     for part, name in enumerate(PARTS):
         if name == "raw_wait":  # counted in finish_fp8_blocks, into the caller's acc[5]
-            assert "raw_wait += clock64() - c_;" in src and f", acc[{raw}], acc[{free}]);" in src
+            assert "raw_wait += clock64() - c_;" in src and f", acc[{raw}], acc[{free}], " in src
         elif name in ("free_wait", "rcv_wait"):  # crossover's waits on the other CTA: none in main's kernel
             assert f"{name} +=" not in src and f"acc[{part}] +=" not in src
+        elif name in ("vote", "conv_bar"):  # inside finish_fp8_blocks: the vote, the two other barriers
+            assert src.count(f"{name} += clock64() - c") == (1 if name == "vote" else 2)
+            assert f", acc[{PARTS.index('vote')}], acc[{PARTS.index('conv_bar')}]);" in src
         else:
             assert f"acc[{part}] += clock64() - c_;" in src
 

@@ -29,14 +29,21 @@ each warpgroup (0 and 128) sums, over the pair loop, the cycles it spends:
   group (before the conversion's stores into it, or before the bulk copy), so that there
   ``convert - raw_wait - free_wait`` is the conversion, its barriers and the copy's issue;
   ``rcv_wait`` (crossover2's), waiting for its receipt of this CTA's half, inside ``issue``
-  before a refill and in ``other`` before ``fp8_e4m3``'s P_A write. The wait for the other CTA's half of a group is the group's own mbarrier, in
-  ``load_wait``;
+  before a refill and in ``other`` before ``fp8_e4m3``'s P_A write. The wait for the other CTA's
+  half of a group is the group's own mbarrier, in ``load_wait``;
+- inside ``convert`` too: ``vote``, ``fp8_ds_mla``'s barrier that votes on the tile's F (and
+  keeps its scales read before block 0's output covers them), and ``conv_bar``, the group's two
+  other warpgroup barriers (behind the reads of the stored bytes; after the fence, before the
+  release), so that ``convert - raw_wait - vote - conv_bar`` is the conversion itself: its
+  reads, instructions and writes, and the arrival;
 
 and ``other`` is the rest of the loop (the nested ``raw_wait``, ``free_wait`` and ``rcv_wait``
 are not subtracted twice): the softmax, fragments, stores of P and the issue of the MMAs. The
 clock reads add a few cycles each, and registers (the instrumented copy takes more than the
 kernel's own).
-Medians over CTAs, then over 5 repetitions;
+The first thread of warp 0 of each warpgroup records its parts by default (the one that issues
+the copies); ``--warps 0,3`` adds a row recorded by warp 3's, whose barrier waits show how long
+the other warps wait for the issuing one. Medians over CTAs, then over 5 repetitions;
 ``*_per_tile`` divides a warpgroup's loop by the CTA's tiles (cycles).
 
 Writes the rows of one run to ``--out-name`` (``h200-decode-sm90-timeline-rows.json``). The
@@ -64,8 +71,9 @@ from benchmarks.lab.timeline_decode_cuda import stamp_code, stamped_runs
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # (b, t, h): 128 heads at four of the benchmark's shapes, the splits mla_decode picks
 SHAPES = ((1, 32768, 128), (64, 4096, 128), (2, 65536, 128), (4, 131072, 128))
-PARTS = ("issue", "load_wait", "wg_wait", "mma_wait", "convert", "raw_wait", "free_wait", "rcv_wait")
-NESTED = ("raw_wait", "free_wait", "rcv_wait")  # parts counted inside others: not subtracted from the loop for "other"
+PARTS = ("issue", "load_wait", "wg_wait", "mma_wait", "convert", "raw_wait", "free_wait", "rcv_wait", "vote",
+         "conv_bar")
+NESTED = ("raw_wait", "free_wait", "rcv_wait", "vote", "conv_bar")  # counted inside others: not subtracted for "other"
 PER_WG = len(PARTS) + 1  # a warpgroup's slots: its part sums, then its loop's cycles
 SLOTS = 11 + 2 * PER_WG  # 5 x (globaltimer, clock64), SM id, then each warpgroup's
 
@@ -85,19 +93,34 @@ def instrumented_source(src: str | None = None) -> str:
         return f"{{ const long long c_ = clock64(); {call}; acc[{part}] += clock64() - c_; }}"
 
     edit('#include "mla_decode.h"\n', '#include <torch/extension.h>\n#include "mla_decode.h"\n')
-    edit("const float* __restrict__ kv_scale) {", "const float* __restrict__ kv_scale, long long* timing) {")
+    edit("const float* __restrict__ kv_scale) {",
+         "const float* __restrict__ kv_scale, long long* timing, int timing_warp) {")
     edit("  const int split = blockIdx.z;\n", """  const int split = blockIdx.z;
   const int64_t cta = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
 """ + stamp_code(SLOTS) + f"""  long long acc[{len(PARTS)}] = {{}};
 """)
-    raw, free, rcv = (PARTS.index(name) for name in ("raw_wait", "free_wait", "rcv_wait"))
+    raw, free, rcv, vote, conv_bar = (PARTS.index(name) for name in NESTED)
     # an fp8 group's wait for its raw bytes (and under crossover for the other CTA's release of the
-    # group), inside finish_fp8_blocks: the caller's acc of raw_wait and free_wait
+    # group), its scales' vote and its barriers, inside finish_fp8_blocks: the caller's acc
     src, n_fn = re.subn(r"(__device__ __forceinline__ \w+ finish_fp8_blocks\([^)]*)\)",
-                        r"\1, long long& raw_wait, long long& free_wait)", src)
-    src, n_call = re.subn(r"(finish_fp8_blocks<MT, F, j0[^>]*>\([^;]*)\);", rf"\1, acc[{raw}], acc[{free}]);", src)
+                        r"\1, long long& raw_wait, long long& free_wait, long long& vote, long long& conv_bar)", src)
+    src, n_call = re.subn(r"(finish_fp8_blocks<MT, F, j0[^>]*>\([^;]*)\);",
+                          rf"\1, acc[{raw}], acc[{free}], acc[{vote}], acc[{conv_bar}]);", src)
     assert n_fn == 1 and n_call == (3 if cross else 1), (n_fn, n_call)
     edit("  mbar_wait(raw, parity);", "  { const long long c_ = clock64(); mbar_wait(raw, parity); raw_wait += clock64() - c_; }")
+    # fp8_ds_mla's vote on F (a warpgroup barrier that reduces each thread's test; a kernel with no
+    # vote, such as probe-noscale's, has none to count)
+    src, n_vote = re.subn(r"if \(!sync_warpgroup_any\(wg, !in_range\)\) \{",
+                          "const long long cv_ = clock64(); const bool any_ = sync_warpgroup_any(wg, !in_range); "
+                          "vote += clock64() - cv_; if (!any_) {", src)
+    assert n_vote <= 1, n_vote
+    # the group's two barriers: behind every read of the stored bytes, and after the fence before
+    # its release (both warpgroup-wide; the rest of convert is the conversion, its reads and writes)
+    edit("  sync_warpgroup(wg);  // every stored byte read before the outputs below cover them\n",
+         "  { const long long c_ = clock64(); sync_warpgroup(wg); conv_bar += clock64() - c_; }\n")
+    src, n_fence = re.subn(r"(\n  fence_async_shared\(\);  // the converted blocks[^\n]*\n  sync_warpgroup\(wg\);)([^\n]*\n)",
+                           r"\n  { const long long c_ = clock64();\1 conv_bar += clock64() - c_; }\2", src)
+    assert n_fence == 1, n_fence
     # the wait for a group's blocks before its S (under crossover also the other CTA's half)
     src, n_bar = re.subn(r"(mbar_wait(?:_cluster)?\(bar\(buf, j\), parity\));", lambda m: timed(m[1], 1), src)
     assert n_bar == (2 if cross else 1), n_bar
@@ -124,7 +147,7 @@ def instrumented_source(src: str | None = None) -> str:
   const long long c_loop = clock64();
   for (int k = 0; k < {len(PARTS)}; ++k) acc[k] = 0;
 """
-    tail = f"""  if (wtid == 0) {{
+    tail = f"""  if (wtid == 32 * timing_warp) {{
     for (int k = 0; k < {len(PARTS)}; ++k) timing[cta * {SLOTS} + 11 + {PER_WG} * wg + k] = acc[k];
     timing[cta * {SLOTS} + 11 + {PER_WG} * wg + {len(PARTS)}] = clock64() - c_loop;
   }}
@@ -138,9 +161,10 @@ def instrumented_source(src: str | None = None) -> str:
          "  const CacheFormat format = kv_cache_dtype == \"fp8_e4m3\" ? CacheFormat::kFp8E4M3\n"
          "                             : kv_cache_dtype == \"fp8_ds_mla\" ? CacheFormat::kFp8DsMla : CacheFormat::kAuto;")
     edit("const std::optional<at::Tensor>& kv_scale, int64_t q_tokens) {",
-         "const std::optional<at::Tensor>& kv_scale, int64_t q_tokens, at::Tensor& timing) {")
+         "const std::optional<at::Tensor>& kv_scale, int64_t q_tokens, at::Tensor& timing, int64_t timing_warp) {")
     # the launch's last argument (under crossover inside cudaLaunchKernelEx's call)
-    src, n_launch = re.subn(r"scale_ptr\)(\)?);", r"scale_ptr, (long long*)timing.data_ptr<int64_t>())\1;", src)
+    src, n_launch = re.subn(r"scale_ptr\)(\)?);",
+                            r"scale_ptr, (long long*)timing.data_ptr<int64_t>(), int(timing_warp))\1;", src)
     assert n_launch == 1, n_launch
     src = src[: src.index("TORCH_LIBRARY_IMPL")]
     src = src.replace("namespace {\n", "", 1).replace("}  // namespace\n\n", "", 1)
@@ -161,7 +185,7 @@ def build():
                 extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
 
 
-def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto"):
+def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", warp=0):
     from benchmarks.bench_decode import SCALE, kernel_and_splits, make_inputs, write_fp8_caches
 
     q, caches, table, lens = make_inputs(b, t, h)
@@ -181,7 +205,7 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto"):
     runs = []
 
     def launch():
-        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, kv_cache_dtype, scale, 1, timing)
+        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, kv_cache_dtype, scale, 1, timing, warp)
 
     for x, start, end, ghz, us in stamped_runs(launch, timing, clear, repeats):
         run = dict(span_us=end.max().item(), start_max_us=start.max().item(), end_median_us=end.median().item(),
@@ -199,7 +223,8 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto"):
     row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     tiles = math.ceil(math.ceil(t / 64) / splits)
     per_tile = {f"{k[:-7]}_per_tile": row[k] / tiles for k in row if k.endswith("_cycles")}
-    return dict(b=b, t=t, h=h, kv_cache_dtype=kv_cache_dtype, splits=splits, tiles_per_cta=tiles, **row, **per_tile)
+    return dict(b=b, t=t, h=h, kv_cache_dtype=kv_cache_dtype, warp=warp, splits=splits, tiles_per_cta=tiles, **row,
+                **per_tile)
 
 
 def main(argv=None):
@@ -211,7 +236,12 @@ def main(argv=None):
     parser.add_argument("--out-name", default="h200-decode-sm90-timeline-rows.json")
     parser.add_argument("--kv-cache-dtype", dest="layouts", type=parse_kv_cache_dtypes, default=["auto"],
                         help="cache layouts, comma-separated: auto (bf16), fp8_e4m3, fp8_ds_mla (default auto)")
+    parser.add_argument("--warps", type=lambda v: [int(w) for w in v.split(",")], default=[0],
+                        help="which warp of each warpgroup (0-3) records its parts, comma-separated: one row "
+                             "a warp (default 0, the warp whose first thread issues the copies)")
     args = parser.parse_args(argv)
+    if any(not 0 <= w < 4 for w in args.warps):
+        parser.error(f"--warps: each warp is 0-3, got {args.warps}")
     t0 = time.time()
     mod = build()
     print(f"built in {time.time() - t0:.0f} s", flush=True)
@@ -220,8 +250,8 @@ def main(argv=None):
     load_extension()  # the package's own build, which bench_decode's helpers use (minutes if not cached)
     print(f"the package's extension loaded at {time.time() - t0:.0f} s", flush=True)
     rows = []
-    for kind, (b, t, h) in ((kind, shape) for kind in args.layouts for shape in SHAPES):
-        rows.append(one_shape(mod, b, t, h, kv_cache_dtype=kind))
+    for kind, (b, t, h), warp in ((kind, shape, w) for kind in args.layouts for shape in SHAPES for w in args.warps):
+        rows.append(one_shape(mod, b, t, h, kv_cache_dtype=kind, warp=warp))
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
         # written after every row, so a run cut short keeps the rows it has
         write_json(args.out, args.out_name, dict(device=torch.cuda.get_device_name(0), clear="clean", rows=rows))
