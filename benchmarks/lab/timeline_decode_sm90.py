@@ -33,9 +33,11 @@ each warpgroup (0 and 128) sums, over the pair loop, the cycles it spends:
   half of a group is the group's own mbarrier, in ``load_wait``;
 - inside ``convert`` too: ``vote``, ``fp8_ds_mla``'s barrier that votes on the tile's F (and
   keeps its scales read before block 0's output covers them), and ``conv_bar``, the group's two
-  other warpgroup barriers (behind the reads of the stored bytes; after the fence, before the
-  release), so that ``convert - raw_wait - vote - conv_bar`` is the conversion itself: its
-  reads, instructions and writes, and the arrival;
+  other warpgroup barriers (behind the reads of the stored bytes; the fence and the barrier
+  before the release), so that ``convert - raw_wait - vote - conv_bar`` is the conversion: its
+  reads, instructions and writes, the scales' handling and the arrival (and where F is not 0,
+  the rare path's shuffles and barrier; under crossover also ``free_wait`` and the exchange's
+  issue);
 
 and ``other`` is the rest of the loop (the nested ``raw_wait``, ``free_wait`` and ``rcv_wait``
 are not subtracted twice): the softmax, fragments, stores of P and the issue of the MMAs. The
