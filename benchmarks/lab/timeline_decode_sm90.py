@@ -10,7 +10,7 @@ here, so the package's kernel stays as it is; an edit that no longer applies fai
 read (NOTES row 44). Thread 0 of every CTA records ``%globaltimer`` and ``clock64`` at five
 points: start; q landed (the prologue: q and the first two tiles' copies issued, q waited for);
 warpgroup 0's first S done; the pair loop done; the output written. The first thread of
-each warpgroup (0 and 128) sums, over the pair loop, the cycles it spends:
+each warpgroup (0 and 128; ``--warps`` below) sums, over the pair loop, the cycles it spends:
 
 - ``issue``: issuing the copies of the next tiles (the ``load_blocks`` calls in the loop; with
   ``cp.async`` every thread issues, and a stall is the SM's queue of outstanding copies being
@@ -39,8 +39,8 @@ each warpgroup (0 and 128) sums, over the pair loop, the cycles it spends:
   the rare path's shuffles and barrier; under crossover also ``free_wait`` and the exchange's
   issue);
 
-and ``other`` is the rest of the loop (the nested ``raw_wait``, ``free_wait`` and ``rcv_wait``
-are not subtracted twice): the softmax, fragments, stores of P and the issue of the MMAs. The
+and ``other`` is the rest of the loop (the nested parts, ``raw_wait`` to ``conv_bar``, are not
+subtracted twice): the softmax, fragments, stores of P and the issue of the MMAs. The
 clock reads add a few cycles each, and registers (the instrumented copy takes more than the
 kernel's own).
 The first thread of warp 0 of each warpgroup records its parts by default (the one that issues
