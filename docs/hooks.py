@@ -614,11 +614,10 @@ def rows_where(name: str, key: str = "rows", min_b: int = 1, **match) -> list[di
     return rows
 
 
-def same_copy(tokens: int, kv_cache_dtype: str = "auto",
-              name: str = "nvidia-h100-80gb-hbm3-concat-same-copy.json") -> dict:
-    """`bench concat`'s row of `tokens` on a cache of `kv_cache_dtype` in result `name`, with
-    `copy_share`: a device copy of the write's bytes, its bandwidth over the 2 GiB copy's."""
-    r = row(name, tokens=tokens, kv_cache_dtype=kv_cache_dtype)
+def same_copy(tokens: int, kv_cache_dtype: str = "auto") -> dict:
+    """`bench concat`'s row of `tokens` on a cache of `kv_cache_dtype` in the H100 run with the
+    same-size copy, with `copy_share`: that copy's bandwidth over the 2 GiB copy's."""
+    r = row("nvidia-h100-80gb-hbm3-concat-same-copy.json", tokens=tokens, kv_cache_dtype=kv_cache_dtype)
     return {**r, "copy_share": r["share_of_copy"] / r["share_of_same_copy"]}
 
 

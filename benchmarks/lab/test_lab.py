@@ -31,7 +31,7 @@ def test_sm90_timeline_benchmark_still_fits_the_kernel():
     assert "PYBIND11_MODULE" in src and "at::Tensor& timing" in src
     raw, free = PARTS.index("raw_wait"), PARTS.index("free_wait")
     for part, name in enumerate(PARTS):
-        if name == "raw_wait":  # counted in finish_fp8_blocks, into the caller's acc[5]
+        if name == "raw_wait":  # counted in finish_fp8_blocks, into the caller's acc
             assert "raw_wait += clock64() - c_;" in src and f", acc[{raw}], acc[{free}], " in src
         elif name in ("free_wait", "rcv_wait"):  # crossover's waits on the other CTA: none in main's kernel
             assert f"{name} +=" not in src and f"acc[{part}] +=" not in src
