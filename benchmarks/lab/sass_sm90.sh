@@ -11,7 +11,9 @@ set -eu
 tree=$1 out=$2 filter=${3:-}
 py=${PYTHON:-python3}
 inc=$($py -c "import sysconfig, torch.utils.cpp_extension as c; print(' '.join('-I' + p for p in c.include_paths() + [sysconfig.get_paths()['include']]))")
-fake=$(mktemp -d) && mkdir -p "$fake/c10/cuda/impl" && echo '#pragma once' > "$fake/c10/cuda/impl/cuda_cmake_macros.h"
+# torch's CPU wheel lacks this CUDA build header; an empty one lets the CUDA headers parse
+fake=$(mktemp -d) && trap 'rm -rf "$fake"' EXIT
+mkdir -p "$fake/c10/cuda/impl" && echo '#pragma once' > "$fake/c10/cuda/impl/cuda_cmake_macros.h"
 # shellcheck disable=SC2086  # the include flags, split as written
 nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a $inc -I"$fake" -I"$tree/csrc" -DTORCH_EXTENSION_NAME=sass \
   -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
