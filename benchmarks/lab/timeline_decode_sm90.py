@@ -143,7 +143,7 @@ def instrumented_source(src: str | None = None) -> str:
     body, n_wait = re.subn(r"wgmma_wait<(\d)>\(\);", lambda m: timed(f"wgmma_wait<{m[1]}>()", 3), body)
     body, n_load = re.subn(r"load_blocks\(([^;]*)\);", lambda m: timed(f"load_blocks({m[1]})", 0), body)
     body, n_finish = re.subn(r"finish_blocks\(([^;]*)\);", lambda m: timed(f"finish_blocks({m[1]})", 4), body)
-    # (three finish calls where warpgroup 1's two run as one loop: candidates/fp8finish1.patch)
+    # three finish calls where a kernel runs warpgroup 1's two as one loop (each call still timed)
     assert n_sync == 4 and n_wait == 6 and n_load == 4 and n_finish in (3, 4), (n_sync, n_wait, n_load, n_finish)
     head = head.rstrip("\n") + f"""
   if (tid == 0) stamp(2);
