@@ -30,11 +30,11 @@
 // 9 column blocks of 64 dims (128 bytes a row), each (64 rows, 128 bytes) with the 16-byte
 // chunk c of row r stored at chunk c ^ (r % 8). The same bytes are V's N-major layout for the
 // second product (B = V, K = tokens, N = dims), so a tile is loaded once for both, by the TMA
-// unit (the cache's tensor maps do the swizzle; a partial tile by cp.async). A buffer's blocks
-// are refilled as soon as both warpgroups are done with them, in two groups: blocks 0-3 (V's
-// left half) by warpgroup 0, blocks 4-8 by warpgroup 1, each group one TMA copy (a box of 4 or
-// 5 blocks) completing one mbarrier, so S of the next tile starts on the group that has landed
-// first. P_A lives in buffer 0's rope block
+// unit (the cache's tensor maps do the swizzle; a split's last tile too, its rows past the end
+// cleared once landed). A buffer's blocks are refilled as soon as both warpgroups are done with
+// them, in two groups: blocks 0-3 (V's left half) by warpgroup 0, blocks 4-8 by warpgroup 1,
+// each group one TMA copy (a box of 4 or 5 blocks) completing one mbarrier, so S of the next
+// tile starts on the group that has landed first. P_A lives in buffer 0's rope block
 // (free once S_A is computed), P_B in a block of its own.
 //
 // It also reads the two fp8 layouts of mla/kernels/fp8.py (kv_cache_dtype "fp8_e4m3": 576 e4m3
@@ -132,8 +132,8 @@ static_assert(kSmemBytes <= 227 * 1024 && 64 * 64 == kBlockBytes / 2 && 64 * 16 
               "an fp8 tile's stored bytes fit in place");
 // named barriers between the warpgroups (0 is __syncthreads): one arrives, the other waits
 enum : int { kBarScaleA = 1, kBarScaleB = 2, kBarPA = 3, kBarPB = 4 };
-// named barrier of one warpgroup (128 threads; 5 and 6): a partial tile's copies all issued, an
-// fp8 block group's copies landed, scales read, values converted
+// named barrier of one warpgroup (128 threads; 5 and 6): a partial tile's rows past the end
+// cleared, an fp8 block group's copies landed, scales read, values converted
 template <int Id>
 __device__ __forceinline__ void bar_sync_wg() { asm volatile("bar.sync %0, 128;\n" ::"n"(Id) : "memory"); }
 // warpgroup wg's own barrier (wg uniform in a warp)
@@ -172,10 +172,9 @@ __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// mbarriers, one arrival a phase: a whole tile's block group completes when the TMA unit has
-// written its bytes (expect_tx), a partial one's when its cp.async copies have landed and one
-// thread arrives, an fp8 group's when its warpgroup has converted the stored bytes (which
-// complete the group's second mbarrier, as a TMA copy does)
+// mbarriers, one arrival a phase: a block group of a cache in T completes when the TMA unit has
+// written its bytes (expect_tx; no tile: the arrival alone), an fp8 group's when its warpgroup
+// has converted the stored bytes (which complete the group's second mbarrier, as a TMA copy does)
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
@@ -184,11 +183,6 @@ __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// the mbarrier's phase also waits for this thread's cp.async copies (pending count +1, then -1
-// when they land: the phase still needs its one plain arrive)
-__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 // the TMA unit copies the map's box (kv_tensor_map: its inner elements, 64 rows, its column
 // blocks) at (row, block, page) of the cache into dst, swizzled or dense as the tensor map says
@@ -510,16 +504,15 @@ __device__ __forceinline__ int finish_fp8_blocks(unsigned char* blocks, int vali
 }
 
 // T: q's dtype; F: the cache's layout; MultiToken: s_q > 1 new tokens a sequence (per-row causal
-// limits); KV: what its rows hold (T, or fp8 bytes).
-template <typename T, CacheFormat F, bool MultiToken,
-          typename KV = std::conditional_t<F == CacheFormat::kAuto, T, uint8_t>>
+// limits).
+template <typename T, CacheFormat F, bool MultiToken>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     const T* __restrict__ q,              // (b, rows, 576), rows = s_q·h (token-major)
-    const KV* __restrict__ kv,            // (pages, page_size, 576) in T, or (pages, page_size, bytes) fp8
-    // the TMA unit's views of kv (kv_tensor_map): a cache in T as (64, page_size, 9, pages), boxes
-    // of blocks 0-3 (lo) and 4-8 (hi), 128-byte swizzle; fp8_e4m3 its bytes the same way, no
-    // swizzle; fp8_ds_mla its latent bytes as (64, page_size, 8, pages), boxes of 4 blocks (lo),
-    // its bf16 rope values (hi, 128-byte swizzle) and its scales (x, 16 bytes a row)
+    // the TMA unit's views of the cache (kv_tensor_map), which every tile is read through: a
+    // cache (pages, page_size, 576) in T as (64, page_size, 9, pages), boxes of blocks 0-3 (lo)
+    // and 4-8 (hi), 128-byte swizzle; fp8_e4m3 its bytes the same way, no swizzle; fp8_ds_mla
+    // its latent bytes as (64, page_size, 8, pages), boxes of 4 blocks (lo), its bf16 rope
+    // values (hi, 128-byte swizzle) and its scales (x, 16 bytes a row)
     const __grid_constant__ CUtensorMap kv_map_lo, const __grid_constant__ CUtensorMap kv_map_hi,
     const __grid_constant__ CUtensorMap kv_map_x,
     const int* __restrict__ block_table,  // (b, max_pages), last dim contiguous
@@ -530,7 +523,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     int num_rows,                         // query rows a sequence: s_q·h
     int heads, int q_tokens,              // h and s_q (read by the MultiToken instantiation only)
     int page_size, int num_splits, float scale_log2,
-    int64_t sqb, int64_t sqh, int64_t skp, int64_t skn, int64_t sbb,
+    int64_t sqb, int64_t sqh, int64_t sbb,
     int64_t sob, int64_t soh, int64_t sos, int64_t slb, int64_t slh, int64_t sls,
     const float* __restrict__ kv_scale) {  // (1,): the fp8_e4m3 cache's scale; not read otherwise
 #ifdef MLA_SM90A
@@ -592,19 +585,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   scale_log2 *= e4m3_scale;
 
   // ---- blocks [J0, J1) of tile t -> buffer buf, by this warpgroup, completing the group's
-  // mbarrier once they land. A whole tile: one thread has the TMA unit copy the group (the swizzle
-  // done in hardware, nothing for the other threads to issue). A partial one (the sequence's last)
-  // or none (t >= n_tiles): the 128 threads copy it with cp.async, rows past the split's end zeros
-  // (a page's unused rows may hold anything, NaN included, and P . V must not read them). A
-  // thread copies 16-byte chunk ld_chunk of rows ld_row + 16k (k < 4) of each block: all four
-  // rows share row % 8, so their swizzled place is one per-thread offset (plus 2048 k). An fp8
-  // cache, every tile: its stored bytes are asked for here (TMA copies completing raw_bar, or a
-  // bare arrival there for no tile, so its phases keep in step with bar's), and the group's
-  // mbarrier completes only in finish_blocks, once they are converted (finish_fp8_blocks).
+  // mbarrier once they land. A cache in T: one thread has the TMA unit copy the group's 64 rows
+  // of the page (the swizzle done in hardware, nothing for the other threads to issue), a split's
+  // last tile too, whose rows past the end scores clears once they land (a page's unused rows
+  // may hold anything, NaN included, and P . V must not read them); no tile (t >= n_tiles): a
+  // bare arrival, and scores clears every row. No tile is copied by cp.async, so a refill's
+  // code is one short path. An fp8 cache, every tile: its stored bytes are asked
+  // for here (TMA copies completing raw_bar, or a bare arrival there for no tile, so its phases
+  // keep in step with bar's), and the group's mbarrier completes only in finish_blocks, once
+  // they are converted (finish_fp8_blocks).
   const int* bt_row = block_table + b * sbb;
-  const int ld_row = wtid >> 3, ld_chunk = wtid & 7;
-  const uint32_t ld_dst = ld_row * 128 + ((ld_chunk ^ (ld_row & 7)) << 4);
-  const int64_t row_step = 16 * skn;
   auto load_blocks = [&](int buf, int t, auto J0, auto J1) {
     const int tok0 = start + t * kN;  // a tile lies in one page (page_size % 64 == 0)
     const int valid = end - tok0;
@@ -629,29 +619,19 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
         }
       }
     } else {
-      if (valid >= kN) {
-        if (wtid == 0) {
+      // the page's 64 rows from the tile's first, a split's last tile too (its rows past the end
+      // are cleared once landed: scores); a tile past the end copies nothing, its phase completes
+      // on the arrival alone
+      if (wtid == 0) {
+        if (valid > 0) {
           const int page = bt_row[tok0 / page_size], row = tok0 % page_size;
           mbar_expect_tx(bar(buf, j0), (j1 - j0) * kBlockBytes);
           tma_load(kv_s + buf * kMatBytes + j0 * kBlockBytes, j0 == 0 ? &kv_map_lo : &kv_map_hi, row, j0, page,
                    bar(buf, j0));
-        }
-        return;
-      }
-      const T* src = kv + ld_row * skn + ld_chunk * 8;
-      if (valid > 0) src += int64_t(bt_row[tok0 / page_size]) * skp + int64_t(tok0 % page_size) * skn;
-      const uint32_t dst = kv_s + buf * kMatBytes + ld_dst;
-#pragma unroll
-      for (int j = j0; j < j1; ++j) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const bool ok = ld_row + 16 * k < valid;
-          cp_async16(dst + j * kBlockBytes + k * 2048, ok ? src + k * row_step + j * 64 : kv, ok);
+        } else {
+          mbar_arrive(bar(buf, j0));
         }
       }
-      cp_async_arrive(bar(buf, j0));
-      sync_warpgroup(wg);  // every thread's count is on the mbarrier ...
-      if (wtid == 0) mbar_arrive(bar(buf, j0));  // ... then the phase's one arrival
     }
   };
   // ---- an fp8 cache: the group load_blocks(buf, t, J0, ...) asked for, landed -> the products'
@@ -670,11 +650,32 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
       if (buf == 0) tile_f[0] = f; else tile_f[1] = f;
     }
   };
+  // ---- a cache in T: rows [max(valid, 0), 64) of the nb blocks from j0 of buffer buf -> zeros, by
+  // the warpgroup (its tile's S reads the group first; the other warpgroup's P . V reads it after
+  // the P hand-over). A split's last tile came as its page's rows, whose unused ones may hold NaN
+  // (P is 0 there, and 0 x NaN is NaN); a tile past the end came as nothing. V's blocks (0-7)
+  // only: the rope block's scores there are masked by a select, and buffer 0's holds P_A. A row
+  // is 128 contiguous bytes of its block (the swizzle moves 16-byte chunks within the row): a
+  // thread clears chunks wtid + 128 k (k < 4) of each block, rows wtid / 8 + 16 k, with no loop.
+  auto clear_rows = [&](int buf, int valid, int j0, int nb) {
+    uint4* group = reinterpret_cast<uint4*>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes);
+#pragma unroll
+    for (int j = 0; j < nb; ++j) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if ((wtid >> 3) + 16 * k >= valid) {
+          group[j * (kBlockBytes / 16) + wtid + 128 * k] = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+    }
+    fence_async_shared();
+    sync_warpgroup(wg);  // every row cleared before any thread's MMA reads the group
+  };
   // ---- S (+)= q . K^T over blocks [J0, J1) of buffer buf (4 k-steps of 16 each), each block
   // group once its mbarrier completes phase `parity`; one commit group. Fresh: S = the first
   // k-step's product (the call a tile's S starts with), else S +=. Unrolled, so each descriptor is
   // a base plus a constant (addresses < 256 KiB: the 14-bit address field does not carry).
-  auto scores = [&](float (&s)[32], int buf, int parity, auto J0, auto J1, auto Fresh) {
+  auto scores = [&](float (&s)[32], int buf, int t, int parity, auto J0, auto J1, auto Fresh) {
     constexpr int j0 = decltype(J0)::value;
     const uint64_t q_desc = desc_k(q_s), k_desc = desc_k(kv_s + buf * kMatBytes);
     wgmma_fence();
@@ -682,7 +683,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     for (int j = j0; j < decltype(J1)::value; ++j) {
       if (j == 0 || j == kLoBlocks) {  // a group's first block
         mbar_wait(bar(buf, j), parity);
-        fence_async_shared();  // the landed copies, visible to wgmma
+        if constexpr (F == CacheFormat::kAuto) {
+          const int valid = end - (start + t * kN);  // the tile's rows before the end (<= 0: none)
+          if (valid < kN) clear_rows(buf, valid, j, kLoBlocks);  // V's blocks of the group
+        }
+        fence_async_shared();  // the landed copies (and cleared rows), visible to wgmma
       }
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
@@ -915,7 +920,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   uint32_t pf[4][4];  // P as wgmma A fragments, one k-step of 16 tokens each
 
   if (n_tiles > 0) {
-    scores(s, wg, 0, kZero, kAll, kFresh);  // S_A (warpgroup 0, buffer 0), S_B (warpgroup 1, buffer 1)
+    scores(s, wg, wg, 0, kZero, kAll, kFresh);  // S_A (warpgroup 0, buffer 0), S_B (warpgroup 1, buffer 1)
     wgmma_wait<0>();
     pin(s);
   }
@@ -990,10 +995,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
         finish_blocks(0, tile_a + 2, kZero);
         // -- S of the next A: blocks 0-3 (loaded first), then buffer 1's blocks 0-3 are free
         // (V_B's left half) for the next B, then blocks 4-8 (loaded by warpgroup 1)
-        scores(s, 0, next_parity, kZero, kLo, kFresh);
+        scores(s, 0, tile_a + 2, next_parity, kZero, kLo, kFresh);
         wgmma_wait<1>();
         load_blocks(1, tile_a + 3, kZero, kLo);
-        scores(s, 0, next_parity, kLo, kAll, kAddTo);
+        scores(s, 0, tile_a + 2, next_parity, kLo, kAll, kAddTo);
         // fp8: the next B's blocks 0-3 converted while those scores run (buffer 0 and q)
         finish_blocks(1, tile_a + 3, kZero);
       }
@@ -1049,8 +1054,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
         finish_blocks(1, tile_a + 3, kLo);
         // -- S of the next B: blocks 4-8 (refilled first, by this warpgroup), then 0-3 (by
         // warpgroup 0, once its P_B . V_B is done and the next A's blocks 0-3 have landed)
-        scores(s, 1, next_parity, kLo, kAll, kFresh);
-        scores(s, 1, next_parity, kZero, kLo, kAddTo);
+        scores(s, 1, tile_a + 3, next_parity, kLo, kAll, kFresh);
+        scores(s, 1, tile_a + 3, next_parity, kZero, kLo, kAddTo);
         wgmma_wait<0>();
         pin(s);
       }
@@ -1216,15 +1221,14 @@ void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   const float* scale_ptr = format == CacheFormat::kFp8E4M3 ? kv_scale->data_ptr<float>() : nullptr;
   auto run = [&](auto* kernel, auto type_tag, auto format_tag) {  // format_tag: std::integral_constant
     using T = decltype(type_tag);
-    using KV = std::conditional_t<decltype(format_tag)::value == CacheFormat::kAuto, T, uint8_t>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(kSmemBytes)));
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(
-        reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const KV*>(kv_cache.data_ptr()), kv_map_lo,
+        reinterpret_cast<const T*>(q.data_ptr()), kv_map_lo,
         kv_map_hi, kv_map_x, block_table.data_ptr<int>(), seq_lens.data_ptr<int>(), part_out.data_ptr(),
         part_lse.data_ptr<float>(), part_out.scalar_type() != at::kFloat, static_cast<int>(h),
         static_cast<int>(h / q_tokens), static_cast<int>(q_tokens), static_cast<int>(kv_cache.size(1)),
-        static_cast<int>(num_splits), scale_log2, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        static_cast<int>(num_splits), scale_log2, q.stride(0), q.stride(1),
         block_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0),
         part_lse.stride(1), part_lse.stride(2), scale_ptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
