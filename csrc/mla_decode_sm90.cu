@@ -132,8 +132,8 @@ static_assert(kSmemBytes <= 227 * 1024 && 64 * 64 == kBlockBytes / 2 && 64 * 16 
               "an fp8 tile's stored bytes fit in place");
 // named barriers between the warpgroups (0 is __syncthreads): one arrives, the other waits
 enum : int { kBarScaleA = 1, kBarScaleB = 2, kBarPA = 3, kBarPB = 4 };
-// named barrier of one warpgroup (128 threads; 5 and 6): a partial tile's rows past the end
-// cleared, an fp8 block group's copies landed, scales read, values converted
+// named barrier of one warpgroup (128 threads; 5 and 6): a split's last or empty tile's rows
+// past the end cleared, an fp8 block group's copies landed, scales read, values converted
 template <int Id>
 __device__ __forceinline__ void bar_sync_wg() { asm volatile("bar.sync %0, 128;\n" ::"n"(Id) : "memory"); }
 // warpgroup wg's own barrier (wg uniform in a warp)
@@ -586,14 +586,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
 
   // ---- blocks [J0, J1) of tile t -> buffer buf, by this warpgroup, completing the group's
   // mbarrier once they land. A cache in T: one thread has the TMA unit copy the group's 64 rows
-  // of the page (the swizzle done in hardware, nothing for the other threads to issue), a split's
-  // last tile too, whose rows past the end scores clears once they land (a page's unused rows
-  // may hold anything, NaN included, and P . V must not read them); no tile (t >= n_tiles): a
-  // bare arrival, and scores clears every row. No tile is copied by cp.async, so a refill's
-  // code is one short path. An fp8 cache, every tile: its stored bytes are asked
-  // for here (TMA copies completing raw_bar, or a bare arrival there for no tile, so its phases
-  // keep in step with bar's), and the group's mbarrier completes only in finish_blocks, once
-  // they are converted (finish_fp8_blocks).
+  // of the page (the swizzle done in hardware, nothing for the other threads to issue). A
+  // split's last tile comes the same way; once it lands, scores clears its rows past the end (a
+  // page's unused rows may hold anything, NaN included, and P . V must not read them). No tile
+  // (t >= n_tiles): a bare arrival, and scores clears every row. An fp8 cache, every tile: its
+  // stored bytes are asked for here (TMA copies completing raw_bar, or a bare arrival there for
+  // no tile, so its phases keep in step with bar's), and the group's mbarrier completes only in
+  // finish_blocks, once they are converted (finish_fp8_blocks).
   const int* bt_row = block_table + b * sbb;
   auto load_blocks = [&](int buf, int t, auto J0, auto J1) {
     const int tok0 = start + t * kN;  // a tile lies in one page (page_size % 64 == 0)
@@ -656,7 +655,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   // (P is 0 there, and 0 x NaN is NaN); a tile past the end came as nothing. V's blocks (0-7)
   // only: the rope block's scores there are masked by a select, and buffer 0's holds P_A. A row
   // is 128 contiguous bytes of its block (the swizzle moves 16-byte chunks within the row): a
-  // thread clears chunks wtid + 128 k (k < 4) of each block, rows wtid / 8 + 16 k, with no loop.
+  // thread clears chunks wtid + 128 k (k < 4) of each block, rows wtid / 8 + 16 k, unrolled.
   auto clear_rows = [&](int buf, int valid, int j0, int nb) {
     uint4* group = reinterpret_cast<uint4*>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes);
 #pragma unroll
