@@ -440,6 +440,9 @@ def test_pages_in_the_browser(site, server, browser):
     pages = _pages(site)
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page = browser.new_page()
+    # loads and waits for idle order the pages' requests and check nothing; on a machine busy with
+    # other work a page can take past Playwright's default 30 s to settle
+    page.set_default_timeout(120_000)
     problems: list[str] = []
     current = {"url": ""}
     page.on("console", lambda m: m.type == "error" and problems.append(
