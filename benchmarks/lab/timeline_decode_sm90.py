@@ -12,9 +12,8 @@ points: start; q landed (the prologue: q and the first two tiles' copies issued,
 warpgroup 0's first S done; the pair loop done; the output written. The first thread of
 each warpgroup (0 and 128; ``--warps`` below) sums, over the pair loop, the cycles it spends:
 
-- ``issue``: issuing the copies of the next tiles (the ``load_blocks`` calls in the loop; with
-  ``cp.async`` every thread issues, and a stall is the SM's queue of outstanding copies being
-  full; with TMA the first thread of each warpgroup reads the block table and issues them);
+- ``issue``: issuing the copies of the next tiles (the ``load_blocks`` calls in the loop: the
+  first thread of each warpgroup reads the block table and asks the TMA unit for them);
 - ``load_wait``: waiting on a block group's mbarrier before its ``wgmma`` for S (the copy not landed);
 - ``wg_wait``: at a named barrier, waiting for the other warpgroup (its max, its P);
 - ``mma_wait``: in ``wgmma.wait_group``, waiting for its own MMAs;
@@ -23,21 +22,12 @@ each warpgroup (0 and 128; ``--warps`` below) sums, over the pair loop, the cycl
   the mbarrier's arrival (nothing on a bf16 cache);
 - ``raw_wait``: the part of ``convert`` spent waiting for the raw bytes (the mbarrier of the
   group's TMA copies), so that ``convert - raw_wait`` is the conversion and its barriers;
-- under crossover (the kernels of ``candidates/crossover*.patch`` and
-  ``probe-crossnosend.patch``, clusters of two CTAs; zero on main's), the waits on the other CTA
-  of the cluster: ``free_wait``, the part of ``convert`` spent waiting for its release of the
-  group (before the conversion's stores into it, or before the bulk copy), so that there
-  ``convert - raw_wait - free_wait`` is the conversion, its barriers and the copy's issue;
-  ``rcv_wait`` (crossover2's), waiting for its receipt of this CTA's half, inside ``issue``
-  before a refill and in ``other`` before ``fp8_e4m3``'s P_A write. The wait for the other CTA's
-  half of a group is the group's own mbarrier, in ``load_wait``;
 - inside ``convert`` too: ``vote``, ``fp8_ds_mla``'s barrier that votes on the tile's F (and
   keeps its scales read before block 0's output covers them), and ``conv_bar``, the group's two
   other warpgroup barriers (behind the reads of the stored bytes; the fence and the barrier
   before the release), so that ``convert - raw_wait - vote - conv_bar`` is the conversion: its
   reads, instructions and writes, the scales' handling and the arrival (and where F is not 0,
-  the rare path's shuffles and barrier; under crossover also ``free_wait`` and the exchange's
-  issue);
+  the rare path's shuffles and barrier);
 
 and ``other`` is the rest of the loop (the nested parts, ``raw_wait`` to ``conv_bar``, are not
 subtracted twice): the softmax, fragments, stores of P and the issue of the MMAs. The
@@ -73,9 +63,8 @@ from benchmarks.lab.timeline_decode_cuda import stamp_code, stamped_runs
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # (b, t, h): 128 heads at four of the benchmark's shapes, the splits mla_decode picks
 SHAPES = ((1, 32768, 128), (64, 4096, 128), (2, 65536, 128), (4, 131072, 128))
-PARTS = ("issue", "load_wait", "wg_wait", "mma_wait", "convert", "raw_wait", "free_wait", "rcv_wait", "vote",
-         "conv_bar")
-NESTED = ("raw_wait", "free_wait", "rcv_wait", "vote", "conv_bar")  # counted inside others: not subtracted for "other"
+PARTS = ("issue", "load_wait", "wg_wait", "mma_wait", "convert", "raw_wait", "vote", "conv_bar")
+NESTED = ("raw_wait", "vote", "conv_bar")  # counted inside others: not subtracted for "other"
 PER_WG = len(PARTS) + 1  # a warpgroup's slots: its part sums, then its loop's cycles
 SLOTS = 11 + 2 * PER_WG  # 5 x (globaltimer, clock64), SM id, then each warpgroup's
 
@@ -84,7 +73,6 @@ def instrumented_source(src: str | None = None) -> str:
     """The kernel's source (``src``, by default csrc/mla_decode_sm90.cu's) with the counters."""
     if src is None:
         src = (ROOT / "csrc" / "mla_decode_sm90.cu").read_text()
-    cross = "mbar_wait_cluster(" in src  # a crossover candidate's kernel (clusters of two CTAs)
 
     def edit(old, new, count=1):
         nonlocal src
@@ -101,14 +89,14 @@ def instrumented_source(src: str | None = None) -> str:
   const int64_t cta = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
 """ + stamp_code(SLOTS) + f"""  long long acc[{len(PARTS)}] = {{}};
 """)
-    raw, free, rcv, vote, conv_bar = (PARTS.index(name) for name in NESTED)
-    # an fp8 group's wait for its raw bytes (and under crossover for the other CTA's release of the
-    # group), its scales' vote and its barriers, inside finish_fp8_blocks: the caller's acc
+    raw, vote, conv_bar = (PARTS.index(name) for name in NESTED)
+    # an fp8 group's wait for its raw bytes, its scales' vote and its barriers, inside
+    # finish_fp8_blocks: the caller's acc
     src, n_fn = re.subn(r"(__device__ __forceinline__ \w+ finish_fp8_blocks\([^)]*)\)",
-                        r"\1, long long& raw_wait, long long& free_wait, long long& vote, long long& conv_bar)", src)
+                        r"\1, long long& raw_wait, long long& vote, long long& conv_bar)", src)
     src, n_call = re.subn(r"(finish_fp8_blocks<MT, F, j0[^>]*>\([^;]*)\);",
-                          rf"\1, acc[{raw}], acc[{free}], acc[{vote}], acc[{conv_bar}]);", src)
-    assert n_fn == 1 and n_call == (3 if cross else 1), (n_fn, n_call)
+                          rf"\1, acc[{raw}], acc[{vote}], acc[{conv_bar}]);", src)
+    assert n_fn == 1 and n_call == 1, (n_fn, n_call)
     edit("  mbar_wait(raw, parity);", "  { const long long c_ = clock64(); mbar_wait(raw, parity); raw_wait += clock64() - c_; }")
     # fp8_ds_mla's vote on F (a warpgroup barrier that reduces each thread's test; a kernel with no
     # vote, such as probe-noscale's, has none to count)
@@ -123,15 +111,9 @@ def instrumented_source(src: str | None = None) -> str:
     src, n_fence = re.subn(r"(\n  fence_async_shared\(\);  // the converted blocks[^\n]*\n  sync_warpgroup\(wg\);)([^\n]*\n)",
                            r"\n  { const long long c_ = clock64();\1 conv_bar += clock64() - c_; }\2", src)
     assert n_fence == 1, n_fence
-    # the wait for a group's blocks before its S (under crossover also the other CTA's half)
-    src, n_bar = re.subn(r"(mbar_wait(?:_cluster)?\(bar\(buf, j\), parity\));", lambda m: timed(m[1], 1), src)
-    assert n_bar == (2 if cross else 1), n_bar
-    if cross:
-        src, n_free = re.subn(r"(mbar_wait_cluster\(free_bar, parity\));",
-                              r"{ const long long c_ = clock64(); \1; free_wait += clock64() - c_; }", src)
-        # crossover2's receipts: before a refill, and before fp8_e4m3's P_A write (crossover has none)
-        src, n_rcv = re.subn(r"(mbar_wait_cluster\(rcv_bar\([^;]*\));", lambda m: timed(m[1], rcv), src)
-        assert n_free == 1 and n_rcv == (2 if "rcv_bar" in src else 0), (n_free, n_rcv)
+    # the wait for a group's blocks before its S
+    src, n_bar = re.subn(r"(mbar_wait\(bar\(buf, j\), parity\));", lambda m: timed(m[1], 1), src)
+    assert n_bar == 1, n_bar
     # the prologue's copies and waits do not count: the sums restart at the loop
     edit("  __syncthreads();         // ... everyone's\n",
          "  __syncthreads();         // ... everyone's\n  stamp(1);\n")
@@ -143,8 +125,7 @@ def instrumented_source(src: str | None = None) -> str:
     body, n_wait = re.subn(r"wgmma_wait<(\d)>\(\);", lambda m: timed(f"wgmma_wait<{m[1]}>()", 3), body)
     body, n_load = re.subn(r"load_blocks\(([^;]*)\);", lambda m: timed(f"load_blocks({m[1]})", 0), body)
     body, n_finish = re.subn(r"finish_blocks\(([^;]*)\);", lambda m: timed(f"finish_blocks({m[1]})", 4), body)
-    # three finish calls where a kernel runs warpgroup 1's two as one loop (each call still timed)
-    assert n_sync == 4 and n_wait == 6 and n_load == 4 and n_finish in (3, 4), (n_sync, n_wait, n_load, n_finish)
+    assert n_sync == 4 and n_wait == 6 and n_load == 4 and n_finish == 4, (n_sync, n_wait, n_load, n_finish)
     head = head.rstrip("\n") + f"""
   if (tid == 0) stamp(2);
   const long long c_loop = clock64();
@@ -165,9 +146,9 @@ def instrumented_source(src: str | None = None) -> str:
          "                             : kv_cache_dtype == \"fp8_ds_mla\" ? CacheFormat::kFp8DsMla : CacheFormat::kAuto;")
     edit("const std::optional<at::Tensor>& kv_scale, int64_t q_tokens) {",
          "const std::optional<at::Tensor>& kv_scale, int64_t q_tokens, at::Tensor& timing, int64_t timing_warp) {")
-    # the launch's last argument (under crossover inside cudaLaunchKernelEx's call)
-    src, n_launch = re.subn(r"scale_ptr\)(\)?);",
-                            r"scale_ptr, (long long*)timing.data_ptr<int64_t>(), int(timing_warp))\1;", src)
+    # the launch's last argument
+    src, n_launch = re.subn(r"scale_ptr\);",
+                            r"scale_ptr, (long long*)timing.data_ptr<int64_t>(), int(timing_warp));", src)
     assert n_launch == 1, n_launch
     src = src[: src.index("TORCH_LIBRARY_IMPL")]
     src = src.replace("namespace {\n", "", 1).replace("}  // namespace\n\n", "", 1)
