@@ -1,0 +1,105 @@
+"""mla_decode beside FlashMLA on batches whose sequences differ in length (a serving step's).
+
+    PYTHONPATH=.peers:. python3 benchmarks/lab/probe_decode_ragged.py --out DIR [--heads 128,16]
+
+The decode benchmark times batches of b sequences of one length. A serving step's sequences
+differ, and the split rule cuts every sequence of a call into the same number of pieces, planned
+from the longest (``plan_num_kv_splits``): a short sequence's CTAs finish early and the longest
+one's set the time. FlashMLA's scheduler (``get_mla_metadata``) cuts the batch's tiles evenly
+over the SMs, across sequences. This probe times both on CASES, each a list of lengths on the
+decode benchmark's inputs (``bench_decode.make_inputs`` for the longest, then seq_lens set to the
+case's), as ``time_us`` is timed (one call in a CUDA graph after a clean L2), with FlashMLA's
+metadata made once outside the graph as in the benchmark. Each row also has the floor of the
+case's tokens (bytes over copy bandwidth or FLOPs over the matmul rate, both measured in the run),
+the time of the longest sequence alone (b = 1, its own planned splits: the uniform cut's bound
+when one wave holds the batch) and the largest difference between the two outputs. Writes
+``decode-ragged-probe.json`` under DIR and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.bench_decode import (C, SCALE, bytes_per_token, cache_copies, decode_call, flashmla_fn,
+                                     flashmla_status, kernel_and_splits, make_inputs)
+from benchmarks.timing import bench_us, copy_bandwidth_GBps, graphed, matmul_TFLOPs, write_json
+
+
+def cases() -> dict[str, list[int]]:
+    """Case name -> the lengths of its sequences (the draws seeded)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def uniform(b, lo, hi):
+        return torch.randint(lo, hi + 1, (b,), generator=gen).tolist()
+
+    return {
+        "4 x 131072 (uniform)": [131072] * 4,
+        "4: 131072, 65536, 16384, 4096": [131072, 65536, 16384, 4096],
+        "16 in [1024, 32768]": uniform(16, 1024, 32768),
+        "32: one 131072, 31 x 2048": [131072] + [2048] * 31,
+        "64 in [512, 16384]": uniform(64, 512, 16384),
+        "64 x 8192 (uniform)": [8192] * 64,
+        "128 in [256, 16384]": uniform(128, 256, 16384),
+    }
+
+
+def floor_of(lengths, h, copy_GBps, matmul_TFLOPs) -> float:
+    """The larger of the case's bytes (cache rows, q, out) over the copy bandwidth and its FLOPs
+    over the matmul rate, in us (bench_decode.floor_us summed over sequences of differing t)."""
+    tokens, b, d = sum(lengths), len(lengths), C + 64
+    nbytes = tokens * bytes_per_token("auto") + 2 * b * h * (d + C)
+    flops = 2 * h * tokens * (d + C)
+    return max(nbytes / (copy_GBps * 1e3), flops / (matmul_TFLOPs * 1e6))
+
+
+def probe(heads, flashmla_ok) -> list[dict]:
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    copy_GBps, tflops = copy_bandwidth_GBps(), matmul_TFLOPs()
+    print(f"copy {copy_GBps:.0f} GB/s, matmul {tflops:.0f} TFLOP/s, {num_sms} SMs", flush=True)
+    rows = []
+    for h in heads:
+        for name, lengths in cases().items():
+            b, t = len(lengths), max(lengths)
+            q, caches, block_table, _ = make_inputs(b, t, h, copies=cache_copies(b, t))
+            seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+            kernel, _, splits = kernel_and_splits(q, caches[0], block_table, seq_lens, C, t, num_sms)
+            ours = decode_call(q, block_table, seq_lens, kernel, splits)
+            row = dict(case=name, b=b, h=h, tokens=sum(lengths), longest=t, kernel=kernel, num_kv_splits=splits,
+                       floor_us=floor_of(lengths, h, copy_GBps, tflops),
+                       time_us=bench_us(graphed(ours, caches)), flashmla_us=None)
+            # the longest sequence alone, at its own planned split count
+            longest = lengths.index(t)
+            q1, bt1, sl1 = q[longest:longest + 1], block_table[longest:longest + 1], seq_lens[longest:longest + 1]
+            k1, _, s1 = kernel_and_splits(q1, caches[0], bt1, sl1, C, t, num_sms)
+            row["longest_alone_us"] = bench_us(graphed(decode_call(q1, bt1, sl1, k1, s1), caches))
+            if flashmla_ok:
+                theirs = flashmla_fn(q, block_table, seq_lens)
+                row["flashmla_us"] = bench_us(graphed(theirs, caches))
+                mine = ours(caches[0])[0].float()
+                row["flashmla_max_abs_diff"] = (mine - theirs(caches[0]).float().view_as(mine)).abs().max().item()
+                row["flashmla_over_mla"] = row["flashmla_us"] / row["time_us"]
+            rows.append(row)
+            fm = f"{row['flashmla_us']:8.1f}  {row['flashmla_over_mla']:.3f}" if flashmla_ok else "       -      -"
+            print(f"{h:>4} {name:>32} {kernel:>9} {splits:>4}  floor {row['floor_us']:7.1f}  mla {row['time_us']:8.1f}"
+                  f"  FlashMLA {fm}  longest alone {row['longest_alone_us']:7.1f}", flush=True)
+            del q, caches, block_table, seq_lens
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/lab/results")
+    parser.add_argument("--heads", type=lambda s: [int(x) for x in s.split(",")], default=[128, 16])
+    args = parser.parse_args()
+    flashmla_ok, what = flashmla_status()
+    print(f"FlashMLA: {what}", flush=True)
+    rows = probe(args.heads, flashmla_ok)
+    write_json(args.out, "decode-ragged-probe.json",
+               dict(device=torch.cuda.get_device_name(0), flashmla=what, scale=SCALE, rows=rows))
+
+
+if __name__ == "__main__":
+    main()
