@@ -85,8 +85,8 @@ def instrumented_source(src: str | None = None) -> str:
     edit('#include "mla_decode.h"\n', '#include <torch/extension.h>\n#include "mla_decode.h"\n')
     edit("const float* __restrict__ kv_scale) {",
          "const float* __restrict__ kv_scale, long long* timing, int timing_warp) {")
-    edit("  const int split = blockIdx.z;\n", """  const int split = blockIdx.z;
-  const int64_t cta = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    anchor = "  const int h0 = blockIdx.x * kM;          // the CTA's first query row\n"
+    edit(anchor, anchor + """  const int64_t cta = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
 """ + stamp_code(SLOTS) + f"""  long long acc[{len(PARTS)}] = {{}};
 """)
     raw, vote, conv_bar = (PARTS.index(name) for name in NESTED)
@@ -115,11 +115,12 @@ def instrumented_source(src: str | None = None) -> str:
     src, n_bar = re.subn(r"(mbar_wait\(bar\(buf, j\), parity\));", lambda m: timed(m[1], 1), src)
     assert n_bar == 1, n_bar
     # the prologue's copies and waits do not count: the sums restart at the loop
-    edit("  __syncthreads();         // ... everyone's\n",
-         "  __syncthreads();         // ... everyone's\n  stamp(1);\n")
-    loop_at = src.index("  for (int p = 0; p < n_pairs; ++p) {")
+    # (the kernel's body sits in a loop over segments where it deals pieces: any indentation)
+    src, n_ready = re.subn(r"\n( +)__syncthreads\(\); +// \.\.\. everyone's\n", r"\g<0>\1stamp(1);\n", src)
+    assert n_ready == 1, n_ready
+    loop_at = re.search(r"\n +for \(int p = 0; p < n_pairs; \+\+p\) \{", src).start() + 1
     head, loop = src[:loop_at], src[loop_at:]
-    end_at = loop.index("  // ---- normalise and write")
+    end_at = re.search(r"\n +// ---- normalise and write", loop).start() + 1
     body, tail = loop[:end_at], loop[end_at:]
     body, n_sync = re.subn(r"bar_sync\((kBar\w+)\);", lambda m: timed(f"bar_sync({m[1]})", 2), body)
     body, n_wait = re.subn(r"wgmma_wait<(\d)>\(\);", lambda m: timed(f"wgmma_wait<{m[1]}>()", 3), body)
@@ -139,13 +140,16 @@ def instrumented_source(src: str | None = None) -> str:
 """ + tail
     src = head + body + tail
     edit("#else\n  __trap();", "  __syncthreads();\n  stamp(4);\n#else\n  __trap();")
-    edit("""  const CacheFormat format =
-      check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
-                       {"mla_decode_sm90", kMaxHeads, kC, kR, kN}, kv_cache_dtype, kv_scale, q_tokens);""",
-         "  const CacheFormat format = kv_cache_dtype == \"fp8_e4m3\" ? CacheFormat::kFp8E4M3\n"
-         "                             : kv_cache_dtype == \"fp8_ds_mla\" ? CacheFormat::kFp8DsMla : CacheFormat::kAuto;")
-    edit("const std::optional<at::Tensor>& kv_scale, int64_t q_tokens) {",
-         "const std::optional<at::Tensor>& kv_scale, int64_t q_tokens, at::Tensor& timing, int64_t timing_warp) {")
+    src, n_check = re.subn(
+        r"const CacheFormat format =\s*check_mla_decode\([^;]*\);",
+        "const CacheFormat format = kv_cache_dtype == \"fp8_e4m3\" ? CacheFormat::kFp8E4M3\n"
+        "                             : kv_cache_dtype == \"fp8_ds_mla\" ? CacheFormat::kFp8DsMla : CacheFormat::kAuto;",
+        src)
+    assert n_check == 1, n_check
+    # the counters right after q_tokens, before any later (optional) arguments: see launch_args
+    src, n_args = re.subn(r"(const std::optional<at::Tensor>& kv_scale, int64_t q_tokens)([,)])",
+                          r"\1, at::Tensor& timing, int64_t timing_warp\2", src)
+    assert n_args == 1, n_args
     # the launch's last argument
     src, n_launch = re.subn(r"scale_ptr\);",
                             r"scale_ptr, (long long*)timing.data_ptr<int64_t>(), int(timing_warp));", src)
@@ -188,8 +192,12 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", war
     timing = torch.zeros((ctas, SLOTS), dtype=torch.int64, device="cuda")
     runs = []
 
+    # a kernel that also deals pieces takes out, lse and ranges after the counters: None, cut per sequence
+    more = (None, None, None) if "std::optional<at::Tensor>& ranges" in instrumented_source() else ()
+
     def launch():
-        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, kv_cache_dtype, scale, 1, timing, warp)
+        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, kv_cache_dtype, scale, 1, timing, warp,
+                *more)
 
     for x, start, end, ghz, us in stamped_runs(launch, timing, clear, repeats):
         run = dict(span_us=end.max().item(), start_max_us=start.max().item(), end_median_us=end.median().item(),
