@@ -81,7 +81,8 @@ def probe(heads, flashmla_ok) -> list[dict]:
                 row["flashmla_max_abs_diff"] = (mine - theirs(caches[0]).float().view_as(mine)).abs().max().item()
                 row["flashmla_over_mla"] = row["flashmla_us"] / row["time_us"]
             rows.append(row)
-            fm = f"{row['flashmla_us']:8.1f}  {row['flashmla_over_mla']:.3f}" if flashmla_ok else "       -      -"
+            fm = (f"{row['flashmla_us']:8.1f}  {row['flashmla_over_mla']:.3f}  |diff| {row['flashmla_max_abs_diff']:.1e}"
+                  if flashmla_ok else "       -      -")
             print(f"{h:>4} {name:>32} {kernel:>9} {splits:>4}  floor {row['floor_us']:7.1f}  mla {row['time_us']:8.1f}"
                   f"  FlashMLA {fm}  longest alone {row['longest_alone_us']:7.1f}", flush=True)
             del q, caches, block_table, seq_lens
