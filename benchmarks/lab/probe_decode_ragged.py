@@ -11,8 +11,9 @@ decode benchmark's inputs (``bench_decode.make_inputs`` for the longest, then se
 case's), as ``time_us`` is timed (one call in a CUDA graph after a clean L2), with FlashMLA's
 metadata made once outside the graph as in the benchmark. Each row also has the floor of the
 case's tokens (bytes over copy bandwidth or FLOPs over the matmul rate, both measured in the run),
-the time of the longest sequence alone (b = 1, its own planned splits: the uniform cut's bound
-when one wave holds the batch) and the largest difference between the two outputs. Writes
+the time of the longest sequence alone at the batch's split count (what a cut of every sequence
+into that many pieces cannot beat: the longest one's CTAs are the same, without the others beside
+them) and the largest difference between the two outputs. Writes
 ``decode-ragged-probe.json`` under DIR and prints a table.
 """
 
@@ -69,11 +70,10 @@ def probe(heads, flashmla_ok) -> list[dict]:
             row = dict(case=name, b=b, h=h, tokens=sum(lengths), longest=t, kernel=kernel, num_kv_splits=splits,
                        floor_us=floor_of(lengths, h, copy_GBps, tflops),
                        time_us=bench_us(graphed(ours, caches)), flashmla_us=None)
-            # the longest sequence alone, at its own planned split count
+            # the longest sequence alone, cut as in the batch
             longest = lengths.index(t)
             q1, bt1, sl1 = q[longest:longest + 1], block_table[longest:longest + 1], seq_lens[longest:longest + 1]
-            k1, _, s1 = kernel_and_splits(q1, caches[0], bt1, sl1, C, t, num_sms)
-            row["longest_alone_us"] = bench_us(graphed(decode_call(q1, bt1, sl1, k1, s1), caches))
+            row["longest_alone_us"] = bench_us(graphed(decode_call(q1, bt1, sl1, kernel, splits), caches))
             if flashmla_ok:
                 theirs = flashmla_fn(q, block_table, seq_lens)
                 row["flashmla_us"] = bench_us(graphed(theirs, caches))
