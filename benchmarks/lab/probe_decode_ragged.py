@@ -23,8 +23,8 @@ import argparse
 
 import torch
 
-from benchmarks.bench_decode import (C, SCALE, bytes_per_token, cache_copies, decode_call, flashmla_fn,
-                                     flashmla_status, kernel_and_splits, make_inputs)
+from benchmarks.bench_decode import (C, SCALE, cache_copies, decode_call, flashmla_fn, flashmla_status, floor_us,
+                                     kernel_and_splits, make_inputs)
 from benchmarks.timing import bench_us, copy_bandwidth_GBps, graphed, matmul_TFLOPs, write_json
 
 
@@ -46,15 +46,6 @@ def cases() -> dict[str, list[int]]:
     }
 
 
-def floor_of(lengths, h, copy_GBps, matmul_TFLOPs) -> float:
-    """The larger of the case's bytes (cache rows, q, out) over the copy bandwidth and its FLOPs
-    over the matmul rate, in us (bench_decode.floor_us summed over sequences of differing t)."""
-    tokens, b, d = sum(lengths), len(lengths), C + 64
-    nbytes = tokens * bytes_per_token("auto") + 2 * b * h * (d + C)
-    flops = 2 * h * tokens * (d + C)
-    return max(nbytes / (copy_GBps * 1e3), flops / (matmul_TFLOPs * 1e6))
-
-
 def probe(heads, flashmla_ok) -> list[dict]:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     copy_GBps, tflops = copy_bandwidth_GBps(), matmul_TFLOPs()
@@ -68,7 +59,8 @@ def probe(heads, flashmla_ok) -> list[dict]:
             kernel, _, splits = kernel_and_splits(q, caches[0], block_table, seq_lens, C, t, num_sms)
             ours = decode_call(q, block_table, seq_lens, kernel, splits)
             row = dict(case=name, b=b, h=h, tokens=sum(lengths), longest=t, kernel=kernel, num_kv_splits=splits,
-                       floor_us=floor_of(lengths, h, copy_GBps, tflops),
+                       # bytes and FLOPs grow with the tokens: b sequences of their mean length
+                       floor_us=floor_us(b, sum(lengths) / b, h, copy_GBps, tflops)[0],
                        time_us=bench_us(graphed(ours, caches)), flashmla_us=None)
             # the longest sequence alone, cut as in the batch
             longest = lengths.index(t)
