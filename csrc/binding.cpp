@@ -85,7 +85,7 @@ ConcatAndCacheArgs check_concat_and_cache_mla(const at::Tensor& kv_c, const at::
 CacheFormat check_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                              const at::Tensor& seq_lens, const at::Tensor& part_out, const at::Tensor& part_lse,
                              int64_t num_splits, const DecodeKernelSizes& sizes, const std::string& kv_cache_dtype,
-                             const std::optional<at::Tensor>& kv_scale, int64_t q_tokens) {
+                             const std::optional<at::Tensor>& kv_scale, int64_t q_tokens, bool dealt) {
   const int64_t d = sizes.c + sizes.r;
   TORCH_CHECK(q.is_cuda(), sizes.name, ": q must be a CUDA tensor, got one on ", q.device());
   TORCH_CHECK(q.dim() == 3 && q.size(1) <= sizes.max_heads && q.size(2) == d,
@@ -154,6 +154,25 @@ CacheFormat check_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, co
   TORCH_CHECK(num_splits >= 1 && num_splits <= 65535, sizes.name, ": num_splits must be in [1, 65535], got ",
               num(num_splits));
   TORCH_CHECK(b <= 65535, sizes.name, ": at most 65535 sequences a launch, got ", num(b));
+  if (dealt) {  // a slot a (sequence, piece) pair: b + num_splits - 1 of them
+    const int64_t slots = b + num_splits - 1;
+    TORCH_CHECK(part_out.scalar_type() == at::kFloat && part_out.dim() == 3 && part_out.size(0) == slots &&
+                    part_out.size(1) == h && part_out.size(2) == sizes.c && part_out.stride(2) == 1 &&
+                    part_out.stride(0) % 2 == 0 && part_out.stride(1) % 2 == 0 &&
+                    reinterpret_cast<uintptr_t>(part_out.data_ptr()) % 8 == 0,
+                sizes.name, ": part_out must be (b + num_splits - 1, h, ", num(sizes.c), ") = (", num(slots), ", ",
+                num(h), ", ", num(sizes.c), ") float32, 8-byte aligned, got ", dims(part_out), " ",
+                part_out.scalar_type());
+    TORCH_CHECK(part_lse.scalar_type() == at::kFloat && part_lse.dim() == 2 && part_lse.size(0) == slots &&
+                    part_lse.size(1) == h,
+                sizes.name, ": part_lse must be (b + num_splits - 1, h) = (", num(slots), ", ", num(h),
+                ") float32, got ", dims(part_lse), " ", part_lse.scalar_type());
+    for (const at::Tensor* t : {&kv_cache, &block_table, &seq_lens, &part_out, &part_lse}) {
+      TORCH_CHECK(t->device() == q.device(), sizes.name, ": all tensors must be on q's device ",
+                  q.device(), ", got one on ", t->device());
+    }
+    return format;
+  }
   // part_out is fp32 partials, or with one split the answer itself in q's dtype (nothing to merge)
   const bool final_out = num_splits == 1 && part_out.scalar_type() == q.scalar_type();
   TORCH_CHECK((part_out.scalar_type() == at::kFloat || final_out) && part_out.dim() == 4 && part_out.size(0) == b &&
@@ -193,9 +212,16 @@ TORCH_LIBRARY(mla, m) {
   // The same for any number of heads, 64 a CTA, with Hopper's wgmma (mla_decode_sm90.cu), on the
   // same three layouts, and for q_tokens = s_q of 1 to 8 new tokens a sequence: q (b, s_q·h, c + r)
   // token-major, part_out (b, s_q·h, num_splits, c), part_lse (b, s_q·h, num_splits), new token j
-  // seeing the first seq_len - (s_q - 1 - j) cached rows.
+  // seeing the first seq_len - (s_q - 1 - j) cached rows. With ranges given, the batch's tiles are
+  // dealt instead: their pairs, sequence after sequence, cut evenly into num_splits pieces, so a
+  // piece may hold the ends of several sequences and a sequence span several pieces. Piece z's
+  // part of sequence i goes to slot i + z of part_out (b + num_splits - 1, s_q·h, c) and part_lse
+  // (b + num_splits - 1, s_q·h), a sequence whole in one piece straight to out (b, s_q·h, c) in q's
+  // dtype and lse (b, s_q·h); ranges (b, 2) int32 gets each sequence's first slot and piece count
+  // (1: out and lse written, nothing to merge).
   m.def(
       "mla_decode_sm90(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor(a!) part_out, Tensor(b!) part_lse, float softmax_scale, int num_splits, "
-      "str kv_cache_dtype='auto', Tensor? kv_scale=None, int q_tokens=1) -> ()");
+      "str kv_cache_dtype='auto', Tensor? kv_scale=None, int q_tokens=1, Tensor(c!)? out=None, "
+      "Tensor(d!)? lse=None, Tensor(e!)? ranges=None) -> ()");
 }

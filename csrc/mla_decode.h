@@ -27,7 +27,7 @@ struct DecodeKernelSizes {
 CacheFormat check_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                              const at::Tensor& seq_lens, const at::Tensor& part_out, const at::Tensor& part_lse,
                              int64_t num_splits, const DecodeKernelSizes& sizes, const std::string& kv_cache_dtype,
-                             const std::optional<at::Tensor>& kv_scale, int64_t q_tokens = 1);
+                             const std::optional<at::Tensor>& kv_scale, int64_t q_tokens = 1, bool dealt = false);
 
 #ifdef __CUDACC__
 // The tokens [start, end) that split `split` of `num_splits` owns in a sequence of seq_len: whole

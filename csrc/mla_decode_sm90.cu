@@ -26,6 +26,15 @@
 // product of the pair, buffer 1 after the fifth and sixth, and each S starts on the block group
 // refilled first.
 //
+// A CTA's work is one segment, a sequence's run of tiles, or several in turn. Cut per sequence,
+// CTA (x, b, z) takes split z of sequence b's num_splits. Dealt (ranges given), the batch's pairs
+// of tiles, sequence after sequence, are cut into num_pieces equal pieces, and CTA (x, 0, z) runs
+// the segments piece z covers: the end of one sequence, whole short ones, the start of another.
+// A segment's partial goes to its (sequence, piece) slot, or where the piece holds the whole
+// sequence its answer straight to out; the Triton merge combines the rest. So a batch whose
+// sequences differ in length takes about its tokens' time, where a cut per sequence takes its
+// longest sequence's. The segments reuse the mbarriers, their phases counted on across segments.
+//
 // Shared memory holds q and each tile as wgmma's canonical 128-byte-swizzled K-major layout:
 // 9 column blocks of 64 dims (128 bytes a row), each (64 rows, 128 bytes) with the 16-byte
 // chunk c of row r stored at chunk c ^ (r % 8). The same bytes are V's N-major layout for the
@@ -60,7 +69,7 @@
 // (token, head) pairs token-major, packed into the 64-row tiles as heads are (the Triton kernel's
 // packing; out and lse are (b, s_q·h, ...) the same way). Row R is new token j = R / h, which sees
 // the first seq_len - (s_q - 1 - j) cached rows: its scores at and past that are -inf, in the
-// softmax stage only (any cache layout). The splits are still cut on seq_len, the longest row's.
+// softmax stage only (any cache layout). The segments are still cut on seq_len, the longest row's.
 // A row may see no token of a tile, a split, or at all (seq_len < s_q - j) while others of its
 // tile do: its max stays -inf, its exponents are taken against 0 and its rescale factor is 1 (not
 // the NaN of exp2(-inf + inf)), so it ends with l = 0: out 0 and lse -inf. That masking and those
@@ -517,14 +526,21 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     const __grid_constant__ CUtensorMap kv_map_x,
     const int* __restrict__ block_table,  // (b, max_pages), last dim contiguous
     const int* __restrict__ seq_lens,     // (b,)
-    void* __restrict__ part_out,          // (b, rows, splits, 512) fp32; out (b, rows, 1, 512) in T if final_out
-    float* __restrict__ part_lse,         // (b, rows, splits); lse (b, rows, 1) if final_out
-    bool final_out,                       // one split: write the answer itself, no merge after
+    // fp32 partials: (b, rows, splits, 512) and (b, rows, splits) cut per sequence; dealt, a slot
+    // a (sequence, piece) pair, (b + pieces - 1, rows, 512) and (b + pieces - 1, rows)
+    float* __restrict__ part_out, float* __restrict__ part_lse,
+    // the answer in T and its lse, (b, rows, 512) and (b, rows): every sequence's at one split
+    // (final_out), or dealt, each sequence's that lies whole in one piece
+    void* __restrict__ out, float* __restrict__ lse, bool final_out,
+    int* __restrict__ ranges,             // (b, 2), dealt only: each sequence's first slot and pieces
+    int num_pieces,                       // 0: each sequence cut into num_splits; else the pieces dealt
+    int batch,                            // b
     int num_rows,                         // query rows a sequence: s_q·h
     int heads, int q_tokens,              // h and s_q (read by the MultiToken instantiation only)
     int page_size, int num_splits, float scale_log2,
     int64_t sqb, int64_t sqh, int64_t sbb,
     int64_t sob, int64_t soh, int64_t sos, int64_t slb, int64_t slh, int64_t sls,
+    int64_t sfb, int64_t sfh, int64_t sgb, int64_t sgh,
     const float* __restrict__ kv_scale) {  // (1,): the fp8_e4m3 cache's scale; not read otherwise
 #ifdef MLA_SM90A
   // The products' type: T on a cache in T; fp16 on an fp8 cache whatever q's dtype: e4m3 becomes
@@ -563,26 +579,92 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   const int g = lane >> 2, c = lane & 3;   // accumulator rows 16 warp + g (+ 8), columns 2c (+ 1)
   const int row0 = 16 * warp + g;          // this thread's first query row within the CTA
   const int h0 = blockIdx.x * kM;          // the CTA's first query row
-  const int64_t b = blockIdx.y;
-  const int split = blockIdx.z;
 
-  // ---- this split's tokens: whole tiles of 64, taken in pairs
-  const int seq_len = seq_lens[b];
-  const SplitTokens span = split_tokens(seq_len, split, num_splits, kN);
-  const int start = span.start, end = span.end, n_tiles = span.n_tiles;
-  // where rows row0 and row0 + 8 stop seeing tokens in this split: the split's end, or with
-  // several new tokens, row R's causal limit seq_len - (s_q - 1 - R / h) if that comes first (at
-  // or before the tile's start: the row sees none of it). Rows past s_q·h (zeros in q, never
-  // written) get a limit past seq_len, so the split's end.
-  int end0 = end, end1 = end;
-  if constexpr (MultiToken) {
-    end0 = min(end, seq_len - (q_tokens - 1 - (h0 + row0) / heads));
-    end1 = min(end, seq_len - (q_tokens - 1 - (h0 + row0 + 8) / heads));
+  // ---- the CTA's work, one segment (a sequence's run of tiles) at a time. Cut per sequence
+  // (num_pieces = 0): one segment, split blockIdx.z of sequence blockIdx.y's num_splits. Dealt:
+  // the batch's tile pairs, sequence after sequence (an empty sequence counts one pair, so that
+  // a piece writes its zeros and -inf), go to num_pieces pieces of `per` pairs, piece blockIdx.z
+  // taking pairs [lo, hi): the segments of the sequences those cover. A segment is final when
+  // its sequence lies whole in this piece (the answer written here), else a partial in slot
+  // b + piece, the sequence's slots consecutive from b + its first piece (ranges, for the merge).
+  const int piece = blockIdx.z;
+  auto pairs_of = [&](int i) { return max(1, ((seq_lens[i] + kN - 1) / kN + 1) / 2); };
+  int per = 0, lo = 0, hi = 0, seq_pair0 = 0;  // dealt: the piece's pairs; the segment's first in the batch
+  int64_t b = blockIdx.y;
+  if (num_pieces > 0) {
+    // every warp the same: the batch's pairs, then the sequence holding pair lo (a prefix sum of
+    // 32 sequences at a time)
+    int total = 0;
+    for (int i0 = 0; i0 < batch; i0 += 32) total += __reduce_add_sync(0xffffffffu, i0 + lane < batch ? pairs_of(i0 + lane) : 0);
+    per = (total + num_pieces - 1) / num_pieces;
+    lo = piece * per;
+    hi = min(total, lo + per);
+    if (lo >= hi) return;  // no pair left for this piece (every thread alike)
+    for (int i0 = 0, carry = 0;; i0 += 32) {
+      const int n = i0 + lane < batch ? pairs_of(i0 + lane) : 0;
+      int upto = n;  // pairs of sequences 0 .. i0 + lane
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int x = __shfl_up_sync(0xffffffffu, upto, d);
+        if (lane >= d) upto += x;
+      }
+      upto += carry;
+      const unsigned past = __ballot_sync(0xffffffffu, i0 + lane < batch && upto > lo);
+      if (past != 0u) {
+        const int src = __ffs(past) - 1;
+        b = i0 + src;
+        seq_pair0 = __shfl_sync(0xffffffffu, upto - n, src);
+        break;
+      }
+      carry = __shfl_sync(0xffffffffu, upto, 31);
+    }
   }
-  const int n_pairs = (n_tiles + 1) / 2;
+  int split = piece, seq_len = 0, start = 0, end = 0, n_tiles = 0, n_pairs = 0, end0 = 0, end1 = 0;
+  bool final_seg = final_out;
+  const int* bt_row = block_table;
+  int pbase = 0;  // pairs run in earlier segments: each mbarrier completes one phase a pair
+  // ---- segment b's tokens: whole tiles of 64, taken in pairs; where rows row0 and row0 + 8
+  // stop seeing tokens in it: its end, or with several new tokens, row R's causal limit
+  // seq_len - (s_q - 1 - R / h) if that comes first (at or before the tile's start: the row sees
+  // none of it). Rows past s_q·h (zeros in q, never written) get a limit past seq_len, so the end.
+  auto begin_segment = [&]() {
+    seq_len = seq_lens[b];
+    bt_row = block_table + b * sbb;
+    if (num_pieces > 0) {
+      const int n = pairs_of(b), first = seq_pair0 / per;
+      const int pieces_of_seq = (seq_pair0 + n - 1) / per - first + 1;
+      final_seg = pieces_of_seq == 1;
+      start = 2 * (max(lo, seq_pair0) - seq_pair0) * kN;
+      end = max(min(2 * (min(hi, seq_pair0 + n) - seq_pair0) * kN, seq_len), start);
+      if (first == piece && blockIdx.x == 0 && tid == 0) {
+        ranges[2 * b] = static_cast<int>(b) + first;
+        ranges[2 * b + 1] = pieces_of_seq;
+      }
+    } else {
+      const SplitTokens span = split_tokens(seq_len, split, num_splits, kN);
+      start = span.start;
+      end = span.end;
+    }
+    n_tiles = (end - start + kN - 1) / kN;
+    n_pairs = (n_tiles + 1) / 2;
+    end0 = end;
+    end1 = end;
+    if constexpr (MultiToken) {
+      end0 = min(end, seq_len - (q_tokens - 1 - (h0 + row0) / heads));
+      end1 = min(end, seq_len - (q_tokens - 1 - (h0 + row0 + 8) / heads));
+    }
+  };
+  // the next sequence of the piece, if its pairs reach past this one's
+  auto next_segment = [&]() {
+    if (num_pieces == 0 || seq_pair0 + pairs_of(b) >= hi) return false;
+    seq_pair0 += pairs_of(b);
+    ++b;
+    return true;
+  };
   float e4m3_scale = 1.f;  // fp8_e4m3: the cache's one scale, on the scores and the output
   if constexpr (F == CacheFormat::kFp8E4M3) e4m3_scale = *kv_scale;
-  scale_log2 *= e4m3_scale;
+  const float base_scale_log2 = scale_log2 * e4m3_scale;  // each segment's q brings its own factor
+  scale_log2 = base_scale_log2;
 
   // ---- blocks [J0, J1) of tile t -> buffer buf, by this warpgroup, completing the group's
   // mbarrier once they land. A cache in T: one thread has the TMA unit copy the group's 64 rows
@@ -593,7 +675,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   // stored bytes are asked for here (TMA copies completing raw_bar, or a bare arrival there for
   // no tile, so its phases keep in step with bar's), and the group's mbarrier completes only in
   // finish_blocks, once they are converted (finish_fp8_blocks).
-  const int* bt_row = block_table + b * sbb;
   auto load_blocks = [&](int buf, int t, auto J0, auto J1) {
     const int tok0 = start + t * kN;  // a tile lies in one page (page_size % 64 == 0)
     const int valid = end - tok0;
@@ -644,7 +725,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
     if constexpr (F != CacheFormat::kAuto) {
       constexpr int j0 = decltype(J0)::value;
       const int f = finish_fp8_blocks<MT, F, j0>(smem + (1 + buf) * kMatBytes + j0 * kBlockBytes,
-                                                   end - (start + t * kN), wtid, wg, raw_bar(buf, j0), (t >> 1) & 1,
+                                                   end - (start + t * kN), wtid, wg, raw_bar(buf, j0), (pbase + (t >> 1)) & 1,
                                                    bar(buf, j0), l_s + kM);
       if (buf == 0) tile_f[0] = f; else tile_f[1] = f;
     }
@@ -843,279 +924,295 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
   const std::integral_constant<bool, true> kFresh;
   const std::integral_constant<bool, false> kAddTo;
 
-  // ---- set-up: the mbarriers, m = -inf; q (all threads) and the first two tiles
+  // ---- set-up: the mbarriers, once; then each segment: m = -inf, q (all threads) and its first
+  // two tiles
   if (tid == 0) {
     for (int i = 0; i < 8; ++i) mbar_init(bars + 8 * i, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // inits before any TMA completes on them
   }
-  if (tid < kM) m_s[tid] = -INFINITY;
-  __syncthreads();
-  if (n_tiles > 0) {  // an empty split reads nothing: it writes zeros and -inf below
+  for (;;) {
+    begin_segment();
+    scale_log2 = base_scale_log2;  // q's factor (fp8 caches) is the segment's own
+    exp_mult = prescale ? 1.f : scale_log2;
+    tile_f[0] = tile_f[1] = kNoRows;
+    g_run = kNoRows;
+    if (tid < kM) m_s[tid] = -INFINITY;
+    __syncthreads();  // (after a segment: its output's reads of shared memory done before q lands there)
+    if (n_tiles > 0) {  // an empty split reads nothing: it writes zeros and -inf below
 #pragma unroll
-    for (int k = 0; k < kLoads; ++k) {
-      const int i = tid + k * kThreads;
-      const int r = i / kVecs, v = i - r * kVecs;
-      const bool ok = r < num_rows - h0;
-      cp_async16(q_s + swizzled(r, v), ok ? q + b * sqb + (h0 + r) * sqh + v * 8 : q, ok);
-    }
-    cp_async_commit();
-    // each warpgroup its block group of tiles 0 and 1; an fp8 cache's two groups in flight
-    // together (and with q's), then finished in the order issued
-    if (wg == 0) {
-      load_blocks(0, 0, kZero, kLo);
-      load_blocks(1, 1, kZero, kLo);
-      finish_blocks(0, 0, kZero);
-      finish_blocks(1, 1, kZero);
-    } else {
-      load_blocks(0, 0, kLo, kAll);
-      load_blocks(1, 1, kLo, kAll);
-      finish_blocks(0, 0, kLo);
-      finish_blocks(1, 1, kLo);
-    }
-    // q landed (a cache in T: the tiles' copies are in no group; fp8: landed, finished above) ...
-    cp_async_wait_all();
-    if constexpr (!std::is_same_v<MT, T> || !std::is_same_v<RT, T>) {
-      // ... q -> its products' dtypes times q_scale in place (the latent blocks MT, the rope block
-      // RT), each thread its own 16-byte chunks (the swizzle moves whole chunks): the CTA's
-      // largest |q| first (l_s is free until the end; fp8_ds_mla's finishes use l_s[kM ..]) ...
-      __syncthreads();
-      float top = 0.f;
-      for (int i = tid; i < kMatBytes / 16; i += kThreads) {
-        const uint4 v = *reinterpret_cast<const uint4*>(smem + 16 * i);
-        for (const uint32_t w : {v.x, v.y, v.z, v.w}) {
-          const float2 x = pair_to_float2(w, T{});
-          top = fmaxf(top, fmaxf(fabsf(x.x), fabsf(x.y)));
-        }
+      for (int k = 0; k < kLoads; ++k) {
+        const int i = tid + k * kThreads;
+        const int r = i / kVecs, v = i - r * kVecs;
+        const bool ok = r < num_rows - h0;
+        cp_async16(q_s + swizzled(r, v), ok ? q + b * sqb + (h0 + r) * sqh + v * 8 : q, ok);
       }
-#pragma unroll
-      for (int x = 16; x > 0; x >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, x));
-      if (lane == 0) l_s[tid >> 5] = top;
-      __syncthreads();
-#pragma unroll
-      for (int w = 0; w < kThreads / 32; ++w) top = fmaxf(top, l_s[w]);
-      const float q_scale = fp16_range_scale(top);
-      for (int i = tid; i < kMatBytes / 16; i += kThreads) {
-        uint4* chunk = reinterpret_cast<uint4*>(smem + 16 * i);
-        const bool rope = 16 * i >= (kBlocks - 1) * kBlockBytes;  // block 8
-        uint4 v = *chunk;
-        for (uint32_t* w : {&v.x, &v.y, &v.z, &v.w}) {
-          const float2 x = pair_to_float2(*w, T{});
-          *w = rope ? pack(x.x * q_scale, x.y * q_scale, RT{}) : pack(x.x * q_scale, x.y * q_scale, MT{});
-        }
-        *chunk = v;
-      }
-      scale_log2 /= q_scale;  // the scores come out q_scale times too large (exact: a power of two)
-      if (!prescale) exp_mult = scale_log2;
-    }
-    fence_async_shared();  // ... visible to wgmma ...
-  }
-  __syncthreads();         // ... everyone's
-
-  float o[128];  // O[:, 256 wg : 256 wg + 256]: o[4j + {0,1}] row row0, cols 8j + 2c + {0,1}; {2,3} row row0 + 8
-#pragma unroll
-  for (int i = 0; i < 128; ++i) o[i] = 0.f;
-  float l0 = 0.f, l1 = 0.f;  // this thread's share of its warpgroup's row sums, relative to m_s
-  float s[32];  // S of this warpgroup's tile: s[4j + {0,1}] row row0, tokens 8j + 2c + {0,1}; {2,3} row row0 + 8
-  uint32_t pf[4][4];  // P as wgmma A fragments, one k-step of 16 tokens each
-
-  if (n_tiles > 0) {
-    scores(s, wg, wg, 0, kZero, kAll, kFresh);  // S_A (warpgroup 0, buffer 0), S_B (warpgroup 1, buffer 1)
-    wgmma_wait<0>();
-    pin(s);
-  }
-  // An fp8 cache's four block groups a pair, each issued once every wgmma that reads its blocks
-  // has completed in both warpgroups (what a TMA copy waits for) and finished where its copies
-  // have had time to land, before its first reader's mbarrier wait. What waits for what: the
-  // next S_A (warpgroup 0) waits on buffer 0's groups, blocks 4-8 from warpgroup 1; the next S_B
-  // (warpgroup 1) on buffer 1's, blocks 0-3 from warpgroup 0, which finishes them after its own
-  // wait on buffer 0's blocks 4-8; warpgroup 1's softmax waits for m_A, from S_A (kBarScaleA).
-  // So S_A's inputs are the critical path: warpgroup 1 finishes buffer 0's group before its own.
-  for (int p = 0; p < n_pairs; ++p) {
-    const int tile_a = 2 * p;
-    // fp8_ds_mla: G moves up to the pair's largest F; O takes 2^(G_before - G) with the pair's
-    // first rescale, and P_A, P_B go out times 2^(F_A - G), 2^(F_B - G) (else: all 1)
-    float o_shift = 1.f, pa_f = 1.f, pb_f = 1.f;
-    if constexpr (kDsMla) {
-      const int g_new = max(g_run, max(tile_f[0], tile_f[1]));
-      o_shift = pow2(g_run - g_new);  // 0 on the first pair: O is 0 then
-      pa_f = pow2(tile_f[0] - g_new);
-      pb_f = pow2(tile_f[1] - g_new);
-      g_run = g_new;
-    }
-    const bool more = tile_a + 2 < n_tiles;  // a next pair: its tiles load into these buffers
-    const int next_parity = (p + 1) & 1;
-    if (wg == 0) {
-      // -- m_A = max(m, rowmax S_A); P_A = exp2(S_A - m_A); O_L, l rescaled to m_A
-      float mx0, mx1, sum0, sum1;
-      if constexpr (kDsMla) undo_tile_power(s, tile_f[0]);  // A's 2^F back into S_A
-      row_max(s, start + tile_a * kN, mx0, mx1);
-      const float old0 = m_s[row0], old1 = m_s[row0 + 8];
-      // finite with one new token (A has a real token); -inf for a row that has seen none yet
-      const float new0 = fmaxf(old0, mx0), new1 = fmaxf(old1, mx1);
-      float sa0 = exp2_ftz(old0 - new0), sa1 = exp2_ftz(old1 - new1);  // 0 on the first tile
-      float ref0 = new0, ref1 = new1;  // what the exponents are taken against
-      if constexpr (MultiToken) no_token_yet(new0, new1, sa0, sa1, ref0, ref1);
-      publish_max(new0, new1, scale_a_s, sa0, sa1);
-      bar_arrive(kBarScaleA);
-      exponentiate(s, ref0, ref1, sum0, sum1);
-      l0 = l0 * sa0 + sum0;
-      l1 = l1 * sa1 + sum1;
-      rescale(o, sa0 * o_shift, sa1 * o_shift);
-      // -- O_L += P_A . V_A[:, :256]
-      fragments(s, pa_f, pa_f, pf);
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) mma_o_reg<MT>(o, pf[ks], v_desc(0, ks));
-      wgmma_commit();
-      // -- P_A relative to m_B -> buffer 0's rope block, for warpgroup 1, while that MMA runs
-      // (packed from S: the fragments stay its operand)
-      bar_sync(kBarScaleB);
-      const float sb0 = scale_b_s[row0], sb1 = scale_b_s[row0 + 8];
-      store_p_scaled(pa_ptr, s, sb0 * pa_f, sb1 * pa_f);
-      fence_async_shared();
-      bar_arrive(kBarPA);
-      wgmma_wait<0>();
-      pin(o);
-      pin(pf);
-      // buffer 0's blocks 0-3 are done with (S_A, and V_A's left half): the next A's
-      if (more) load_blocks(0, tile_a + 2, kZero, kLo);
-      // -- O_L = O_L * exp2(m_A - m_B) + P_B . V_B[:, :256], P_B from warpgroup 1 (V_B's blocks
-      // landed before warpgroup 1's S_B waited on them and fenced, which precedes its arrive)
-      bar_sync(kBarPB);
-      rescale(o, sb0, sb1);
-      l0 *= sb0;
-      l1 *= sb1;
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) mma_o_smem<MT>(o, desc_k(pb_s + ks * 32), v_desc(1, ks));
-      wgmma_commit();
-      if (more) {
-        // fp8: the next A's blocks 0-3 converted while P_B . V_B runs (it reads P_B and buffer 1)
-        finish_blocks(0, tile_a + 2, kZero);
-        // -- S of the next A: blocks 0-3 (loaded first), then buffer 1's blocks 0-3 are free
-        // (V_B's left half) for the next B, then blocks 4-8 (loaded by warpgroup 1)
-        scores(s, 0, tile_a + 2, next_parity, kZero, kLo, kFresh);
-        wgmma_wait<1>();
-        load_blocks(1, tile_a + 3, kZero, kLo);
-        scores(s, 0, tile_a + 2, next_parity, kLo, kAll, kAddTo);
-        // fp8: the next B's blocks 0-3 converted while those scores run (buffer 0 and q)
-        finish_blocks(1, tile_a + 3, kZero);
-      }
-      wgmma_wait<0>();
-      pin(o);
-      pin(s);
-    } else {
-      // -- m_B = max(m_A, rowmax S_B); P_B = exp2(S_B - m_B); O_R, l rescaled from m to m_B
-      float mx0, mx1, sum0, sum1;
-      if constexpr (kDsMla) undo_tile_power(s, tile_f[1]);  // B's 2^F back into S_B
-      row_max(s, start + (tile_a + 1) * kN, mx0, mx1);  // no tile B: all -inf
-      bar_sync(kBarScaleA);
-      const float ma0 = m_s[row0], ma1 = m_s[row0 + 8];
-      const float new0 = fmaxf(ma0, mx0), new1 = fmaxf(ma1, mx1);
-      float sb0 = exp2_ftz(ma0 - new0), sb1 = exp2_ftz(ma1 - new1);
-      float ref0 = new0, ref1 = new1;
-      if constexpr (MultiToken) no_token_yet(new0, new1, sb0, sb1, ref0, ref1);
-      const float f0 = scale_a_s[row0] * sb0, f1 = scale_a_s[row0 + 8] * sb1;
-      publish_max(new0, new1, scale_b_s, sb0, sb1);
-      bar_arrive(kBarScaleB);
-      exponentiate(s, ref0, ref1, sum0, sum1);
-      l0 = l0 * f0 + sum0;
-      l1 = l1 * f1 + sum1;
-      rescale(o, f0 * o_shift, f1 * o_shift);
-      // -- P_B -> shared memory for warpgroup 0
-      fragments(s, pb_f, pb_f, pf);
-      store_p(pb_ptr, pf);
-      fence_async_shared();
-      bar_arrive(kBarPB);
-      // -- O_R += P_A . V_A[:, 256:], P_A from warpgroup 0 (relative to m_B; V_A's blocks landed
-      // before warpgroup 0's S_A waited on them, as above); then O_R += P_B . V_B[:, 256:]. Buffer
-      // 0's last reader goes first: the next A, whose S comes first, is refilled sooner
-      bar_sync(kBarPA);
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) mma_o_smem<MT>(o, desc_k(pa_s + ks * 32), v_desc(0, ks));
-      wgmma_commit();
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) mma_o_reg<MT>(o, pf[ks], v_desc(1, ks));
-      wgmma_commit();
-      // buffer 0's blocks 4-8 are done with (V_A's right half, P_A): the next A's; then buffer
-      // 1's (S_B, V_B's right half): the next B's
-      wgmma_wait<1>();
-      if (more) load_blocks(0, tile_a + 2, kLo, kAll);
-      wgmma_wait<0>();
-      pin(o);
-      pin(pf);
-      if (more) {
-        load_blocks(1, tile_a + 3, kLo, kAll);
-        // fp8: the next A's group first (warpgroup 0's next S waits on it; the next B's may still
-        // be in flight), then the next B's, which only this warpgroup reads
-        finish_blocks(0, tile_a + 2, kLo);
-        finish_blocks(1, tile_a + 3, kLo);
-        // -- S of the next B: blocks 4-8 (refilled first, by this warpgroup), then 0-3 (by
-        // warpgroup 0, once its P_B . V_B is done and the next A's blocks 0-3 have landed)
-        scores(s, 1, tile_a + 3, next_parity, kLo, kAll, kFresh);
-        scores(s, 1, tile_a + 3, next_parity, kZero, kLo, kAddTo);
-        wgmma_wait<0>();
-        pin(s);
-      }
-    }
-  }
-
-  // ---- normalise and write; an empty split (l = 0) writes zeros and lse = -inf. O goes out
-  // through shared memory (q's and buffer 0's bytes, free now): written straight from the
-  // accumulators, a warp's store covers 8 rows of 32 or 16 bytes each, half of each 32-byte
-  // sector in T; from shared memory it covers 256 or 128 bytes of one row, whole sectors.
-#pragma unroll
-  for (int x = 1; x <= 2; x <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
-  }
-  if (c == 0) {
-    l_s[wg * kM + row0] = l0;
-    l_s[wg * kM + row0 + 8] = l1;
-  }
-  __syncthreads();
-  // a row of 512 values: fp32 partials, 8 bytes a thread (256 threads a row), or the answer in T,
-  // 4 bytes a thread (the op allows rows 8- and 4-byte aligned); rows padded by 32 and 16 bytes, so
-  // the accumulators' 8 rows a store fall in different banks
-  const int pitch = final_out ? 2 * kC + 16 : 4 * kC + 32;
-  const float o_scale = kDsMla && g_run != kNoRows ? pow2(g_run) : 1.f;  // fp8_ds_mla: O is P . V / 2^G
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = row0 + 8 * half, h = h0 + r;
-    const float l = l_s[r] + l_s[kM + r];
-    const float inv = l > 0.f ? e4m3_scale * o_scale / l : 0.f;
-    if (wg == 0 && c == 0 && h < num_rows) {
-      part_lse[b * slb + h * slh + split * sls] =
-          l > 0.f ? (m_s[r] + log2f(l)) * 0.6931471805599453f : -INFINITY;
-    }
-    unsigned char* row = smem + r * pitch;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int col = 256 * wg + 8 * j + 2 * c;
-      const float x = o[4 * j + 2 * half] * inv, y = o[4 * j + 2 * half + 1] * inv;
-      if (final_out) {
-        *reinterpret_cast<uint32_t*>(row + 2 * col) = pack(x, y, T{});
+      cp_async_commit();
+      // each warpgroup its block group of tiles 0 and 1; an fp8 cache's two groups in flight
+      // together (and with q's), then finished in the order issued
+      if (wg == 0) {
+        load_blocks(0, 0, kZero, kLo);
+        load_blocks(1, 1, kZero, kLo);
+        finish_blocks(0, 0, kZero);
+        finish_blocks(1, 1, kZero);
       } else {
-        *reinterpret_cast<float2*>(row + 4 * col) = make_float2(x, y);
+        load_blocks(0, 0, kLo, kAll);
+        load_blocks(1, 1, kLo, kAll);
+        finish_blocks(0, 0, kLo);
+        finish_blocks(1, 1, kLo);
+      }
+      // q landed (a cache in T: the tiles' copies are in no group; fp8: landed, finished above) ...
+      cp_async_wait_all();
+      if constexpr (!std::is_same_v<MT, T> || !std::is_same_v<RT, T>) {
+        // ... q -> its products' dtypes times q_scale in place (the latent blocks MT, the rope block
+        // RT), each thread its own 16-byte chunks (the swizzle moves whole chunks): the CTA's
+        // largest |q| first (l_s is free until the end; fp8_ds_mla's finishes use l_s[kM ..]) ...
+        __syncthreads();
+        float top = 0.f;
+        for (int i = tid; i < kMatBytes / 16; i += kThreads) {
+          const uint4 v = *reinterpret_cast<const uint4*>(smem + 16 * i);
+          for (const uint32_t w : {v.x, v.y, v.z, v.w}) {
+            const float2 x = pair_to_float2(w, T{});
+            top = fmaxf(top, fmaxf(fabsf(x.x), fabsf(x.y)));
+          }
+        }
+#pragma unroll
+        for (int x = 16; x > 0; x >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, x));
+        if (lane == 0) l_s[tid >> 5] = top;
+        __syncthreads();
+#pragma unroll
+        for (int w = 0; w < kThreads / 32; ++w) top = fmaxf(top, l_s[w]);
+        const float q_scale = fp16_range_scale(top);
+        for (int i = tid; i < kMatBytes / 16; i += kThreads) {
+          uint4* chunk = reinterpret_cast<uint4*>(smem + 16 * i);
+          const bool rope = 16 * i >= (kBlocks - 1) * kBlockBytes;  // block 8
+          uint4 v = *chunk;
+          for (uint32_t* w : {&v.x, &v.y, &v.z, &v.w}) {
+            const float2 x = pair_to_float2(*w, T{});
+            *w = rope ? pack(x.x * q_scale, x.y * q_scale, RT{}) : pack(x.x * q_scale, x.y * q_scale, MT{});
+          }
+          *chunk = v;
+        }
+        scale_log2 /= q_scale;  // the scores come out q_scale times too large (exact: a power of two)
+        if (!prescale) exp_mult = scale_log2;
+      }
+      fence_async_shared();  // ... visible to wgmma ...
+    }
+    __syncthreads();         // ... everyone's
+
+    float o[128];  // O[:, 256 wg : 256 wg + 256]: o[4j + {0,1}] row row0, cols 8j + 2c + {0,1}; {2,3} row row0 + 8
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    float l0 = 0.f, l1 = 0.f;  // this thread's share of its warpgroup's row sums, relative to m_s
+    float s[32];  // S of this warpgroup's tile: s[4j + {0,1}] row row0, tokens 8j + 2c + {0,1}; {2,3} row row0 + 8
+    uint32_t pf[4][4];  // P as wgmma A fragments, one k-step of 16 tokens each
+
+    if (n_tiles > 0) {
+      scores(s, wg, wg, pbase & 1, kZero, kAll, kFresh);  // S_A (warpgroup 0, buffer 0), S_B (warpgroup 1, buffer 1)
+      wgmma_wait<0>();
+      pin(s);
+    }
+    // An fp8 cache's four block groups a pair, each issued once every wgmma that reads its blocks
+    // has completed in both warpgroups (what a TMA copy waits for) and finished where its copies
+    // have had time to land, before its first reader's mbarrier wait. What waits for what: the
+    // next S_A (warpgroup 0) waits on buffer 0's groups, blocks 4-8 from warpgroup 1; the next S_B
+    // (warpgroup 1) on buffer 1's, blocks 0-3 from warpgroup 0, which finishes them after its own
+    // wait on buffer 0's blocks 4-8; warpgroup 1's softmax waits for m_A, from S_A (kBarScaleA).
+    // So S_A's inputs are the critical path: warpgroup 1 finishes buffer 0's group before its own.
+    for (int p = 0; p < n_pairs; ++p) {
+      const int tile_a = 2 * p;
+      // fp8_ds_mla: G moves up to the pair's largest F; O takes 2^(G_before - G) with the pair's
+      // first rescale, and P_A, P_B go out times 2^(F_A - G), 2^(F_B - G) (else: all 1)
+      float o_shift = 1.f, pa_f = 1.f, pb_f = 1.f;
+      if constexpr (kDsMla) {
+        const int g_new = max(g_run, max(tile_f[0], tile_f[1]));
+        o_shift = pow2(g_run - g_new);  // 0 on the first pair: O is 0 then
+        pa_f = pow2(tile_f[0] - g_new);
+        pb_f = pow2(tile_f[1] - g_new);
+        g_run = g_new;
+      }
+      const bool more = tile_a + 2 < n_tiles;  // a next pair: its tiles load into these buffers
+      const int next_parity = (pbase + p + 1) & 1;
+      if (wg == 0) {
+        // -- m_A = max(m, rowmax S_A); P_A = exp2(S_A - m_A); O_L, l rescaled to m_A
+        float mx0, mx1, sum0, sum1;
+        if constexpr (kDsMla) undo_tile_power(s, tile_f[0]);  // A's 2^F back into S_A
+        row_max(s, start + tile_a * kN, mx0, mx1);
+        const float old0 = m_s[row0], old1 = m_s[row0 + 8];
+        // finite with one new token (A has a real token); -inf for a row that has seen none yet
+        const float new0 = fmaxf(old0, mx0), new1 = fmaxf(old1, mx1);
+        float sa0 = exp2_ftz(old0 - new0), sa1 = exp2_ftz(old1 - new1);  // 0 on the first tile
+        float ref0 = new0, ref1 = new1;  // what the exponents are taken against
+        if constexpr (MultiToken) no_token_yet(new0, new1, sa0, sa1, ref0, ref1);
+        publish_max(new0, new1, scale_a_s, sa0, sa1);
+        bar_arrive(kBarScaleA);
+        exponentiate(s, ref0, ref1, sum0, sum1);
+        l0 = l0 * sa0 + sum0;
+        l1 = l1 * sa1 + sum1;
+        rescale(o, sa0 * o_shift, sa1 * o_shift);
+        // -- O_L += P_A . V_A[:, :256]
+        fragments(s, pa_f, pa_f, pf);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) mma_o_reg<MT>(o, pf[ks], v_desc(0, ks));
+        wgmma_commit();
+        // -- P_A relative to m_B -> buffer 0's rope block, for warpgroup 1, while that MMA runs
+        // (packed from S: the fragments stay its operand)
+        bar_sync(kBarScaleB);
+        const float sb0 = scale_b_s[row0], sb1 = scale_b_s[row0 + 8];
+        store_p_scaled(pa_ptr, s, sb0 * pa_f, sb1 * pa_f);
+        fence_async_shared();
+        bar_arrive(kBarPA);
+        wgmma_wait<0>();
+        pin(o);
+        pin(pf);
+        // buffer 0's blocks 0-3 are done with (S_A, and V_A's left half): the next A's
+        if (more) load_blocks(0, tile_a + 2, kZero, kLo);
+        // -- O_L = O_L * exp2(m_A - m_B) + P_B . V_B[:, :256], P_B from warpgroup 1 (V_B's blocks
+        // landed before warpgroup 1's S_B waited on them and fenced, which precedes its arrive)
+        bar_sync(kBarPB);
+        rescale(o, sb0, sb1);
+        l0 *= sb0;
+        l1 *= sb1;
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) mma_o_smem<MT>(o, desc_k(pb_s + ks * 32), v_desc(1, ks));
+        wgmma_commit();
+        if (more) {
+          // fp8: the next A's blocks 0-3 converted while P_B . V_B runs (it reads P_B and buffer 1)
+          finish_blocks(0, tile_a + 2, kZero);
+          // -- S of the next A: blocks 0-3 (loaded first), then buffer 1's blocks 0-3 are free
+          // (V_B's left half) for the next B, then blocks 4-8 (loaded by warpgroup 1)
+          scores(s, 0, tile_a + 2, next_parity, kZero, kLo, kFresh);
+          wgmma_wait<1>();
+          load_blocks(1, tile_a + 3, kZero, kLo);
+          scores(s, 0, tile_a + 2, next_parity, kLo, kAll, kAddTo);
+          // fp8: the next B's blocks 0-3 converted while those scores run (buffer 0 and q)
+          finish_blocks(1, tile_a + 3, kZero);
+        }
+        wgmma_wait<0>();
+        pin(o);
+        pin(s);
+      } else {
+        // -- m_B = max(m_A, rowmax S_B); P_B = exp2(S_B - m_B); O_R, l rescaled from m to m_B
+        float mx0, mx1, sum0, sum1;
+        if constexpr (kDsMla) undo_tile_power(s, tile_f[1]);  // B's 2^F back into S_B
+        row_max(s, start + (tile_a + 1) * kN, mx0, mx1);  // no tile B: all -inf
+        bar_sync(kBarScaleA);
+        const float ma0 = m_s[row0], ma1 = m_s[row0 + 8];
+        const float new0 = fmaxf(ma0, mx0), new1 = fmaxf(ma1, mx1);
+        float sb0 = exp2_ftz(ma0 - new0), sb1 = exp2_ftz(ma1 - new1);
+        float ref0 = new0, ref1 = new1;
+        if constexpr (MultiToken) no_token_yet(new0, new1, sb0, sb1, ref0, ref1);
+        const float f0 = scale_a_s[row0] * sb0, f1 = scale_a_s[row0 + 8] * sb1;
+        publish_max(new0, new1, scale_b_s, sb0, sb1);
+        bar_arrive(kBarScaleB);
+        exponentiate(s, ref0, ref1, sum0, sum1);
+        l0 = l0 * f0 + sum0;
+        l1 = l1 * f1 + sum1;
+        rescale(o, f0 * o_shift, f1 * o_shift);
+        // -- P_B -> shared memory for warpgroup 0
+        fragments(s, pb_f, pb_f, pf);
+        store_p(pb_ptr, pf);
+        fence_async_shared();
+        bar_arrive(kBarPB);
+        // -- O_R += P_A . V_A[:, 256:], P_A from warpgroup 0 (relative to m_B; V_A's blocks landed
+        // before warpgroup 0's S_A waited on them, as above); then O_R += P_B . V_B[:, 256:]. Buffer
+        // 0's last reader goes first: the next A, whose S comes first, is refilled sooner
+        bar_sync(kBarPA);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) mma_o_smem<MT>(o, desc_k(pa_s + ks * 32), v_desc(0, ks));
+        wgmma_commit();
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) mma_o_reg<MT>(o, pf[ks], v_desc(1, ks));
+        wgmma_commit();
+        // buffer 0's blocks 4-8 are done with (V_A's right half, P_A): the next A's; then buffer
+        // 1's (S_B, V_B's right half): the next B's
+        wgmma_wait<1>();
+        if (more) load_blocks(0, tile_a + 2, kLo, kAll);
+        wgmma_wait<0>();
+        pin(o);
+        pin(pf);
+        if (more) {
+          load_blocks(1, tile_a + 3, kLo, kAll);
+          // fp8: the next A's group first (warpgroup 0's next S waits on it; the next B's may still
+          // be in flight), then the next B's, which only this warpgroup reads
+          finish_blocks(0, tile_a + 2, kLo);
+          finish_blocks(1, tile_a + 3, kLo);
+          // -- S of the next B: blocks 4-8 (refilled first, by this warpgroup), then 0-3 (by
+          // warpgroup 0, once its P_B . V_B is done and the next A's blocks 0-3 have landed)
+          scores(s, 1, tile_a + 3, next_parity, kLo, kAll, kFresh);
+          scores(s, 1, tile_a + 3, next_parity, kZero, kLo, kAddTo);
+          wgmma_wait<0>();
+          pin(s);
+        }
       }
     }
-  }
-  __syncthreads();
-  const int n_rows = min(kM, num_rows - h0);
-  const int64_t out_at = b * sob + int64_t(split) * sos + int64_t(h0) * soh;
-  if (final_out) {
-#pragma unroll 8
-    for (int r = 0; r < n_rows; ++r) {
-      const uint32_t v = *reinterpret_cast<const uint32_t*>(smem + r * pitch + 4 * tid);
-      *reinterpret_cast<uint32_t*>(static_cast<T*>(part_out) + out_at + r * soh + 2 * tid) = v;
+
+    // ---- normalise and write; an empty split (l = 0) writes zeros and lse = -inf. O goes out
+    // through shared memory (q's and buffer 0's bytes, free now): written straight from the
+    // accumulators, a warp's store covers 8 rows of 32 or 16 bytes each, half of each 32-byte
+    // sector in T; from shared memory it covers 256 or 128 bytes of one row, whole sectors.
+#pragma unroll
+    for (int x = 1; x <= 2; x <<= 1) {
+      l0 += __shfl_xor_sync(0xffffffffu, l0, x);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, x);
     }
-  } else {
-#pragma unroll 8
-    for (int r = 0; r < n_rows; ++r) {
-      const float2 v = *reinterpret_cast<const float2*>(smem + r * pitch + 8 * tid);
-      *reinterpret_cast<float2*>(static_cast<float*>(part_out) + out_at + r * soh + 2 * tid) = v;
+    if (c == 0) {
+      l_s[wg * kM + row0] = l0;
+      l_s[wg * kM + row0 + 8] = l1;
     }
+    __syncthreads();
+    // a row of 512 values: fp32 partials, 8 bytes a thread (256 threads a row), or the answer in T,
+    // 4 bytes a thread (the op allows rows 8- and 4-byte aligned); rows padded by 32 and 16 bytes, so
+    // the accumulators' 8 rows a store fall in different banks
+    const int pitch = final_seg ? 2 * kC + 16 : 4 * kC + 32;
+    const float o_scale = kDsMla && g_run != kNoRows ? pow2(g_run) : 1.f;  // fp8_ds_mla: O is P . V / 2^G
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = row0 + 8 * half, h = h0 + r;
+      const float l = l_s[r] + l_s[kM + r];
+      const float inv = l > 0.f ? e4m3_scale * o_scale / l : 0.f;
+      if (wg == 0 && c == 0 && h < num_rows) {
+        const float row_lse = l > 0.f ? (m_s[r] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+        if (final_seg) {
+          lse[b * sgb + h * sgh] = row_lse;
+        } else {
+          part_lse[b * slb + h * slh + split * sls] = row_lse;
+        }
+      }
+      unsigned char* row = smem + r * pitch;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int col = 256 * wg + 8 * j + 2 * c;
+        const float x = o[4 * j + 2 * half] * inv, y = o[4 * j + 2 * half + 1] * inv;
+        if (final_seg) {
+          *reinterpret_cast<uint32_t*>(row + 2 * col) = pack(x, y, T{});
+        } else {
+          *reinterpret_cast<float2*>(row + 4 * col) = make_float2(x, y);
+        }
+      }
+    }
+    __syncthreads();
+    const int n_rows = min(kM, num_rows - h0);
+    if (final_seg) {
+      T* at = static_cast<T*>(out) + b * sfb + int64_t(h0) * sfh;
+#pragma unroll 8
+      for (int r = 0; r < n_rows; ++r) {
+        const uint32_t v = *reinterpret_cast<const uint32_t*>(smem + r * pitch + 4 * tid);
+        *reinterpret_cast<uint32_t*>(at + r * sfh + 2 * tid) = v;
+      }
+    } else {
+      float* at = part_out + b * sob + int64_t(split) * sos + int64_t(h0) * soh;
+#pragma unroll 8
+      for (int r = 0; r < n_rows; ++r) {
+        const float2 v = *reinterpret_cast<const float2*>(smem + r * pitch + 8 * tid);
+        *reinterpret_cast<float2*>(at + r * soh + 2 * tid) = v;
+      }
+    }
+    pbase += n_pairs;
+    if (!next_segment()) break;
+    fence_async_shared();  // the output's shared-memory accesses before the next tiles' copies
   }
 #else
   __trap();  // built without sm_90a: the host's capability check should have stopped the launch
@@ -1180,11 +1277,31 @@ CUtensorMap kv_tensor_map(const at::Tensor& kv_cache, int64_t offset, int inner,
 void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, at::Tensor& part_out, at::Tensor& part_lse,
                      double softmax_scale, int64_t num_splits, const std::string& kv_cache_dtype,
-                     const std::optional<at::Tensor>& kv_scale, int64_t q_tokens) {
+                     const std::optional<at::Tensor>& kv_scale, int64_t q_tokens,
+                     const std::optional<at::Tensor>& out, const std::optional<at::Tensor>& lse,
+                     const std::optional<at::Tensor>& ranges) {
+  const bool dealt = ranges.has_value();
   const CacheFormat format =
       check_mla_decode(q, kv_cache, block_table, seq_lens, part_out, part_lse, num_splits,
-                       {"mla_decode_sm90", kMaxHeads, kC, kR, kN}, kv_cache_dtype, kv_scale, q_tokens);
+                       {"mla_decode_sm90", kMaxHeads, kC, kR, kN}, kv_cache_dtype, kv_scale, q_tokens, dealt);
   const int64_t b = q.size(0), h = q.size(1);  // h: query rows a sequence, s_q·heads
+  TORCH_CHECK(out.has_value() == dealt && lse.has_value() == dealt,
+              "mla_decode_sm90: out and lse are given with ranges (dealt pieces) and only then");
+  if (dealt) {
+    TORCH_CHECK(out->scalar_type() == q.scalar_type() && out->dim() == 3 && out->size(0) == b && out->size(1) == h &&
+                    out->size(2) == kC && out->stride(2) == 1 && out->stride(0) % 2 == 0 && out->stride(1) % 2 == 0 &&
+                    reinterpret_cast<uintptr_t>(out->data_ptr()) % 4 == 0 && out->device() == q.device(),
+                "mla_decode_sm90: out must be (b, h, ", num(int64_t{kC}), ") = (", num(b), ", ", num(h), ", ", num(int64_t{kC}),
+                ") in q's dtype on q's device, 4-byte aligned, got ", dims(*out), " ", out->scalar_type());
+    TORCH_CHECK(lse->scalar_type() == at::kFloat && lse->dim() == 2 && lse->size(0) == b && lse->size(1) == h &&
+                    lse->device() == q.device(),
+                "mla_decode_sm90: lse must be (b, h) = (", num(b), ", ", num(h), ") float32 on q's device, got ",
+                dims(*lse), " ", lse->scalar_type());
+    TORCH_CHECK(ranges->scalar_type() == at::kInt && ranges->dim() == 2 && ranges->size(0) == b &&
+                    ranges->size(1) == 2 && ranges->is_contiguous() && ranges->device() == q.device(),
+                "mla_decode_sm90: ranges must be (b, 2) = (", num(b), ", 2) int32, contiguous, on q's device, got ",
+                dims(*ranges), " ", ranges->scalar_type());
+  }
   if (b == 0 || h == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   int major = 0, minor = 0;
@@ -1214,8 +1331,16 @@ void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     kv_map_x = kv_tensor_map(kv_cache, kDsMlaScales, 16, kU8, 1, 1, false);
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const dim3 grid(static_cast<unsigned>((h + kM - 1) / kM), static_cast<unsigned>(b),
+  const dim3 grid(static_cast<unsigned>((h + kM - 1) / kM), static_cast<unsigned>(dealt ? 1 : b),
                   static_cast<unsigned>(num_splits));
+  // where a sequence's answer goes when one piece holds it whole: out and lse (dealt), or at one
+  // split part_out and part_lse themselves, in q's dtype
+  const at::Tensor& out_t = dealt ? *out : part_out;
+  const at::Tensor& lse_t = dealt ? *lse : part_lse;
+  const bool final_out = !dealt && part_out.scalar_type() != at::kFloat;
+  // dealt: slot b + piece, the kernel's b * sob + split * sos with sob = sos
+  const int64_t sob = part_out.stride(0), soh = part_out.stride(1), sos = dealt ? sob : part_out.stride(2);
+  const int64_t slb = part_lse.stride(0), slh = part_lse.stride(1), sls = dealt ? slb : part_lse.stride(2);
   const float scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
   const float* scale_ptr = format == CacheFormat::kFp8E4M3 ? kv_scale->data_ptr<float>() : nullptr;
   auto run = [&](auto* kernel, auto type_tag, auto format_tag) {  // format_tag: std::integral_constant
@@ -1224,12 +1349,13 @@ void mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv_cache, const at::
                                         static_cast<int>(kSmemBytes)));
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(
         reinterpret_cast<const T*>(q.data_ptr()), kv_map_lo,
-        kv_map_hi, kv_map_x, block_table.data_ptr<int>(), seq_lens.data_ptr<int>(), part_out.data_ptr(),
-        part_lse.data_ptr<float>(), part_out.scalar_type() != at::kFloat, static_cast<int>(h),
+        kv_map_hi, kv_map_x, block_table.data_ptr<int>(), seq_lens.data_ptr<int>(),
+        static_cast<float*>(part_out.data_ptr()), part_lse.data_ptr<float>(), out_t.data_ptr(),
+        lse_t.data_ptr<float>(), final_out, dealt ? ranges->data_ptr<int>() : nullptr,
+        dealt ? static_cast<int>(num_splits) : 0, static_cast<int>(b), static_cast<int>(h),
         static_cast<int>(h / q_tokens), static_cast<int>(q_tokens), static_cast<int>(kv_cache.size(1)),
-        static_cast<int>(num_splits), scale_log2, q.stride(0), q.stride(1),
-        block_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0),
-        part_lse.stride(1), part_lse.stride(2), scale_ptr);
+        static_cast<int>(num_splits), scale_log2, q.stride(0), q.stride(1), block_table.stride(0), sob, soh, sos,
+        slb, slh, sls, out_t.stride(0), out_t.stride(1), lse_t.stride(0), lse_t.stride(1), scale_ptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   // several new tokens a sequence: the instantiation with per-row causal limits

@@ -87,6 +87,7 @@ def _namespace() -> dict:
         "decode_tflops": decode_tflops,
         "flashmla_table": flashmla_table,
         "query_tokens_table": query_tokens_table,
+        "ragged_table": ragged_table,
         "layer_table": layer_table,
         "prefill_table": prefill_table,
         "prefill_row": prefill_row,
@@ -682,6 +683,24 @@ def query_tokens_table(name: str = "h200-decode-sq.json") -> str:
         ("Triton (µs)", triton),
         ("FlashMLA (µs)", lambda r: f"{r['flashmla_us']:,.1f}"),
         ("FlashMLA / mla", lambda r: f"**{r['flashmla_us'] / wgmma(r):.2f}**"),
+    ])
+
+
+def ragged_table(before: str, after: str) -> str:
+    """Markdown: the ragged-batch probe (``benchmarks/lab/probe_decode_ragged.py``) of two trees
+    on one machine, case by case: the floor of the batch's tokens, both trees' times and
+    FlashMLA's in the second run, in µs, and FlashMLA's time over each tree's."""
+    first = {r["case"]: r for r in result(before)["rows"]}
+    rows = [dict(r, before_us=first[r["case"]]["time_us"], before_fm_us=first[r["case"]]["flashmla_us"])
+            for r in result(after)["rows"] if r["case"] in first]
+    return _table(rows, [
+        ("batch (tokens a sequence)", lambda r: r["case"]), ("splits", lambda r: str(r["num_kv_splits"])),
+        ("floor (µs)", lambda r: f"{r['floor_us']:,.1f}"),
+        ("cut (µs)", lambda r: f"{r['before_us']:,.1f}"),
+        ("dealt (µs)", lambda r: f"{r['time_us']:,.1f}"),
+        ("FlashMLA (µs)", lambda r: f"{r['flashmla_us']:,.1f}"),
+        ("FlashMLA / cut", lambda r: f"{r['before_fm_us'] / r['before_us']:.2f}"),
+        ("FlashMLA / dealt", lambda r: f"**{r['flashmla_over_mla']:.2f}**"),
     ])
 
 

@@ -448,28 +448,54 @@ def test_multi_token_default_is_the_wgmma_kernel(heads, monkeypatch):
 
 
 def _sm90_stage1_in_torch(q, kv_cache, block_table, seq_lens, part_out, part_lse, softmax_scale, num_splits, *,
-                          kv_cache_dtype, kv_scale, q_tokens=1):
+                          kv_cache_dtype, kv_scale, q_tokens=1, out=None, lse=None, ranges=None):
     """What csrc/mla_decode_sm90.cu writes, in plain torch (float64): q (b, s_q·h, c + r) token-major,
-    the splits cut on seq_len in tiles of 64 tokens, row R seeing the first seq_len - (s_q - 1 - R / h)
-    rows; a row that sees none of a split gets 0 and -inf."""
+    row R seeing the first seq_len - (s_q - 1 - R / h) rows; a row that sees none of a piece gets 0
+    and -inf. Without ranges each sequence is cut into num_splits in tiles of 64 tokens. With
+    ranges the batch's pairs of tiles (an empty sequence counts one) are dealt over num_splits
+    pieces of ceil(pairs / num_splits): piece z's part of sequence i goes to slot i + z, a
+    sequence whole in one piece to out and lse, and ranges[i] = (first slot, pieces)."""
     assert kv_cache_dtype == "auto" and kv_scale is None
     b, rows, _ = q.shape
     c, heads, block_size = part_out.shape[-1], rows // q_tokens, kv_cache.shape[1]
-    for i, seq_len in enumerate(seq_lens.tolist()):
+    lengths = seq_lens.tolist()
+
+    def attend(i, start, end, dst_out, dst_lse):  # rows of sequence i over tokens [start, end)
+        seq_len = lengths[i]
         pos = torch.arange(seq_len)
         latent = kv_cache[block_table[i, pos // block_size].long(), pos % block_size].double()  # (t, c + r)
-        tiles = -(-(-(-seq_len // 64)) // num_splits)  # tiles a split
-        for split in range(num_splits):
-            start = split * tiles * 64
-            end = max(min(start + tiles * 64, seq_len), start)
-            for row in range(rows):
-                stop = min(end, seq_len - (q_tokens - 1 - row // heads))
-                if stop <= start:
-                    part_out[i, row, split], part_lse[i, row, split] = 0.0, float("-inf")
-                    continue
-                scores = latent[start:stop] @ q[i, row].double() * softmax_scale  # (tokens,)
-                part_out[i, row, split] = (torch.softmax(scores, 0) @ latent[start:stop, :c]).to(part_out.dtype)
-                part_lse[i, row, split] = torch.logsumexp(scores, 0).float()
+        for row in range(rows):
+            stop = min(end, seq_len - (q_tokens - 1 - row // heads))
+            if stop <= start:
+                dst_out[row], dst_lse[row] = 0.0, float("-inf")
+                continue
+            scores = latent[start:stop] @ q[i, row].double() * softmax_scale  # (tokens,)
+            dst_out[row] = (torch.softmax(scores, 0) @ latent[start:stop, :c]).to(dst_out.dtype)
+            dst_lse[row] = torch.logsumexp(scores, 0).float()
+
+    if ranges is None:
+        for i, seq_len in enumerate(lengths):
+            tiles = -(-(-(-seq_len // 64)) // num_splits)  # tiles a split
+            for split in range(num_splits):
+                start = split * tiles * 64
+                attend(i, start, max(min(start + tiles * 64, seq_len), start), part_out[i, :, split],
+                       part_lse[i, :, split])
+        return
+    pairs = [max(1, (-(-n // 64) + 1) // 2) for n in lengths]
+    per = -(-sum(pairs) // num_splits)
+    first_pair = 0
+    for i, (seq_len, n) in enumerate(zip(lengths, pairs)):
+        first, last = first_pair // per, (first_pair + n - 1) // per
+        ranges[i, 0], ranges[i, 1] = i + first, last - first + 1
+        for piece in range(first, last + 1):
+            lo, hi = max(piece * per, first_pair) - first_pair, min((piece + 1) * per, first_pair + n) - first_pair
+            start = 2 * lo * 64
+            end = max(min(2 * hi * 64, seq_len), start)
+            if first == last:
+                attend(i, start, end, out[i], lse[i])
+            else:
+                attend(i, start, end, part_out[i + piece], part_lse[i + piece])
+        first_pair += n
 
 
 @pytest.mark.parametrize("strided_q", [False, True], ids=["q-contiguous", "q-head-major"])
@@ -495,6 +521,33 @@ def test_multi_token_sm90_dispatch(strided_q, monkeypatch):
         assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
         assert_tokens_match(out, lse, ref_out, ref_lse, case["seq_lens"], s_q, TOL[torch.float32])
         assert calls[-1] == ((5, s_q * heads, 40), s_q)
+
+
+@pytest.mark.parametrize("s_q", [1, 2])
+def test_sm90_dealt_pieces_merge_to_the_reference(s_q, monkeypatch):
+    # mla_decode's launch of the wgmma stage 1, the kernel written in torch:
+    # the batch's tiles dealt over b x num_kv_splits pieces, so that a piece holds the ends of
+    # several sequences (short and empty ones) and a long sequence spans many pieces. Every slot,
+    # out and lse start NaN and ranges garbage, so whatever stage 1 and the merge leave unwritten
+    # or read past shows.
+    pieces = []
+
+    def stage1(q, kv_cache, block_table, seq_lens, part_out, part_lse, scale, num_splits, **kwargs):
+        for t in (part_out, part_lse, kwargs["out"], kwargs["lse"]):
+            t.fill_(float("nan"))
+        kwargs["ranges"].fill_(-7)
+        pieces.append((num_splits, part_out.shape[0]))
+        _sm90_stage1_in_torch(q, kv_cache, block_table, seq_lens, part_out, part_lse, scale, num_splits, **kwargs)
+
+    monkeypatch.setattr(decode, "choose_decode_backend", lambda *args, **kwargs: "cuda-sm90")
+    monkeypatch.setattr(torch.ops.mla, "mla_decode_sm90", stage1, raising=False)
+    lengths = [0, 700, 64, 1, 2000, 130, 0, 4096, 65]
+    case = make_case(lengths, heads=2, c=32, r=8, block_size=64, seed=61, s_q=s_q)
+    ref_out, ref_lse = mla_decode_reference(**case)
+    for splits in (1, 2, 3, 7, 40):  # 40: 360 pieces for 61 pairs, one a piece and the rest idle
+        out, lse = mla_decode(**case, num_kv_splits=splits)
+        assert pieces[-1] == (9 * splits, 9 * splits + 8)  # b + pieces - 1 slots
+        assert_tokens_match(out, lse, ref_out, ref_lse, case["seq_lens"], s_q, TOL[torch.float32])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1057,6 +1110,27 @@ def test_gpu_backends_take_any_softmax_scale(backend, scale):
         assert_matches(out.float(), lse, ref_out.float(), ref_lse, case["seq_lens"], 1e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("s_q", [1, 2])
+def test_gpu_sm90_deals_a_ragged_batch(s_q):
+    # the wgmma stage 1 deals the batch's tiles over b x num_kv_splits pieces:
+    # here pieces that hold the ends of several sequences (short and empty ones among them) and
+    # sequences that span several pieces, 128 heads, NaN in every unused page row
+    _skip_unless_sm90()
+    lengths = [4096, 0, 100, 9000, 64, 1, 2500, 640, 65, 12000]
+    case = _gpu_case(lengths, 128, seed=17, dtype=torch.bfloat16, s_q=s_q)
+    before = {k: v.clone() for k, v in case.items() if isinstance(v, torch.Tensor)}
+    ref_out, ref_lse = mla_decode_reference(**case, compute_dtype=torch.float32)
+    for splits in (1, 2, 3, 13):
+        out, lse = mla_decode(**case, num_kv_splits=splits, _backend="cuda-sm90")
+        if s_q == 1:
+            out, lse = out.unsqueeze(1), lse.unsqueeze(1)
+        assert_tokens_match(out.float(), lse, ref_out.float().reshape(out.shape), ref_lse.reshape(lse.shape),
+                            case["seq_lens"], s_q, 1e-2)
+    for k, v in before.items():  # the inputs as they were (the cache's NaN rows included)
+        assert torch.equal(case[k].nan_to_num(7.0), v.nan_to_num(7.0)), k
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the wgmma stage 1 on several new tokens a sequence (_backend="cuda-sm90"; the default for
 # s_q > 1 on compute capability 9.0: backends.SM90_TAKES_QUERY_TOKENS_BY_DEFAULT)
@@ -1246,7 +1320,31 @@ if "sm90" in ops:  # q_tokens must divide q's 16 rows and lie in [1, 8]
             print("sm90", f"q_tokens-{q_tokens}", "RAN", flush=True)
         except RuntimeError as e:
             print("sm90", f"q_tokens-{q_tokens}", "RAISED", str(e).splitlines()[0], flush=True)
-print("untouched", bool((part_out == 7.0).all() and (part_lse == 7.0).all()), flush=True)
+# dealt over 3 pieces: slots (b + 3 - 1, h, c), out (b, h, c) in q's dtype, lse (b, h), ranges (b, 2) int32
+slots_out = torch.full((4, 16, 512), 7.0, device="cuda")
+slots_lse = torch.full((4, 16), 7.0, device="cuda")
+out = torch.full((2, 16, 512), 7.0, device="cuda", dtype=q.dtype)
+lse = torch.full((2, 16), 7.0, device="cuda")
+ranges = torch.full((2, 2), 7, device="cuda", dtype=torch.int32)
+dealt = {
+    "dealt-slots": dict(part_out=part_out, part_lse=part_lse),
+    "dealt-out-dtype": dict(out=out.float()),
+    "dealt-lse": dict(lse=lse[:1]),
+    "dealt-ranges": dict(ranges=ranges.long()),
+    "dealt-no-out": dict(out=None),
+}
+if "sm90" in ops:
+    for name, override in dealt.items():
+        args = dict(part_out=slots_out, part_lse=slots_lse, out=out, lse=lse, ranges=ranges)
+        args.update(override)
+        try:
+            ops["sm90"](q, cache, table, lens, args["part_out"], args["part_lse"], 0.1, 3, out=args["out"],
+                        lse=args["lse"], ranges=args["ranges"])
+            print("sm90", name, "RAN", flush=True)
+        except RuntimeError as e:
+            print("sm90", name, "RAISED", str(e).splitlines()[0], flush=True)
+untouched = [t for t in (part_out, part_lse, slots_out, slots_lse, out, lse, ranges)]
+print("untouched", all(bool((t == 7).all()) for t in untouched), flush=True)
 """
 
 
@@ -1284,7 +1382,11 @@ def test_gpu_cuda_ops_reject_what_they_cannot_run():
                          "sm90 no-page": "multiple of 64", "sm90 table": "block_table must be",
                          "sm90 splits": "part_out must be", "sm90 answer-splits": "q's dtype when num_splits is 1",
                          "sm90 q_tokens-3": "q_tokens (s_q, new tokens a sequence) must be in [1, 8]",
-                         "sm90 q_tokens-16": "q_tokens (s_q, new tokens a sequence) must be in [1, 8]"})
+                         "sm90 q_tokens-16": "q_tokens (s_q, new tokens a sequence) must be in [1, 8]",
+                         "sm90 dealt-slots": "part_out must be (b + num_splits - 1, h, 512)",
+                         "sm90 dealt-out-dtype": "out must be (b, h, 512)",
+                         "sm90 dealt-lse": "lse must be (b, h)", "sm90 dealt-ranges": "ranges must be (b, 2)",
+                         "sm90 dealt-no-out": "out and lse are given with ranges"})
     for name, message in expected.items():
         assert lines.get(name, "").startswith("RAISED") and message in lines[name], (name, lines.get(name))
     assert lines.get("untouched") == "True"

@@ -738,7 +738,8 @@ def test_gpu_sm90_fp8_matches_reference_and_triton(kind, dtype, heads, block_siz
 
 
 def _check_op_writes_every_partial(args, backend, splits_list):
-    """The op of ``backend`` itself at each split count, its partial buffers NaN-filled so a slot
+    """The op of ``backend`` itself at each split count (the wgmma op with its pieces dealt, as
+    mla_decode runs it, then cut per sequence), its partial buffers NaN-filled so a slot
     it leaves unwritten shows, merged (or with one split the answer it writes) against the
     reference, and equal to the public call's. A q of s_q new tokens (b, s_q, h, 576) goes to the
     wgmma op as its (b, s_q·h, 576) rows, token-major, with q_tokens = s_q."""
@@ -751,6 +752,21 @@ def _check_op_writes_every_partial(args, backend, splits_list):
     op = {"cuda-sm80": torch.ops.mla.mla_decode_sm80, "cuda-sm90": torch.ops.mla.mla_decode_sm90}[backend]
     ref_out, ref_lse = (t.reshape(b, rows, *t.shape[q.dim() - 1:]) for t in _reference_in_q_dtype(args, backend))
     for splits in splits_list:
+        if backend == "cuda-sm90":  # the batch's tiles dealt over b x splits pieces
+            pieces = b * splits
+            part_out = torch.full((b + pieces - 1, rows, 512), float("nan"), device="cuda")
+            part_lse = torch.full((b + pieces - 1, rows), float("nan"), device="cuda")
+            out = torch.full((b, rows, 512), float("nan"), dtype=q.dtype, device="cuda")
+            lse = torch.full((b, rows), float("nan"), device="cuda")
+            ranges = torch.full((b, 2), -7, dtype=torch.int32, device="cuda")
+            op(q.reshape(b, rows, d), args["kv_cache"], args["block_table"], args["seq_lens"], part_out, part_lse,
+               float(args["softmax_scale"]), pieces, args["kv_cache_dtype"], args["kv_scale"], **tokens, out=out,
+               lse=lse, ranges=ranges)
+            decode._merge_dealt(part_out, part_lse, ranges, out, lse, splits)
+            assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
+            out2, lse2 = mla_decode(**args, num_kv_splits=splits, _backend=backend)  # the public call's path
+            assert torch.equal(out2.reshape(b, rows, 512), out) and torch.equal(lse2.reshape(b, rows), lse)
+        # the op cut per sequence (no ranges): each sequence in `splits` pieces of its own
         dtype = q.dtype if splits == 1 else torch.float32  # one split: out itself, in q's dtype
         part_out = torch.full((b, rows, splits, 512), float("nan"), device="cuda", dtype=dtype)
         part_lse = torch.full((b, rows, splits), float("nan"), device="cuda")
@@ -763,8 +779,9 @@ def _check_op_writes_every_partial(args, backend, splits_list):
             lse = torch.empty((b, rows), device="cuda")
             decode._merge(part_out, part_lse, out, lse)
         assert_close_rows(out.float().cpu(), lse.cpu(), ref_out.float().cpu(), ref_lse.cpu(), 1e-2)
-        out2, lse2 = mla_decode(**args, num_kv_splits=splits, _backend=backend)  # the public call's path
-        assert torch.equal(out2.reshape(b, rows, 512), out) and torch.equal(lse2.reshape(b, rows), lse)
+        if backend == "cuda-sm80":  # the public call's path (the wgmma one deals, above)
+            out2, lse2 = mla_decode(**args, num_kv_splits=splits, _backend=backend)
+            assert torch.equal(out2.reshape(b, rows, 512), out) and torch.equal(lse2.reshape(b, rows), lse)
 
 
 @pytest.mark.gpu

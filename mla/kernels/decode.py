@@ -26,8 +26,8 @@ from . import fp8
 from .backends import CUDA_TILES, DECODE_BACKENDS, choose_decode_backend, sm_count
 from .constants import LOG2E, MAX_GRID_YZ
 from .launch import launch_fitting, on_the_gpu_of_its_first_tensor
-from .triton_decode import (E4M3_HARDWARE, E4M3_INTEGER_OPS, E4M3_INTERPRETER, _mla_decode_merge_kernel,
-                            _mla_decode_split_kernel)
+from .triton_decode import (E4M3_HARDWARE, E4M3_INTEGER_OPS, E4M3_INTERPRETER, _mla_decode_merge_dealt_kernel,
+                            _mla_decode_merge_kernel, _mla_decode_split_kernel)
 
 __all__ = [
     "MAX_QUERY_TOKENS",
@@ -90,7 +90,12 @@ def mla_decode(
         num_kv_splits: pieces each sequence is cut into. None: ``choose_num_kv_splits`` picks
             from the batch, the query rows (s_q x h), ``max(seq_lens)`` and the SM count, which
             reads seq_lens on the host (one sync). Give it to launch without a host sync (a
-            CUDA graph).
+            CUDA graph). ``"cuda-sm90"`` deals the batch's tiles instead: b x ``num_kv_splits``
+            equal pieces of the batch's tile pairs, taken sequence after sequence, so that a
+            piece may end one sequence and start the next and a long sequence spans more
+            pieces than a short one; a batch of differing lengths then takes about the time
+            of its tokens, not of its longest sequence (one of equal lengths, the pieces of
+            the cut).
         max_seq_len: an upper bound of seq_lens the caller knows on the host (a serving loop
             does): with ``num_kv_splits`` None, the split count is chosen from it instead of
             from a read of seq_lens, so the call makes no host sync. seq_lens above it are
@@ -220,6 +225,17 @@ def mla_decode(
             stage1 = functools.partial(torch.ops.mla.mla_decode_sm90, kv_cache_dtype=kind, kv_scale=scale_t,
                                        q_tokens=s_q)
         q_rows = q.reshape(b, rows, d)  # row = token * h + head; a view when q is contiguous in (s_q, h)
+        if backend == "cuda-sm90":
+            # the batch's tiles dealt over b x num_kv_splits pieces across sequences: a batch of
+            # differing lengths takes about its tokens' time, not its longest sequence's
+            pieces = min(b * num_kv_splits, MAX_GRID_YZ)
+            part_out = torch.empty((b + pieces - 1, rows, c), dtype=torch.float32, device=q.device)
+            part_lse = torch.empty((b + pieces - 1, rows), dtype=torch.float32, device=q.device)
+            ranges = torch.empty((b, 2), dtype=torch.int32, device=q.device)
+            stage1(q_rows, kv_cache, block_table, seq_lens, part_out, part_lse, float(softmax_scale), pieces,
+                   out=out_rows, lse=lse_rows, ranges=ranges)
+            _merge_dealt(part_out, part_lse, ranges, out_rows, lse_rows, num_kv_splits)
+            return out, lse
         if num_kv_splits == 1:  # stage 1 writes the answer (out in q's dtype, lse); no merge
             stage1(q_rows, kv_cache, block_table, seq_lens, out_rows.unsqueeze(2), lse_rows.unsqueeze(2),
                    float(softmax_scale), 1)
@@ -311,6 +327,34 @@ def _merge(part_out, part_lse, out, lse) -> None:
         *part_lse.stride(),
         out.stride(0), out.stride(1),
         lse.stride(0), lse.stride(1),
+        BLOCK_C=merge_block_c,
+        BLOCK_S=block_s,
+        num_warps=4,
+    )
+
+
+def _merge_dealt(part_out, part_lse, ranges, out, lse, num_kv_splits) -> None:
+    """Stage 2 after dealt pieces: out (b, rows, c), lse (b, rows) <- the slots of each sequence
+    that spans several pieces, ``ranges`` (b, 2) its first slot and count; a sequence whole in one
+    piece was written by stage 1. With one piece a sequence on average most sequences are whole
+    and the few others span two or three, so a program takes 16 rows and all of c and most
+    programs only read their sequence's count; above, a program takes one row and a chunk of c
+    and reads up to 16 slots at once."""
+    b, rows, c = out.shape
+    if num_kv_splits == 1:
+        block_r, block_s, merge_block_c = 16, 4, max(16, triton.next_power_of_2(c))
+    else:
+        block_r, block_s = 1, min(16, triton.next_power_of_2(num_kv_splits))
+        merge_block_c = max(16, min(triton.next_power_of_2(c), _MERGE_TILE // block_s))
+    grid = (b, triton.cdiv(rows, block_r), triton.cdiv(c, merge_block_c))
+    _mla_decode_merge_dealt_kernel[grid](
+        part_out, part_lse, ranges, out, lse,
+        rows, c,
+        part_out.stride(0), part_out.stride(1),
+        part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        lse.stride(0), lse.stride(1),
+        BLOCK_R=block_r,
         BLOCK_C=merge_block_c,
         BLOCK_S=block_s,
         num_warps=4,

@@ -438,3 +438,71 @@ def _mla_decode_merge_kernel(
         tl.store(lse_ptr + pid_b * stride_lb + pid_h * stride_lh, lse)
 
 
+# ---------------------------------------------------------------------------------------------
+# Stage 2 after dealt pieces: one program per (sequence, BLOCK_R query rows, chunk of c) merges
+# the slots of a sequence that spans several pieces
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mla_decode_merge_dealt_kernel(
+    # pointers
+    part_out_ptr,  # (b + pieces - 1, s_q * h, c) fp32: slot i + z holds piece z's part of sequence i
+    part_lse_ptr,  # (b + pieces - 1, s_q * h) fp32
+    ranges_ptr,  # (b, 2) int32: each sequence's first slot and its pieces
+    out_ptr,  # (b, s_q * h, c) in q's dtype
+    lse_ptr,  # (b, s_q * h) fp32
+    # sizes
+    num_rows,  # query rows a sequence: s_q * h
+    kv_lora_rank,
+    # strides
+    stride_pos, stride_poh,
+    stride_pls, stride_plh,
+    stride_ob, stride_oh,
+    stride_lb, stride_lh,
+    # meta-parameters
+    BLOCK_R: tl.constexpr,  # query rows this program merges, one after another
+    BLOCK_C: tl.constexpr,  # the chunk of c this program merges
+    BLOCK_S: tl.constexpr,  # slots read at a time
+):
+    # A sequence whole in one piece was written by stage 1 itself (its count is 1). The others'
+    # slots are consecutive; they are read BLOCK_S at a time with a running maximum, since a
+    # sequence may span any number of pieces.
+    pid_b = tl.program_id(0).to(tl.int64)
+    pid_r = tl.program_id(1)  # a block of query rows: (token, head) pairs
+    pid_c = tl.program_id(2)
+    first = tl.load(ranges_ptr + 2 * pid_b)
+    count = tl.load(ranges_ptr + 2 * pid_b + 1)
+    if count > 1:
+        offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask_c = offs_c < kv_lora_rank
+        for pid_h in range(pid_r * BLOCK_R, tl.minimum(pid_r * BLOCK_R + BLOCK_R, num_rows)):
+            # m: the largest lse so far; acc, total: sum_s weight_s * out_s and sum_s weight_s, the
+            # weights exp(lse_s - m) (m taken as 0 while every slot so far is empty: no NaN)
+            m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+            total = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+            acc = tl.zeros([BLOCK_C], tl.float32)
+            for s0 in range(0, count, BLOCK_S):
+                offs_s = s0 + tl.arange(0, BLOCK_S)
+                mask_s = offs_s < count
+                slots = (first + offs_s).to(tl.int64)
+                lse_parts = tl.load(part_lse_ptr + slots * stride_pls + pid_h * stride_plh, mask=mask_s,
+                                    other=float("-inf"))
+                m_new = tl.maximum(m, tl.max(lse_parts, 0))
+                ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                rescale = tl.exp(tl.where(m == float("-inf"), float("-inf"), m - ref))  # 0 before any weight
+                weights = tl.exp(lse_parts - ref)  # (BLOCK_S,); 0 for empty and padding slots
+                parts = tl.load(part_out_ptr + slots[:, None] * stride_pos + pid_h * stride_poh + offs_c[None, :],
+                                mask=mask_s[:, None] & mask_c[None, :], other=0.0)  # (BLOCK_S, BLOCK_C)
+                acc = acc * rescale + tl.sum(parts * weights[:, None], 0)
+                total = total * rescale + tl.sum(weights, 0)
+                m = m_new
+            ref = tl.where(m == float("-inf"), 0.0, m)
+            nonempty = total != 0.0  # a NaN partial lse makes total NaN: out and lse stay NaN
+            total_safe = tl.where(nonempty, total, 1.0)
+            out = acc / total_safe
+            tl.store(out_ptr + pid_b * stride_ob + pid_h * stride_oh + offs_c, out.to(out_ptr.dtype.element_ty),
+                     mask=mask_c)
+            if pid_c == 0:
+                lse = tl.where(nonempty, ref + tl.log(total_safe), float("-inf"))
+                tl.store(lse_ptr + pid_b * stride_lb + pid_h * stride_lh, lse)
