@@ -523,8 +523,8 @@ def test_multi_token_sm90_dispatch(strided_q, monkeypatch):
         assert calls[-1] == ((5, s_q * heads, 40), s_q)
 
 
-@pytest.mark.parametrize("s_q", [1, 2])
-def test_sm90_dealt_pieces_merge_to_the_reference(s_q, monkeypatch):
+@pytest.mark.parametrize("s_q, heads", [(1, 2), (2, 2), (2, 9)])  # 18 rows: the one-split merge's 8-row blocks
+def test_sm90_dealt_pieces_merge_to_the_reference(s_q, heads, monkeypatch):
     # mla_decode's launch of the wgmma stage 1, the kernel written in torch:
     # the batch's tiles dealt over b x num_kv_splits pieces, so that a piece holds the ends of
     # several sequences (short and empty ones) and a long sequence spans many pieces. Every slot,
@@ -542,11 +542,13 @@ def test_sm90_dealt_pieces_merge_to_the_reference(s_q, monkeypatch):
     monkeypatch.setattr(decode, "choose_decode_backend", lambda *args, **kwargs: "cuda-sm90")
     monkeypatch.setattr(torch.ops.mla, "mla_decode_sm90", stage1, raising=False)
     lengths = [0, 700, 64, 1, 2000, 130, 0, 4096, 65]
-    case = make_case(lengths, heads=2, c=32, r=8, block_size=64, seed=61, s_q=s_q)
+    case = make_case(lengths, heads=heads, c=32, r=8, block_size=64, seed=61, s_q=s_q)
     ref_out, ref_lse = mla_decode_reference(**case)
-    for splits in (1, 2, 3, 7, 40):  # 40: 360 pieces for 61 pairs, one a piece and the rest idle
+    # 40: 360 pieces for 61 pairs, one a piece and the rest idle; 8000: pieces capped at a grid's 65535
+    for splits in (1, 2, 3, 7, 40, 8000):
         out, lse = mla_decode(**case, num_kv_splits=splits)
-        assert pieces[-1] == (9 * splits, 9 * splits + 8)  # b + pieces - 1 slots
+        expected = min(9 * splits, 65535)
+        assert pieces[-1] == (expected, expected + 8)  # b + pieces - 1 slots
         assert_tokens_match(out, lse, ref_out, ref_lse, case["seq_lens"], s_q, TOL[torch.float32])
 
 

@@ -43,6 +43,8 @@ def cases() -> dict[str, list[int]]:
         "64 in [512, 16384]": uniform(64, 512, 16384),
         "64 x 8192 (uniform)": [8192] * 64,
         "128 in [256, 16384]": uniform(128, 256, 16384),
+        # one split: the long sequence over 32 pieces, the one-split merge's longest walk
+        "64: one 131072, 63 x 2048": [131072] + [2048] * 63,
     }
 
 

@@ -95,7 +95,8 @@ def mla_decode(
             piece may end one sequence and start the next and a long sequence spans more
             pieces than a short one; a batch of differing lengths then takes about the time
             of its tokens, not of its longest sequence (one of equal lengths, the pieces of
-            the cut).
+            the cut). Its float32 workspace is (b + pieces - 1, s_q x h, c): at one split
+            about twice the answer's size in float32.
         max_seq_len: an upper bound of seq_lens the caller knows on the host (a serving loop
             does): with ``num_kv_splits`` None, the split count is chosen from it instead of
             from a read of seq_lens, so the call makes no host sync. seq_lens above it are
@@ -336,13 +337,13 @@ def _merge(part_out, part_lse, out, lse) -> None:
 def _merge_dealt(part_out, part_lse, ranges, out, lse, num_kv_splits) -> None:
     """Stage 2 after dealt pieces: out (b, rows, c), lse (b, rows) <- the slots of each sequence
     that spans several pieces, ``ranges`` (b, 2) its first slot and count; a sequence whole in one
-    piece was written by stage 1. With one piece a sequence on average most sequences are whole
-    and the few others span two or three, so a program takes 16 rows and all of c and most
-    programs only read their sequence's count; above, a program takes one row and a chunk of c
-    and reads up to 16 slots at once."""
+    piece was written by stage 1. At one split most sequences are whole, so a program takes 8
+    rows and all of c, and most programs only read their sequence's count; a long sequence
+    among short ones may still span many pieces, so the slots are read 16 at a time. Above one
+    split a program takes one row and a chunk of c."""
     b, rows, c = out.shape
     if num_kv_splits == 1:
-        block_r, block_s, merge_block_c = 16, 4, max(16, triton.next_power_of_2(c))
+        block_r, block_s, merge_block_c = 8, 16, max(16, triton.next_power_of_2(c))
     else:
         block_r, block_s = 1, min(16, triton.next_power_of_2(num_kv_splits))
         merge_block_c = max(16, min(triton.next_power_of_2(c), _MERGE_TILE // block_s))
