@@ -346,6 +346,16 @@ for b_, h_, t_ in [(4, 16, 22), (1, 16, 32768), (1, 128, 32768), (8, 16, 4096),
           f"{splits:>7d} {total / SMS:>12.2f} {use:>9.0%}")
 
 # %% [markdown]
+# The rule plans from the longest sequence, and the Triton kernel cuts every sequence of the
+# batch into that many pieces, so in a batch whose lengths differ the short sequences' programs
+# finish early and the longest one's set the time. On a Hopper GPU at many heads, the CUDA
+# stage 1 (`"cuda-sm90"`) deals instead: it lines up the batch's tiles, sequence after
+# sequence, and gives each of its b x splits programs an equal run of them, so a long sequence
+# is spread over many programs and a program may finish one sequence and start the next. A
+# sequence that ends up in several pieces is merged by the same log-sum-exp rule as above.
+# Derivation 5 of the documentation has the details and the times beside FlashMLA.
+
+# %% [markdown]
 # ## The paged tier against the absorbed tier
 #
 # `mla.build(weights, "paged")` puts it all together behind the common call: the projections of
