@@ -94,9 +94,9 @@ def mla_decode(
             equal pieces of the batch's tile pairs, taken sequence after sequence, so that a
             piece may end one sequence and start the next and a long sequence spans more
             pieces than a short one; a batch of differing lengths then takes about the time
-            of its tokens, not of its longest sequence (one of equal lengths, the pieces of
-            the cut). Its float32 workspace is (b + pieces - 1, s_q x h, c): at one split
-            about twice the answer's size in float32.
+            of its tokens, not of its longest sequence (one of equal lengths whose tile pairs
+            the pieces divide, the cut's pieces). Its float32 workspace is
+            (b + pieces - 1, s_q x h, c): at one split about twice the answer's size in float32.
         max_seq_len: an upper bound of seq_lens the caller knows on the host (a serving loop
             does): with ``num_kv_splits`` None, the split count is chosen from it instead of
             from a read of seq_lens, so the call makes no host sync. seq_lens above it are
