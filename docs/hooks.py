@@ -88,6 +88,7 @@ def _namespace() -> dict:
         "flashmla_table": flashmla_table,
         "query_tokens_table": query_tokens_table,
         "ragged_table": ragged_table,
+        "ragged_change": ragged_change,
         "layer_table": layer_table,
         "prefill_table": prefill_table,
         "prefill_row": prefill_row,
@@ -686,10 +687,14 @@ def query_tokens_table(name: str = "h200-decode-sq.json") -> str:
     ])
 
 
-def ragged_table(before: str, after: str) -> str:
+RAGGED_RUNS = ("nvidia-h100-80gb-hbm3-decode-ragged-main.json", "nvidia-h100-80gb-hbm3-decode-ragged-dealall.json")
+
+
+def ragged_table(before: str = RAGGED_RUNS[0], after: str = RAGGED_RUNS[1]) -> str:
     """Markdown: the ragged-batch probe (``benchmarks/lab/probe_decode_ragged.py``) of two trees
-    on one machine, case by case: the floor of the batch's tokens, both trees' times and
-    FlashMLA's in the second run, in µs, and FlashMLA's time over each tree's."""
+    on one machine (by default RAGGED_RUNS: the cut, then the dealt stage 1), case by case: the
+    floor of the batch's tokens, both trees' times and FlashMLA's in the second run, in µs, and
+    FlashMLA's time over each tree's."""
     first = {r["case"]: r for r in result(before)["rows"]}
     rows = [dict(r, before_us=first[r["case"]]["time_us"], before_fm_us=first[r["case"]]["flashmla_us"])
             for r in result(after)["rows"] if r["case"] in first]
@@ -702,6 +707,13 @@ def ragged_table(before: str, after: str) -> str:
         ("FlashMLA / cut", lambda r: f"{r['before_fm_us'] / r['before_us']:.2f}"),
         ("FlashMLA / dealt", lambda r: f"**{r['flashmla_over_mla']:.2f}**"),
     ])
+
+
+def ragged_change(case: str, field: str = "time_us") -> float:
+    """The ragged probe's `field` at `case` in the dealt run over the cut's (RAGGED_RUNS), as a
+    change in percent."""
+    before, after = (row(name, case=case)[field] for name in RAGGED_RUNS)
+    return (after / before - 1) * 100
 
 
 def layer_table(name: str = "h200-layer.json") -> str:

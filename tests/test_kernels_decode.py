@@ -448,13 +448,13 @@ def test_multi_token_default_is_the_wgmma_kernel(heads, monkeypatch):
 
 
 def _sm90_stage1_in_torch(q, kv_cache, block_table, seq_lens, part_out, part_lse, softmax_scale, num_splits, *,
-                          kv_cache_dtype, kv_scale, q_tokens=1, out=None, lse=None, ranges=None):
-    """What csrc/mla_decode_sm90.cu writes, in plain torch (float64): q (b, s_q·h, c + r) token-major,
-    row R seeing the first seq_len - (s_q - 1 - R / h) rows; a row that sees none of a piece gets 0
-    and -inf. Without ranges each sequence is cut into num_splits in tiles of 64 tokens. With
-    ranges the batch's pairs of tiles (an empty sequence counts one) are dealt over num_splits
-    pieces of ceil(pairs / num_splits): piece z's part of sequence i goes to slot i + z, a
-    sequence whole in one piece to out and lse, and ranges[i] = (first slot, pieces)."""
+                          kv_cache_dtype, kv_scale, q_tokens=1, out, lse, ranges):
+    """What csrc/mla_decode_sm90.cu writes as mla_decode launches it, in plain torch (float64): q
+    (b, s_q·h, c + r) token-major, row R seeing the first seq_len - (s_q - 1 - R / h) rows; a row
+    that sees none of a piece gets 0 and -inf. The batch's pairs of tiles of 64 tokens (an empty
+    sequence counts one) are dealt over num_splits pieces of ceil(pairs / num_splits): piece z's
+    part of sequence i goes to slot i + z, a sequence whole in one piece to out and lse, and
+    ranges[i] = (first slot, pieces)."""
     assert kv_cache_dtype == "auto" and kv_scale is None
     b, rows, _ = q.shape
     c, heads, block_size = part_out.shape[-1], rows // q_tokens, kv_cache.shape[1]
@@ -473,14 +473,6 @@ def _sm90_stage1_in_torch(q, kv_cache, block_table, seq_lens, part_out, part_lse
             dst_out[row] = (torch.softmax(scores, 0) @ latent[start:stop, :c]).to(dst_out.dtype)
             dst_lse[row] = torch.logsumexp(scores, 0).float()
 
-    if ranges is None:
-        for i, seq_len in enumerate(lengths):
-            tiles = -(-(-(-seq_len // 64)) // num_splits)  # tiles a split
-            for split in range(num_splits):
-                start = split * tiles * 64
-                attend(i, start, max(min(start + tiles * 64, seq_len), start), part_out[i, :, split],
-                       part_lse[i, :, split])
-        return
     pairs = [max(1, (-(-n // 64) + 1) // 2) for n in lengths]
     per = -(-sum(pairs) // num_splits)
     first_pair = 0
@@ -501,8 +493,9 @@ def _sm90_stage1_in_torch(q, kv_cache, block_table, seq_lens, part_out, part_lse
 @pytest.mark.parametrize("strided_q", [False, True], ids=["q-contiguous", "q-head-major"])
 def test_multi_token_sm90_dispatch(strided_q, monkeypatch):
     # mla_decode's launch of the wgmma stage 1 for s_q > 1, with the kernel written in torch
-    # (_sm90_stage1_in_torch): q as (b, s_q·h, c + r) rows, part_out / part_lse (b, s_q·h, ...),
-    # s_q passed on, and the merge over the rows; the GPU tests run the kernel itself
+    # (_sm90_stage1_in_torch): q as (b, s_q·h, c + r) rows, out / lse (b, s_q·h, ...) with the
+    # slots (pieces, s_q·h, ...), s_q passed on, and the merge over the rows; the GPU tests run the
+    # kernel itself
     calls = []
 
     def stage1(q, *args, **kwargs):
