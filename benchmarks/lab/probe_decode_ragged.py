@@ -1,6 +1,6 @@
 """mla_decode beside FlashMLA on batches whose sequences differ in length (a serving step's).
 
-    PYTHONPATH=.peers:. python3 benchmarks/lab/probe_decode_ragged.py --out DIR [--heads 128,16]
+    PYTHONPATH=.peers:. python3 benchmarks/lab/probe_decode_ragged.py --out DIR [--heads 128,16] [--kernels]
 
 The decode benchmark times batches of b sequences of one length. A serving step's sequences
 differ, and the split rule cuts every sequence of a call into the same number of pieces, planned
@@ -13,7 +13,9 @@ metadata made once outside the graph as in the benchmark. Each row also has the 
 case's tokens (bytes over copy bandwidth or FLOPs over the matmul rate, both measured in the run),
 the time of the longest sequence alone at the batch's split count (what a cut of every sequence
 into that many pieces cannot beat: the longest one's CTAs are the same, without the others beside
-them) and the largest difference between the two outputs. Writes
+them) and the largest difference between the two outputs; with ``--kernels``, each kernel's
+time a call, run eagerly under torch.profiler (stage 1 apart from the merge, FlashMLA's metadata,
+decode and combine). Writes
 ``decode-ragged-probe.json`` under DIR and prints a table.
 """
 
@@ -45,10 +47,31 @@ def cases() -> dict[str, list[int]]:
         "128 in [256, 16384]": uniform(128, 256, 16384),
         # one split: the long sequence over 32 pieces, the one-split merge's longest walk
         "64: one 131072, 63 x 2048": [131072] + [2048] * 63,
+        # 64 x 8192's pairs, each piece two half sequences: one segment more a piece, every
+        # sequence merged
+        "64: 4096, 62 x 8192, 12288": [4096] + [8192] * 62 + [12288],
     }
 
 
-def probe(heads, flashmla_ok) -> list[dict]:
+def kernel_times_us(fn, caches, reps=20) -> dict[str, float]:
+    """Each kernel's mean GPU time a call (us) when ``fn`` runs eagerly, from torch.profiler:
+    stage 1 apart from the merge (the calls follow one another, so L2 is warm)."""
+    for cache in caches[:2]:
+        fn(cache)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(reps):
+            fn(caches[i % len(caches)])
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if total > 0:
+            times[event.key[:60]] = total / reps
+    return times
+
+
+def probe(heads, flashmla_ok, kernels=False) -> list[dict]:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     copy_GBps, tflops = copy_bandwidth_GBps(), matmul_TFLOPs()
     print(f"copy {copy_GBps:.0f} GB/s, matmul {tflops:.0f} TFLOP/s, {num_sms} SMs", flush=True)
@@ -74,6 +97,13 @@ def probe(heads, flashmla_ok) -> list[dict]:
                 mine = ours(caches[0])[0].float()
                 row["flashmla_max_abs_diff"] = (mine - theirs(caches[0]).float().view_as(mine)).abs().max().item()
                 row["flashmla_over_mla"] = row["flashmla_us"] / row["time_us"]
+            if kernels:
+                row["mla_kernels_us"] = kernel_times_us(ours, caches)
+                if flashmla_ok:
+                    row["flashmla_kernels_us"] = kernel_times_us(theirs, caches)
+                for who in ("mla", "flashmla"):
+                    for key, us in row.get(f"{who}_kernels_us", {}).items():
+                        print(f"      {who:8s} {us:8.1f} us  {key}", flush=True)
             rows.append(row)
             fm = (f"{row['flashmla_us']:8.1f}  {row['flashmla_over_mla']:.3f}  |diff| {row['flashmla_max_abs_diff']:.1e}"
                   if flashmla_ok else "       -      -")
@@ -88,10 +118,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/lab/results")
     parser.add_argument("--heads", type=lambda s: [int(x) for x in s.split(",")], default=[128, 16])
+    parser.add_argument("--kernels", action="store_true",
+                        help="also each kernel's time a call, eager, from torch.profiler")
     args = parser.parse_args()
     flashmla_ok, what = flashmla_status()
     print(f"FlashMLA: {what}", flush=True)
-    rows = probe(args.heads, flashmla_ok)
+    rows = probe(args.heads, flashmla_ok, args.kernels)
     write_json(args.out, "decode-ragged-probe.json",
                dict(device=torch.cuda.get_device_name(0), flashmla=what, scale=SCALE, rows=rows))
 

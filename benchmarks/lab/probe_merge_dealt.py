@@ -1,0 +1,173 @@
+"""The dealt merge alone, at several tilings, on the slots a deal of real batches leaves.
+
+    PYTHONPATH=. python3 benchmarks/lab/probe_merge_dealt.py --out DIR   # ~1 min on an H100
+
+``mla_decode``'s wgmma path merges the slots of each sequence that spans several pieces with
+``_mla_decode_merge_dealt_kernel`` (``decode._merge_dealt``). The ragged probe's kernel times
+(``probe_decode_ragged.py --kernels``) put it at 30-55 us on the one-split batches of differing
+lengths, about 1 TB/s of the bytes it moves, where the multi-split batches' merges move theirs at
+1.6-2.6 TB/s. This probe times the merge on its own, for the ranges a deal of CASES leaves (the
+kernel's rule, replayed in Python: ``dealt_ranges``), on random slots, after a clean L2, at each
+tiling of TILINGS (the one-split batches of the ragged probe, one above one split, and the
+decode benchmark's one and sixteen sequences, whose 66 and 4 slots a sequence the package
+reads 16 at a time): the package's kernel (``serial``: BLOCK_R rows one after another) and a
+variant here that loads BLOCK_R rows together (``together``). Prints the time, the bytes moved
+(slots read, out written) over the time, and the copy bandwidth of the same run; writes
+``merge-dealt-probe.json`` under DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks.lab.probe_decode_ragged import cases
+from benchmarks.timing import bench_us, copy_bandwidth_GBps, write_json
+from mla.kernels.triton_decode import _mla_decode_merge_dealt_kernel
+
+C, ROWS = 512, 128  # DeepSeek-V3's latent and heads
+
+# (kernel, BLOCK_R, BLOCK_S, BLOCK_C, warps): the package's one-split and multi-split tilings first
+TILINGS = [
+    ("serial", 8, 16, 512, 4),
+    ("serial", 1, 16, 256, 4),
+    ("serial", 1, 4, 512, 4),
+    ("serial", 1, 2, 512, 4),
+    ("serial", 1, 4, 128, 1),
+    ("serial", 1, 64, 64, 4),  # the cut's merge reads all of a row's splits at once (decode._merge)
+    ("serial", 1, 128, 32, 4),
+    ("together", 4, 4, 512, 8),
+    ("together", 2, 4, 512, 4),
+    ("together", 8, 2, 512, 8),
+]
+
+# case -> pieces: the ragged probe's one-split batches (b pieces), one of its batches above one
+# split, and two of the decode benchmark's shapes above one split (mla_decode's pieces there)
+EXTRA_CASES = {"1 x 32768": [32768], "16 x 4096": [4096] * 16}
+PIECES = {
+    "1 x 32768": 66,
+    "16 x 4096": 64,
+    "64 in [512, 16384]": 64,
+    "64 x 8192 (uniform)": 64,
+    "128 in [256, 16384]": 128,
+    "64: one 131072, 63 x 2048": 64,
+    "64: 4096, 62 x 8192, 12288": 64,
+    "4: 131072, 65536, 16384, 4096": 64,
+}
+
+
+def dealt_ranges(lengths: list[int], pieces: int) -> list[tuple[int, int]]:
+    """Each sequence's (first slot, pieces) as the wgmma stage 1 deals the batch's tile pairs of
+    64-token tiles (an empty sequence counts one pair) over ``pieces`` equal pieces."""
+    pairs = [max(1, ((n + 63) // 64 + 1) // 2) for n in lengths]
+    per = -(-sum(pairs) // pieces)
+    ranges, first_pair = [], 0
+    for i, n in enumerate(pairs):
+        first, last = first_pair // per, (first_pair + n - 1) // per
+        ranges.append((i + first, last - first + 1))
+        first_pair += n
+    return ranges
+
+
+@triton.jit
+def _merge_rows_together_kernel(part_out_ptr, part_lse_ptr, ranges_ptr, out_ptr, lse_ptr, num_rows, kv_lora_rank,
+                                stride_pos, stride_poh, stride_pls, stride_plh, stride_ob, stride_oh, stride_lb,
+                                stride_lh, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    # the package's merge with a program's BLOCK_R rows loaded together: (BLOCK_S, BLOCK_R, BLOCK_C)
+    pid_b = tl.program_id(0).to(tl.int64)
+    first = tl.load(ranges_ptr + 2 * pid_b)
+    count = tl.load(ranges_ptr + 2 * pid_b + 1)
+    if count > 1:
+        offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask_r = offs_r < num_rows
+        mask_c = offs_c < kv_lora_rank
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+        for s0 in range(0, count, BLOCK_S):
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            slots = (first + offs_s).to(tl.int64)
+            ok = (offs_s < count)[:, None] & mask_r[None, :]
+            lse_parts = tl.load(part_lse_ptr + slots[:, None] * stride_pls + offs_r[None, :] * stride_plh, mask=ok,
+                                other=float("-inf"))
+            parts = tl.load(part_out_ptr + slots[:, None, None] * stride_pos + offs_r[None, :, None] * stride_poh
+                            + offs_c[None, None, :], mask=ok[:, :, None] & mask_c[None, None, :], other=0.0)
+            m_new = tl.maximum(m, tl.max(lse_parts, 0))
+            ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            rescale = tl.exp(tl.where(m == float("-inf"), float("-inf"), m - ref))
+            weights = tl.exp(lse_parts - ref[None, :])
+            acc = acc * rescale[:, None] + tl.sum(parts * weights[:, :, None], 0)
+            total = total * rescale + tl.sum(weights, 0)
+            m = m_new
+        ref = tl.where(m == float("-inf"), 0.0, m)
+        nonempty = total != 0.0
+        total_safe = tl.where(nonempty, total, 1.0)
+        tl.store(out_ptr + pid_b * stride_ob + offs_r[:, None] * stride_oh + offs_c[None, :],
+                 (acc / total_safe[:, None]).to(out_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_c[None, :])
+        if tl.program_id(2) == 0:
+            tl.store(lse_ptr + pid_b * stride_lb + offs_r * stride_lh,
+                     tl.where(nonempty, ref + tl.log(total_safe), float("-inf")), mask=mask_r)
+
+
+KERNELS = {"serial": _mla_decode_merge_dealt_kernel, "together": _merge_rows_together_kernel}
+
+
+def merge_call(tiling, part_out, part_lse, ranges, out, lse):
+    kernel, block_r, block_s, block_c, warps = tiling
+    b, rows, c = out.shape
+    grid = (b, triton.cdiv(rows, block_r), triton.cdiv(c, block_c))
+
+    def call():
+        KERNELS[kernel][grid](part_out, part_lse, ranges, out, lse, rows, c, part_out.stride(0), part_out.stride(1),
+                              part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+                              lse.stride(1), BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps)
+
+    return call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/lab/results")
+    args = parser.parse_args()
+    copy_GBps = copy_bandwidth_GBps()
+    print(f"copy {copy_GBps:.0f} GB/s", flush=True)
+    all_cases, rows = {**cases(), **EXTRA_CASES}, []
+    for name, pieces in PIECES.items():
+        lengths = all_cases[name]
+        b = len(lengths)
+        spans = dealt_ranges(lengths, pieces)
+        ranges = torch.tensor(spans, dtype=torch.int32, device="cuda")
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        part_out = torch.randn((b + pieces - 1, ROWS, C), device="cuda", generator=gen)
+        part_lse = torch.randn((b + pieces - 1, ROWS), device="cuda", generator=gen)
+        slots = sum(n for _, n in spans if n > 1)
+        merged = sum(1 for _, n in spans if n > 1)
+        nbytes = slots * ROWS * (C + 1) * 4 + merged * ROWS * (C * 2 + 4)
+        expected = None
+        for tiling in TILINGS:
+            out = torch.empty((b, ROWS, C), dtype=torch.bfloat16, device="cuda")
+            lse = torch.empty((b, ROWS), device="cuda")
+            call = merge_call(tiling, part_out, part_lse, ranges, out, lse)
+            call()
+            if expected is None:
+                expected = (out.clone(), lse.clone())
+            else:  # every tiling merges to the first's
+                torch.testing.assert_close(out, expected[0], rtol=1e-2, atol=1e-2)
+                torch.testing.assert_close(lse, expected[1], rtol=1e-5, atol=1e-5, equal_nan=True)
+            us = bench_us(call)
+            row = dict(case=name, pieces=pieces, sequences_merged=merged, slots_read=slots, bytes=nbytes,
+                       kernel=tiling[0], block_r=tiling[1], block_s=tiling[2], block_c=tiling[3], warps=tiling[4],
+                       time_us=us, GBps=nbytes / (us * 1e-6) / 1e9)
+            rows.append(row)
+            print(f"{name:>32} merged {merged:3d} slots {slots:4d}  {tiling[0]:>8} R {tiling[1]} S {tiling[2]:2d} "
+                  f"C {tiling[3]:3d} w {tiling[4]}  {us:7.1f} us  {row['GBps']:6.0f} GB/s", flush=True)
+    write_json(args.out, "merge-dealt-probe.json",
+               dict(device=torch.cuda.get_device_name(0), copy_GBps=copy_GBps, rows=rows))
+
+
+if __name__ == "__main__":
+    main()
