@@ -5,14 +5,17 @@
 ``mla_decode``'s wgmma path merges the slots of each sequence that spans several pieces with
 ``_mla_decode_merge_dealt_kernel`` (``decode._merge_dealt``). The ragged probe's kernel times
 (``probe_decode_ragged.py --kernels``) put it at 30-55 us on the one-split batches of differing
-lengths, about 1 TB/s of the bytes it moves, where the multi-split batches' merges move theirs at
-1.6-2.6 TB/s. This probe times the merge on its own, for the ranges a deal of CASES leaves (the
-kernel's rule, replayed in Python: ``dealt_ranges``), on random slots, after a clean L2, at each
-tiling of TILINGS (the one-split batches of the ragged probe, one above one split, and the
-decode benchmark's one and sixteen sequences, whose 66 and 4 slots a sequence the package
-reads 16 at a time): the package's kernel (``serial``: BLOCK_R rows one after another) and a
-variant here that loads BLOCK_R rows together (``together``). Prints the time, the bytes moved
-(slots read, out written) over the time, and the copy bandwidth of the same run; writes
+lengths, about 1.2 TB/s of the bytes it moves, where FlashMLA's combine takes 7-14 us.
+
+This probe times the merge alone, after a clean L2, on random slots laid out as a deal of each
+case of SPLITS leaves them (the kernel's rule replayed in Python: ``dealt_ranges``): the ragged
+probe's one-split batches, one of its batches above one split, and the decode benchmark's one
+and sixteen sequences. Each case runs ``package`` (``decode._merge_dealt`` as the tree has it:
+run the probe in a candidate's copy to time the candidate's merge), then each tiling of
+TILINGS: the package's kernel (``serial``; in main's tree a program's BLOCK_R rows run one
+after another) and a variant here that loads BLOCK_R rows together (``together``). Every tiling
+must merge to the first one's answer. Prints the time and the bytes moved (slots read, out and
+lse written) over the time beside the copy bandwidth of the same run; writes
 ``merge-dealt-probe.json`` under DIR.
 """
 
@@ -34,6 +37,9 @@ C, ROWS = 512, 128  # DeepSeek-V3's latent and heads
 TILINGS = [
     ("serial", 8, 16, 512, 4),
     ("serial", 1, 16, 256, 4),
+    ("serial", 8, 2, 512, 4),  # as the package's at one split, without its 14 masked slots
+    ("serial", 8, 4, 512, 4),
+    ("serial", 2, 2, 512, 2),
     ("serial", 1, 4, 512, 4),
     ("serial", 1, 2, 512, 4),
     ("serial", 1, 4, 128, 1),
@@ -44,18 +50,19 @@ TILINGS = [
     ("together", 8, 2, 512, 8),
 ]
 
-# case -> pieces: the ragged probe's one-split batches (b pieces), one of its batches above one
-# split, and two of the decode benchmark's shapes above one split (mla_decode's pieces there)
+# case -> num_kv_splits (mla_decode's, at 128 heads on 132 SMs; the deal takes b x splits
+# pieces): the ragged probe's one-split batches, one of its batches above one split, and two of
+# the decode benchmark's shapes above one split
 EXTRA_CASES = {"1 x 32768": [32768], "16 x 4096": [4096] * 16}
-PIECES = {
+SPLITS = {
     "1 x 32768": 66,
-    "16 x 4096": 64,
-    "64 in [512, 16384]": 64,
-    "64 x 8192 (uniform)": 64,
-    "128 in [256, 16384]": 128,
-    "64: one 131072, 63 x 2048": 64,
-    "64: 4096, 62 x 8192, 12288": 64,
-    "4: 131072, 65536, 16384, 4096": 64,
+    "16 x 4096": 4,
+    "64 in [512, 16384]": 1,
+    "64 x 8192 (uniform)": 1,
+    "128 in [256, 16384]": 1,
+    "64: one 131072, 63 x 2048": 1,
+    "64: 4096, 62 x 8192, 12288": 1,
+    "4: 131072, 65536, 16384, 4096": 16,
 }
 
 
@@ -116,7 +123,13 @@ def _merge_rows_together_kernel(part_out_ptr, part_lse_ptr, ranges_ptr, out_ptr,
 KERNELS = {"serial": _mla_decode_merge_dealt_kernel, "together": _merge_rows_together_kernel}
 
 
-def merge_call(tiling, part_out, part_lse, ranges, out, lse):
+def merge_call(tiling, part_out, part_lse, ranges, out, lse, num_kv_splits):
+    """A call of the merge at ``tiling``; ``"package"``: ``decode._merge_dealt`` itself (the tree's
+    own tiling, so that the probe run in a candidate's copy times the candidate's merge)."""
+    if tiling == "package":
+        from mla.kernels import decode
+
+        return lambda: decode._merge_dealt(part_out, part_lse, ranges, out, lse, num_kv_splits)
     kernel, block_r, block_s, block_c, warps = tiling
     b, rows, c = out.shape
     grid = (b, triton.cdiv(rows, block_r), triton.cdiv(c, block_c))
@@ -136,9 +149,10 @@ def main() -> None:
     copy_GBps = copy_bandwidth_GBps()
     print(f"copy {copy_GBps:.0f} GB/s", flush=True)
     all_cases, rows = {**cases(), **EXTRA_CASES}, []
-    for name, pieces in PIECES.items():
+    for name, splits in SPLITS.items():
         lengths = all_cases[name]
         b = len(lengths)
+        pieces = b * splits
         spans = dealt_ranges(lengths, pieces)
         ranges = torch.tensor(spans, dtype=torch.int32, device="cuda")
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -148,10 +162,10 @@ def main() -> None:
         merged = sum(1 for _, n in spans if n > 1)
         nbytes = slots * ROWS * (C + 1) * 4 + merged * ROWS * (C * 2 + 4)
         expected = None
-        for tiling in TILINGS:
+        for tiling in ["package", *TILINGS]:
             out = torch.empty((b, ROWS, C), dtype=torch.bfloat16, device="cuda")
             lse = torch.empty((b, ROWS), device="cuda")
-            call = merge_call(tiling, part_out, part_lse, ranges, out, lse)
+            call = merge_call(tiling, part_out, part_lse, ranges, out, lse, splits)
             call()
             if expected is None:
                 expected = (out.clone(), lse.clone())
@@ -159,12 +173,14 @@ def main() -> None:
                 torch.testing.assert_close(out, expected[0], rtol=1e-2, atol=1e-2)
                 torch.testing.assert_close(lse, expected[1], rtol=1e-5, atol=1e-5, equal_nan=True)
             us = bench_us(call)
-            row = dict(case=name, pieces=pieces, sequences_merged=merged, slots_read=slots, bytes=nbytes,
-                       kernel=tiling[0], block_r=tiling[1], block_s=tiling[2], block_c=tiling[3], warps=tiling[4],
-                       time_us=us, GBps=nbytes / (us * 1e-6) / 1e9)
+            shape = dict(kernel="package") if tiling == "package" else dict(zip(
+                ("kernel", "block_r", "block_s", "block_c", "warps"), tiling))
+            row = dict(case=name, splits=splits, pieces=pieces, sequences_merged=merged, slots_read=slots,
+                       bytes=nbytes, **shape, time_us=us, GBps=nbytes / (us * 1e-6) / 1e9)
             rows.append(row)
-            print(f"{name:>32} merged {merged:3d} slots {slots:4d}  {tiling[0]:>8} R {tiling[1]} S {tiling[2]:2d} "
-                  f"C {tiling[3]:3d} w {tiling[4]}  {us:7.1f} us  {row['GBps']:6.0f} GB/s", flush=True)
+            what = "package" if tiling == "package" else "{} R {} S {:2d} C {:3d} w {}".format(*tiling)
+            print(f"{name:>32} merged {merged:3d} slots {slots:4d}  {what:>28}  {us:7.1f} us  {row['GBps']:6.0f} GB/s",
+                  flush=True)
     write_json(args.out, "merge-dealt-probe.json",
                dict(device=torch.cuda.get_device_name(0), copy_GBps=copy_GBps, rows=rows))
 

@@ -33,6 +33,14 @@ and ``other`` is the rest of the loop (the nested parts, ``raw_wait`` to ``conv_
 subtracted twice): the softmax, fragments, stores of P and the issue of the MMAs. The
 clock reads add a few cycles each, and registers (the instrumented copy takes more than the
 kernel's own).
+Thread 0 also sums, over the CTA's segments (one where the kernel cuts per sequence; dealt,
+each sequence its piece holds a part of), the cycles from a segment's start to q landed
+(``seg_prologue``), to the first S (``seg_first_s``), the pair loop (``seg_loop``) and the
+output (``seg_output``), and counts the segments: medians and largest over the CTAs. The
+stamps and the warpgroups' parts are the last segment's. ``--cases`` runs batches of
+``probe_decode_ragged.cases()`` dealt over b x splits pieces, as ``mla_decode`` launches them
+(e.g. ``--no-shapes --cases "64 x 8192 (uniform);64: 4096, 62 x 8192, 12288"``: the same pairs a
+piece in one segment and in two).
 The first thread of warp 0 of each warpgroup records its parts by default (the one that issues
 the copies); ``--warps 0,3`` adds a row recorded by warp 3's, whose barrier waits show how long
 the other warps wait for the issuing one. Medians over CTAs, then over 5 repetitions;
@@ -66,7 +74,11 @@ SHAPES = ((1, 32768, 128), (64, 4096, 128), (2, 65536, 128), (4, 131072, 128))
 PARTS = ("issue", "load_wait", "wg_wait", "mma_wait", "convert", "raw_wait", "vote", "conv_bar")
 NESTED = ("raw_wait", "vote", "conv_bar")  # counted inside others: not subtracted for "other"
 PER_WG = len(PARTS) + 1  # a warpgroup's slots: its part sums, then its loop's cycles
-SLOTS = 11 + 2 * PER_WG  # 5 x (globaltimer, clock64), SM id, then each warpgroup's
+# thread 0's sums over a CTA's segments (one, cut per sequence; dealt, those of its piece), cycles:
+# the segment's start to q landed (its prologue), to the first S, the pair loop, the output
+SEGMENT_PARTS = ("segments", "seg_prologue", "seg_first_s", "seg_loop", "seg_output")
+SEGMENTS_AT = 11 + 2 * PER_WG
+SLOTS = SEGMENTS_AT + len(SEGMENT_PARTS)  # 5 x (globaltimer, clock64), SM id, each warpgroup's, the segments'
 
 
 def instrumented_source(src: str | None = None) -> str:
@@ -88,6 +100,7 @@ def instrumented_source(src: str | None = None) -> str:
     anchor = "  const int h0 = blockIdx.x * kM;          // the CTA's first query row\n"
     edit(anchor, anchor + """  const int64_t cta = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
 """ + stamp_code(SLOTS) + f"""  long long acc[{len(PARTS)}] = {{}};
+  long long seg[{len(SEGMENT_PARTS)}] = {{}}, seg_t0 = 0, seg_t1 = 0, seg_t3 = 0;  // thread 0's
 """)
     raw, vote, conv_bar = (PARTS.index(name) for name in NESTED)
     # an fp8 group's wait for its raw bytes, its scales' vote and its barriers, inside
@@ -116,8 +129,23 @@ def instrumented_source(src: str | None = None) -> str:
     assert n_bar == 1, n_bar
     # the prologue's copies and waits do not count: the sums restart at the loop
     # (the kernel's body sits in a loop over segments where it deals pieces: any indentation)
-    src, n_ready = re.subn(r"\n( +)__syncthreads\(\); +// \.\.\. everyone's\n", r"\g<0>\1stamp(1);\n", src)
+    src, n_ready = re.subn(r"\n( +)__syncthreads\(\); +// \.\.\. everyone's\n", r"\g<0>\1stamp(1);\n"
+                           r"\1if (tid == 0) seg_t1 = clock64();\n", src)
     assert n_ready == 1, n_ready
+    src, n_begin = re.subn(r"\n( +)for \(;;\) \{\n( +)begin_segment\(\);\n",
+                           r"\n\1for (;;) {\n\2if (tid == 0) seg_t0 = clock64();\n\2begin_segment();\n", src)
+    assert n_begin == 1, n_begin
+    src, n_done = re.subn(r"\n( +)pbase \+= n_pairs;\n", r"""
+\1if (tid == 0) {
+\1  seg[0] += 1;
+\1  seg[1] += seg_t1 - seg_t0;
+\1  seg[2] += c_loop - seg_t1;
+\1  seg[3] += seg_t3 - c_loop;
+\1  seg[4] += clock64() - seg_t3;
+\1}
+\1pbase += n_pairs;
+""", src)
+    assert n_done == 1, n_done
     loop_at = re.search(r"\n +for \(int p = 0; p < n_pairs; \+\+p\) \{", src).start() + 1
     head, loop = src[:loop_at], src[loop_at:]
     end_at = re.search(r"\n +// ---- normalise and write", loop).start() + 1
@@ -137,9 +165,16 @@ def instrumented_source(src: str | None = None) -> str:
     timing[cta * {SLOTS} + 11 + {PER_WG} * wg + {len(PARTS)}] = clock64() - c_loop;
   }}
   stamp(3);
+  if (tid == 0) seg_t3 = clock64();
 """ + tail
     src = head + body + tail
-    edit("#else\n  __trap();", "  __syncthreads();\n  stamp(4);\n#else\n  __trap();")
+    edit("#else\n  __trap();", f"""  if (tid == 0) {{
+    for (int k = 0; k < {len(SEGMENT_PARTS)}; ++k) timing[cta * {SLOTS} + {SEGMENTS_AT} + k] = seg[k];
+  }}
+  __syncthreads();
+  stamp(4);
+#else
+  __trap();""")
     src, n_check = re.subn(
         r"const CacheFormat format =\s*check_mla_decode\([^;]*\);",
         "const CacheFormat format = kv_cache_dtype == \"fp8_e4m3\" ? CacheFormat::kFp8E4M3\n"
@@ -173,37 +208,59 @@ def build():
                 extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
 
 
-def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", warp=0):
+def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", warp=0, lengths=None):
+    """One row: b sequences of t tokens cut per sequence, or with ``lengths`` (b = len(lengths),
+    t = the longest) the batch's tiles dealt over b x splits pieces, as mla_decode launches it."""
     from benchmarks.bench_decode import SCALE, kernel_and_splits, make_inputs, write_fp8_caches
 
     q, caches, table, lens = make_inputs(b, t, h)
+    if lengths is not None:
+        lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     scale = None
     if kv_cache_dtype != "auto":  # the same rows in the fp8 layout (bench_decode's fp8 rows)
         caches, scale = write_fp8_caches(kv_cache_dtype, caches, 1)
     cache = caches[0]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     _, _, splits = kernel_and_splits(q, cache, table, lens, 512, t, num_sms, kv_cache_dtype=kv_cache_dtype)
-    if splits == 1:  # the kernel writes the answer itself (q's dtype)
-        part_out = torch.empty((b, h, 1, 512), dtype=q.dtype, device="cuda")
+    # a kernel that also deals pieces takes out, lse and ranges after the counters: None, cut per sequence
+    deals = "std::optional<at::Tensor>& ranges" in instrumented_source()
+    more = (None, None, None) if deals else ()
+    if lengths is not None:  # dealt: b x splits pieces of `per` pairs, slots after the b sequences
+        assert deals, "this kernel does not deal pieces"
+        pieces = b * splits
+        pairs = [max(1, (math.ceil(n / 64) + 1) // 2) for n in lengths]
+        tiles = 2 * math.ceil(sum(pairs) / pieces)
+        part_out = torch.empty((b + pieces - 1, h, 512), dtype=torch.float32, device="cuda")
+        part_lse = torch.empty((b + pieces - 1, h), dtype=torch.float32, device="cuda")
+        more = (torch.empty((b, h, 512), dtype=q.dtype, device="cuda"),
+                torch.empty((b, h), dtype=torch.float32, device="cuda"),
+                torch.empty((b, 2), dtype=torch.int32, device="cuda"))
+        launch_splits = pieces
     else:
-        part_out = torch.empty((b, h, splits, 512), dtype=torch.float32, device="cuda")
-    part_lse = torch.empty((b, h, splits), dtype=torch.float32, device="cuda")
-    ctas = math.ceil(h / 64) * b * splits
+        pieces, tiles, launch_splits = b * splits, math.ceil(math.ceil(t / 64) / splits), splits
+        if splits == 1:  # the kernel writes the answer itself (q's dtype)
+            part_out = torch.empty((b, h, 1, 512), dtype=q.dtype, device="cuda")
+        else:
+            part_out = torch.empty((b, h, splits, 512), dtype=torch.float32, device="cuda")
+        part_lse = torch.empty((b, h, splits), dtype=torch.float32, device="cuda")
+    ctas = math.ceil(h / 64) * pieces
     timing = torch.zeros((ctas, SLOTS), dtype=torch.int64, device="cuda")
     runs = []
 
-    # a kernel that also deals pieces takes out, lse and ranges after the counters: None, cut per sequence
-    more = (None, None, None) if "std::optional<at::Tensor>& ranges" in instrumented_source() else ()
-
     def launch():
-        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), splits, kv_cache_dtype, scale, 1, timing, warp,
-                *more)
+        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), launch_splits, kv_cache_dtype, scale, 1,
+                timing, warp, *more)
 
     for x, start, end, ghz, us in stamped_runs(launch, timing, clear, repeats):
         run = dict(span_us=end.max().item(), start_max_us=start.max().item(), end_median_us=end.median().item(),
                    prologue_us=us(0, 1).median().item(), first_s_us=us(1, 2).median().item(),
                    loop_us=us(2, 3).median().item(), epilogue_us=us(3, 4).median().item(), ghz=ghz,
                    sms=len(set(x[:, 10].tolist())))
+        seg = x[:, SEGMENTS_AT:SEGMENTS_AT + len(SEGMENT_PARTS)].double()
+        run["segments_median"], run["segments_max"] = seg[:, 0].median().item(), seg[:, 0].max().item()
+        for k, name in enumerate(SEGMENT_PARTS[1:], 1):  # a CTA's sum over its segments
+            run[f"{name}_us"] = (seg[:, k] / ghz / 1e3).median().item()
+            run[f"{name}_max_us"] = (seg[:, k] / ghz / 1e3).max().item()
         for wg in (0, 1):
             loop = x[:, 11 + PER_WG * wg + len(PARTS)].double()
             parts = {name: x[:, 11 + PER_WG * wg + k].double() for k, name in enumerate(PARTS)}
@@ -213,10 +270,9 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", war
                 run[f"wg{wg}_{name}_cycles"] = v.median().item()
         runs.append(run)
     row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    tiles = math.ceil(math.ceil(t / 64) / splits)
     per_tile = {f"{k[:-7]}_per_tile": row[k] / tiles for k in row if k.endswith("_cycles")}
-    return dict(b=b, t=t, h=h, kv_cache_dtype=kv_cache_dtype, warp=warp, splits=splits, tiles_per_cta=tiles, **row,
-                **per_tile)
+    return dict(b=b, t=t, h=h, lengths="dealt" if lengths is not None else "uniform", kv_cache_dtype=kv_cache_dtype,
+                warp=warp, splits=splits, pieces=pieces, tiles_per_cta=tiles, **row, **per_tile)
 
 
 def main(argv=None):
@@ -231,7 +287,16 @@ def main(argv=None):
     parser.add_argument("--warps", type=lambda v: [int(w) for w in v.split(",")], default=[0],
                         help="which warp of each warpgroup (0-3) records its parts, comma-separated: one row "
                              "a warp (default 0, the warp whose first thread issues the copies)")
+    parser.add_argument("--cases", type=lambda v: v.split(";"), default=[],
+                        help="batches of probe_decode_ragged.cases() to run dealt after the shapes, ';'-separated "
+                             "names (e.g. '64 x 8192 (uniform);64: 4096, 62 x 8192, 12288')")
+    parser.add_argument("--no-shapes", action="store_true", help="the --cases only, not SHAPES")
     args = parser.parse_args(argv)
+    from benchmarks.lab.probe_decode_ragged import cases
+
+    unknown = [name for name in args.cases if name not in cases()]
+    if unknown:
+        parser.error(f"--cases: unknown {unknown}; known: {list(cases())}")
     if any(not 0 <= w < 4 for w in args.warps):
         parser.error(f"--warps: each warp is 0-3, got {args.warps}")
     t0 = time.time()
@@ -242,8 +307,15 @@ def main(argv=None):
     load_extension()  # the package's own build, which bench_decode's helpers use (minutes if not cached)
     print(f"the package's extension loaded at {time.time() - t0:.0f} s", flush=True)
     rows = []
-    for kind, (b, t, h), warp in ((kind, shape, w) for kind in args.layouts for shape in SHAPES for w in args.warps):
-        rows.append(one_shape(mod, b, t, h, kv_cache_dtype=kind, warp=warp))
+    runs = [(kind, shape, None, w) for kind in args.layouts for shape in ([] if args.no_shapes else SHAPES)
+            for w in args.warps]
+    runs += [(kind, (len(cases()[name]), max(cases()[name]), 128), name, w) for kind in args.layouts
+             for name in args.cases for w in args.warps]
+    for kind, (b, t, h), name, warp in runs:
+        rows.append(one_shape(mod, b, t, h, kv_cache_dtype=kind, warp=warp,
+                              lengths=None if name is None else cases()[name]))
+        if name is not None:
+            rows[-1]["case"] = name
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
         # written after every row, so a run cut short keeps the rows it has
         write_json(args.out, args.out_name, dict(device=torch.cuda.get_device_name(0), clear="clean", rows=rows))
