@@ -545,6 +545,42 @@ def test_sm90_dealt_pieces_merge_to_the_reference(s_q, heads, monkeypatch):
         assert_tokens_match(out, lse, ref_out, ref_lse, case["seq_lens"], s_q, TOL[torch.float32])
 
 
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3])  # the one-split tiling (row blocks) and the other (a row a program)
+def test_merge_dealt_weighs_each_sequences_slots_by_their_lse(num_kv_splits):
+    # _merge_dealt alone, on slots laid out by hand: sequences over 1, 2, 5, 1 and 33 slots, 18
+    # rows (the last row block partial). Among the slots: an empty piece (lse -inf in every row),
+    # a row empty in every slot (out 0, lse -inf), a NaN lse (that row's out and lse NaN, the
+    # others untouched by it) and lse values near 300, whose exp overflows float32 unless taken
+    # against the largest. A sequence in one slot is stage 1's to write: the merge leaves it.
+    gen = torch.Generator().manual_seed(5)
+    rows, c, counts = 18, 40, [1, 2, 5, 1, 33]
+    b, firsts = len(counts), [len(counts) + sum(counts[:i]) for i in range(len(counts))]
+    part_out = torch.randn((b + sum(counts), rows, c), generator=gen)
+    part_lse = 4 * torch.randn((b + sum(counts), rows), generator=gen)
+    part_lse[firsts[2] + 1] = float("-inf")  # an empty piece
+    part_lse[firsts[4]:firsts[4] + 33, 3] = float("-inf")  # row 3 sees no token in any piece
+    part_lse[firsts[1] + 1, 5] = float("nan")
+    part_lse[firsts[4]:firsts[4] + 33] += 300.0
+    ranges = torch.tensor(list(zip(firsts, counts)), dtype=torch.int32)
+    out = torch.full((b, rows, c), 7.0)
+    lse = torch.full((b, rows), 7.0)
+    decode._merge_dealt(part_out, part_lse, ranges, out, lse, num_kv_splits)
+    for i, (first, count) in enumerate(zip(firsts, counts)):
+        if count == 1:
+            assert (out[i] == 7.0).all() and (lse[i] == 7.0).all()
+            continue
+        lse_s = part_lse[first:first + count].double()  # (count, rows)
+        parts = part_out[first:first + count].double()
+        want_lse = torch.logsumexp(lse_s, 0)
+        want_out = (torch.softmax(lse_s, 0)[:, :, None] * parts).sum(0)
+        empty = torch.isneginf(lse_s).all(0)
+        want_out[empty], want_lse[empty] = 0.0, float("-inf")
+        torch.testing.assert_close(out[i].double(), want_out, rtol=1e-5, atol=1e-5, equal_nan=True)
+        torch.testing.assert_close(lse[i].double(), want_lse, rtol=1e-6, atol=1e-4, equal_nan=True)
+    assert out[1, 5].isnan().all() and lse[1, 5].isnan() and not out[1, 4].isnan().any()
+    assert (out[4, 3] == 0).all() and torch.isneginf(lse[4, 3])
+
 # ---------------------------------------------------------------------------------------------
 # The split heuristic
 # ---------------------------------------------------------------------------------------------

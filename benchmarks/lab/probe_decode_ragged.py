@@ -14,8 +14,8 @@ case's tokens (bytes over copy bandwidth or FLOPs over the matmul rate, both mea
 the time of the longest sequence alone at the batch's split count (what a cut of every sequence
 into that many pieces cannot beat: the longest one's CTAs are the same, without the others beside
 them) and the largest difference between the two outputs; with ``--kernels``, each kernel's
-time a call, run eagerly under torch.profiler (stage 1 apart from the merge, FlashMLA's metadata,
-decode and combine). Writes
+time a call, run eagerly under torch.profiler (stage 1 apart from the merge; FlashMLA's decode
+apart from its combine, its metadata made beforehand). Writes
 ``decode-ragged-probe.json`` under DIR and prints a table.
 """
 
@@ -47,8 +47,8 @@ def cases() -> dict[str, list[int]]:
         "128 in [256, 16384]": uniform(128, 256, 16384),
         # one split: the long sequence over 32 pieces, the one-split merge's longest walk
         "64: one 131072, 63 x 2048": [131072] + [2048] * 63,
-        # 64 x 8192's pairs, each piece two half sequences: one segment more a piece, every
-        # sequence merged
+        # 64 x 8192's pairs, each piece two half sequences: one segment more a piece, 63 of the 64
+        # sequences merged
         "64: 4096, 62 x 8192, 12288": [4096] + [8192] * 62 + [12288],
     }
 
@@ -67,7 +67,7 @@ def kernel_times_us(fn, caches, reps=20) -> dict[str, float]:
     for event in prof.key_averages():
         total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
         if total > 0:
-            times[event.key[:60]] = total / reps
+            times[event.key] = times.get(event.key, 0.0) + total / reps
     return times
 
 
@@ -103,7 +103,7 @@ def probe(heads, flashmla_ok, kernels=False) -> list[dict]:
                     row["flashmla_kernels_us"] = kernel_times_us(theirs, caches)
                 for who in ("mla", "flashmla"):
                     for key, us in row.get(f"{who}_kernels_us", {}).items():
-                        print(f"      {who:8s} {us:8.1f} us  {key}", flush=True)
+                        print(f"      {who:8s} {us:8.1f} us  {key[:60]}", flush=True)
             rows.append(row)
             fm = (f"{row['flashmla_us']:8.1f}  {row['flashmla_over_mla']:.3f}  |diff| {row['flashmla_max_abs_diff']:.1e}"
                   if flashmla_ok else "       -      -")

@@ -170,7 +170,8 @@ def stamped_runs(launch, timing, clear, repeats=5):
     zeroed, as do_bench leaves L2; clean: read, NOTES row 44). Yields for each run: the timing rows
     (on the CPU; columns 0-9 the five (globaltimer, clock64) stamps), each CTA's start and end (us
     from the first start), the SM clock (GHz, from the two timers), and us(a, z): each CTA's time
-    from stamp a to stamp z (us, from its cycles)."""
+    from stamp a to stamp z (us, from its cycles). Only the CTAs that reached their last stamp
+    count: one that returns early (a dealt piece with no pair left) leaves it 0, as zeroed."""
     from benchmarks.timing import clear_l2
 
     for rep in range(repeats + 2):
@@ -180,6 +181,7 @@ def stamped_runs(launch, timing, clear, repeats=5):
         if rep < 2:
             continue
         x = timing.cpu()
+        x = x[x[:, 8] != 0]
         ns, cycles = x[:, 0:10:2].double(), x[:, 1:10:2].double()
         start, end = (ns[:, 0] - ns[:, 0].min()) / 1e3, (ns[:, 4] - ns[:, 0].min()) / 1e3
         ghz = ((cycles[:, 4] - cycles[:, 0]) / (ns[:, 4] - ns[:, 0])).median().item()

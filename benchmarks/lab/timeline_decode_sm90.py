@@ -37,10 +37,14 @@ Thread 0 also sums, over the CTA's segments (one where the kernel cuts per seque
 each sequence its piece holds a part of), the cycles from a segment's start to q landed
 (``seg_prologue``), to the first S (``seg_first_s``), the pair loop (``seg_loop``) and the
 output (``seg_output``), and counts the segments: medians and largest over the CTAs. The
-stamps and the warpgroups' parts are the last segment's. ``--cases`` runs batches of
-``probe_decode_ragged.cases()`` dealt over b x splits pieces, as ``mla_decode`` launches them
-(e.g. ``--no-shapes --cases "64 x 8192 (uniform);64: 4096, 62 x 8192, 12288"``: the same pairs a
-piece in one segment and in two).
+warpgroups' parts are summed over the segments' pair loops too, and ``*_per_tile`` divides
+them by the CTA's tiles (a dealt piece's, ``tiles_per_cta``); stamps 1-3 are the last
+segment's, while stamp 0 is the CTA's start, so ``prologue_us`` (stamps 0 to 1) spans a dealt
+piece's earlier segments as well (``seg_prologue_us`` is the prologues alone). Every row runs
+dealt, as ``mla_decode`` launches the kernel (a kernel from before the deal: cut per sequence);
+a CTA that returns early (a piece with no pair left) is left out. ``--cases`` adds batches of
+``probe_decode_ragged.cases()`` (e.g. ``--no-shapes --cases "64 x 8192 (uniform);64: 4096, 62 x
+8192, 12288"``: the same pairs a piece in one segment and in two).
 The first thread of warp 0 of each warpgroup records its parts by default (the one that issues
 the copies); ``--warps 0,3`` adds a row recorded by warp 3's, whose barrier waits show how long
 the other warps wait for the issuing one. Medians over CTAs, then over 5 repetitions;
@@ -75,10 +79,12 @@ PARTS = ("issue", "load_wait", "wg_wait", "mma_wait", "convert", "raw_wait", "vo
 NESTED = ("raw_wait", "vote", "conv_bar")  # counted inside others: not subtracted for "other"
 PER_WG = len(PARTS) + 1  # a warpgroup's slots: its part sums, then its loop's cycles
 # thread 0's sums over a CTA's segments (one, cut per sequence; dealt, those of its piece), cycles:
-# the segment's start to q landed (its prologue), to the first S, the pair loop, the output
+# the segment's start to q landed (its prologue), to the first S, the pair loop, the output; then
+# three slots of scratch (the current segment's start, q landed, loop end), kept in the buffer
+# rather than in registers, which the kernel has none to spare for
 SEGMENT_PARTS = ("segments", "seg_prologue", "seg_first_s", "seg_loop", "seg_output")
 SEGMENTS_AT = 11 + 2 * PER_WG
-SLOTS = SEGMENTS_AT + len(SEGMENT_PARTS)  # 5 x (globaltimer, clock64), SM id, each warpgroup's, the segments'
+SLOTS = SEGMENTS_AT + len(SEGMENT_PARTS) + 3  # 5 x (globaltimer, clock64), SM id, each warpgroup's, the segments'
 
 
 def instrumented_source(src: str | None = None) -> str:
@@ -100,9 +106,16 @@ def instrumented_source(src: str | None = None) -> str:
     anchor = "  const int h0 = blockIdx.x * kM;          // the CTA's first query row\n"
     edit(anchor, anchor + """  const int64_t cta = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
 """ + stamp_code(SLOTS) + f"""  long long acc[{len(PARTS)}] = {{}};
-  long long seg[{len(SEGMENT_PARTS)}] = {{}}, seg_t0 = 0, seg_t1 = 0, seg_t3 = 0;  // thread 0's
+  long long* const seg = timing + cta * {SLOTS} + {SEGMENTS_AT};  // the segments' sums, then the scratch
+  if (tid == 0) {{
+    for (int k = 0; k < {len(SEGMENT_PARTS)}; ++k) seg[k] = 0;
+  }}
+  if (wtid == 32 * timing_warp) {{  // the recording thread's sums over the segments' pair loops
+    for (int k = 0; k < {PER_WG}; ++k) timing[cta * {SLOTS} + 11 + {PER_WG} * wg + k] = 0;
+  }}
 """)
     raw, vote, conv_bar = (PARTS.index(name) for name in NESTED)
+    n_seg = len(SEGMENT_PARTS)  # the scratch slots follow the sums
     # an fp8 group's wait for its raw bytes, its scales' vote and its barriers, inside
     # finish_fp8_blocks: the caller's acc
     src, n_fn = re.subn(r"(__device__ __forceinline__ \w+ finish_fp8_blocks\([^)]*)\)",
@@ -130,19 +143,19 @@ def instrumented_source(src: str | None = None) -> str:
     # the prologue's copies and waits do not count: the sums restart at the loop
     # (the kernel's body sits in a loop over segments where it deals pieces: any indentation)
     src, n_ready = re.subn(r"\n( +)__syncthreads\(\); +// \.\.\. everyone's\n", r"\g<0>\1stamp(1);\n"
-                           r"\1if (tid == 0) seg_t1 = clock64();\n", src)
+                           rf"\1if (tid == 0) seg[{n_seg + 1}] = clock64();\n", src)
     assert n_ready == 1, n_ready
     src, n_begin = re.subn(r"\n( +)for \(;;\) \{\n( +)begin_segment\(\);\n",
-                           r"\n\1for (;;) {\n\2if (tid == 0) seg_t0 = clock64();\n\2begin_segment();\n", src)
+                           rf"\n\1for (;;) {{\n\2if (tid == 0) seg[{n_seg}] = clock64();\n\2begin_segment();\n", src)
     assert n_begin == 1, n_begin
-    src, n_done = re.subn(r"\n( +)pbase \+= n_pairs;\n", r"""
-\1if (tid == 0) {
+    src, n_done = re.subn(r"\n( +)pbase \+= n_pairs;\n", rf"""
+\1if (tid == 0) {{
 \1  seg[0] += 1;
-\1  seg[1] += seg_t1 - seg_t0;
-\1  seg[2] += c_loop - seg_t1;
-\1  seg[3] += seg_t3 - c_loop;
-\1  seg[4] += clock64() - seg_t3;
-\1}
+\1  seg[1] += seg[{n_seg + 1}] - seg[{n_seg}];
+\1  seg[2] += c_loop - seg[{n_seg + 1}];
+\1  seg[3] += seg[{n_seg + 2}] - c_loop;
+\1  seg[4] += clock64() - seg[{n_seg + 2}];
+\1}}
 \1pbase += n_pairs;
 """, src)
     assert n_done == 1, n_done
@@ -160,21 +173,15 @@ def instrumented_source(src: str | None = None) -> str:
   const long long c_loop = clock64();
   for (int k = 0; k < {len(PARTS)}; ++k) acc[k] = 0;
 """
-    tail = f"""  if (wtid == 32 * timing_warp) {{
-    for (int k = 0; k < {len(PARTS)}; ++k) timing[cta * {SLOTS} + 11 + {PER_WG} * wg + k] = acc[k];
-    timing[cta * {SLOTS} + 11 + {PER_WG} * wg + {len(PARTS)}] = clock64() - c_loop;
+    tail = f"""  if (wtid == 32 * timing_warp) {{  // summed over the segments: each restarts acc at its loop
+    for (int k = 0; k < {len(PARTS)}; ++k) timing[cta * {SLOTS} + 11 + {PER_WG} * wg + k] += acc[k];
+    timing[cta * {SLOTS} + 11 + {PER_WG} * wg + {len(PARTS)}] += clock64() - c_loop;
   }}
   stamp(3);
-  if (tid == 0) seg_t3 = clock64();
+  if (tid == 0) seg[{n_seg + 2}] = clock64();
 """ + tail
     src = head + body + tail
-    edit("#else\n  __trap();", f"""  if (tid == 0) {{
-    for (int k = 0; k < {len(SEGMENT_PARTS)}; ++k) timing[cta * {SLOTS} + {SEGMENTS_AT} + k] = seg[k];
-  }}
-  __syncthreads();
-  stamp(4);
-#else
-  __trap();""")
+    edit("#else\n  __trap();", "  __syncthreads();\n  stamp(4);\n#else\n  __trap();")
     src, n_check = re.subn(
         r"const CacheFormat format =\s*check_mla_decode\([^;]*\);",
         "const CacheFormat format = kv_cache_dtype == \"fp8_e4m3\" ? CacheFormat::kFp8E4M3\n"
@@ -209,9 +216,11 @@ def build():
 
 
 def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", warp=0, lengths=None):
-    """One row: b sequences of t tokens cut per sequence, or with ``lengths`` (b = len(lengths),
-    t = the longest) the batch's tiles dealt over b x splits pieces, as mla_decode launches it."""
+    """One row: b sequences of t tokens, or of ``lengths`` (b = len(lengths), t = the longest), the
+    batch's tiles dealt over b x splits pieces as mla_decode launches them; a kernel from before
+    the deal cuts b sequences of t per sequence."""
     from benchmarks.bench_decode import SCALE, kernel_and_splits, make_inputs, write_fp8_caches
+    from mla.kernels.constants import MAX_GRID_YZ
 
     q, caches, table, lens = make_inputs(b, t, h)
     if lengths is not None:
@@ -224,10 +233,12 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", war
     _, _, splits = kernel_and_splits(q, cache, table, lens, 512, t, num_sms, kv_cache_dtype=kv_cache_dtype)
     # a kernel that also deals pieces takes out, lse and ranges after the counters: None, cut per sequence
     deals = "std::optional<at::Tensor>& ranges" in instrumented_source()
-    more = (None, None, None) if deals else ()
+    more = ()
+    if deals and lengths is None:
+        lengths = [t] * b
     if lengths is not None:  # dealt: b x splits pieces of `per` pairs, slots after the b sequences
         assert deals, "this kernel does not deal pieces"
-        pieces = b * splits
+        pieces = min(b * splits, MAX_GRID_YZ)
         pairs = [max(1, (math.ceil(n / 64) + 1) // 2) for n in lengths]
         tiles = 2 * math.ceil(sum(pairs) / pieces)
         part_out = torch.empty((b + pieces - 1, h, 512), dtype=torch.float32, device="cuda")
@@ -271,8 +282,8 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", war
         runs.append(run)
     row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     per_tile = {f"{k[:-7]}_per_tile": row[k] / tiles for k in row if k.endswith("_cycles")}
-    return dict(b=b, t=t, h=h, lengths="dealt" if lengths is not None else "uniform", kv_cache_dtype=kv_cache_dtype,
-                warp=warp, splits=splits, pieces=pieces, tiles_per_cta=tiles, **row, **per_tile)
+    return dict(b=b, t=t, h=h, dealt=deals, kv_cache_dtype=kv_cache_dtype, warp=warp, splits=splits, pieces=pieces,
+                tiles_per_cta=tiles, **row, **per_tile)
 
 
 def main(argv=None):
