@@ -89,6 +89,9 @@ def _namespace() -> dict:
         "query_tokens_table": query_tokens_table,
         "ragged_table": ragged_table,
         "ragged_change": ragged_change,
+        "ragged_kernels_table": ragged_kernels_table,
+        "kernel_us": kernel_us,
+        "RAGGED_KERNELS": RAGGED_KERNELS,
         "layer_table": layer_table,
         "prefill_table": prefill_table,
         "prefill_row": prefill_row,
@@ -714,6 +717,27 @@ def ragged_change(case: str, field: str = "time_us") -> float:
     change in percent."""
     before, after = (row(name, case=case)[field] for name in RAGGED_RUNS)
     return (after / before - 1) * 100
+
+
+RAGGED_KERNELS = "nvidia-h100-80gb-hbm3-decode-ragged-kernels.json"
+
+
+def kernel_us(r: dict, who: str, part: str) -> float:
+    """From a ragged-probe row run with ``--kernels``: the time a call (µs) of ``who``'s
+    ("mla" or "flashmla") kernel whose name holds ``part``."""
+    return sum(us for name, us in r[f"{who}_kernels_us"].items() if part in name)
+
+
+def ragged_kernels_table(name: str = RAGGED_KERNELS) -> str:
+    """Markdown: each kernel's time a call in the ragged probe's ``--kernels`` run: our stage 1
+    and merge beside FlashMLA's decode and combine."""
+    return _table(result(name)["rows"], [
+        ("batch (tokens a sequence)", lambda r: r["case"]), ("splits", lambda r: str(r["num_kv_splits"])),
+        ("stage 1 (µs)", lambda r: f"{kernel_us(r, 'mla', 'mla_decode_sm90_kernel'):,.1f}"),
+        ("merge (µs)", lambda r: f"{kernel_us(r, 'mla', 'merge_dealt'):,.1f}"),
+        ("FlashMLA decode (µs)", lambda r: f"{kernel_us(r, 'flashmla', 'splitkv_mla'):,.1f}"),
+        ("FlashMLA combine (µs)", lambda r: f"{kernel_us(r, 'flashmla', 'combine'):,.1f}"),
+    ])
 
 
 def layer_table(name: str = "h200-layer.json") -> str:
