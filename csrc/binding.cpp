@@ -167,25 +167,22 @@ CacheFormat check_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, co
                     part_lse.size(1) == h,
                 sizes.name, ": part_lse must be (b + num_splits - 1, h) = (", num(slots), ", ", num(h),
                 ") float32, got ", dims(part_lse), " ", part_lse.scalar_type());
-    for (const at::Tensor* t : {&kv_cache, &block_table, &seq_lens, &part_out, &part_lse}) {
-      TORCH_CHECK(t->device() == q.device(), sizes.name, ": all tensors must be on q's device ",
-                  q.device(), ", got one on ", t->device());
-    }
-    return format;
+  } else {
+    // part_out is fp32 partials, or with one split the answer itself in q's dtype (nothing to merge)
+    const bool final_out = num_splits == 1 && part_out.scalar_type() == q.scalar_type();
+    TORCH_CHECK((part_out.scalar_type() == at::kFloat || final_out) && part_out.dim() == 4 &&
+                    part_out.size(0) == b && part_out.size(1) == h && part_out.size(2) == num_splits &&
+                    part_out.size(3) == sizes.c && part_out.stride(3) == 1 && part_out.stride(0) % 2 == 0 &&
+                    part_out.stride(1) % 2 == 0 && part_out.stride(2) % 2 == 0 &&
+                    reinterpret_cast<uintptr_t>(part_out.data_ptr()) % 8 == 0,
+                sizes.name, ": part_out must be (b, h, num_splits, ", num(sizes.c), ") = (", num(b), ", ",
+                num(h), ", ", num(num_splits), ", ", num(sizes.c),
+                ") float32 (or q's dtype when num_splits is 1: the answer itself), 8-byte aligned, got ",
+                dims(part_out), " ", part_out.scalar_type());
+    TORCH_CHECK(part_lse.scalar_type() == at::kFloat && part_lse.dim() == 3 && part_lse.size(0) == b &&
+                    part_lse.size(1) == h && part_lse.size(2) == num_splits,
+                sizes.name, ": part_lse must be (b, h, num_splits) float32, got ", dims(part_lse));
   }
-  // part_out is fp32 partials, or with one split the answer itself in q's dtype (nothing to merge)
-  const bool final_out = num_splits == 1 && part_out.scalar_type() == q.scalar_type();
-  TORCH_CHECK((part_out.scalar_type() == at::kFloat || final_out) && part_out.dim() == 4 && part_out.size(0) == b &&
-                  part_out.size(1) == h && part_out.size(2) == num_splits && part_out.size(3) == sizes.c &&
-                  part_out.stride(3) == 1 && part_out.stride(0) % 2 == 0 && part_out.stride(1) % 2 == 0 &&
-                  part_out.stride(2) % 2 == 0 && reinterpret_cast<uintptr_t>(part_out.data_ptr()) % 8 == 0,
-              sizes.name, ": part_out must be (b, h, num_splits, ", num(sizes.c), ") = (", num(b), ", ",
-              num(h), ", ", num(num_splits), ", ", num(sizes.c),
-              ") float32 (or q's dtype when num_splits is 1: the answer itself), 8-byte aligned, got ", dims(part_out),
-              " ", part_out.scalar_type());
-  TORCH_CHECK(part_lse.scalar_type() == at::kFloat && part_lse.dim() == 3 && part_lse.size(0) == b &&
-                  part_lse.size(1) == h && part_lse.size(2) == num_splits,
-              sizes.name, ": part_lse must be (b, h, num_splits) float32, got ", dims(part_lse));
   for (const at::Tensor* t : {&kv_cache, &block_table, &seq_lens, &part_out, &part_lse}) {
     TORCH_CHECK(t->device() == q.device(), sizes.name, ": all tensors must be on q's device ",
                 q.device(), ", got one on ", t->device());

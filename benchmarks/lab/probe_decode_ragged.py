@@ -53,6 +53,12 @@ def cases() -> dict[str, list[int]]:
     }
 
 
+def tile_pairs(lengths: list[int]) -> list[int]:
+    """Each sequence's pairs of 64-token tiles as the wgmma stage 1 deals them (an empty sequence
+    counts one pair, so that a piece writes its zeros and -inf): the kernel's ``pairs_of``."""
+    return [max(1, ((n + 63) // 64 + 1) // 2) for n in lengths]
+
+
 def kernel_times_us(fn, caches, reps=20) -> dict[str, float]:
     """Each kernel's mean GPU time a call (us) when ``fn`` runs eagerly, from torch.profiler:
     stage 1 apart from the merge (the calls follow one another, so L2 is warm)."""

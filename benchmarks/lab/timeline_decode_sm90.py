@@ -41,8 +41,7 @@ warpgroups' parts are summed over the segments' pair loops too, and ``*_per_tile
 them by the CTA's tiles (a dealt piece's, ``tiles_per_cta``); stamps 1-3 are the last
 segment's, while stamp 0 is the CTA's start, so ``prologue_us`` (stamps 0 to 1) spans a dealt
 piece's earlier segments as well (``seg_prologue_us`` is the prologues alone). Every row runs
-dealt, as ``mla_decode`` launches the kernel (a kernel from before the deal: cut per sequence);
-a CTA that returns early (a piece with no pair left) is left out. ``--cases`` adds batches of
+dealt, as ``mla_decode`` launches the kernel; a CTA that returns early (a piece with no pair left) is left out. ``--cases`` adds batches of
 ``probe_decode_ragged.cases()`` (e.g. ``--no-shapes --cases "64 x 8192 (uniform);64: 4096, 62 x
 8192, 12288"``: the same pairs a piece in one segment and in two).
 The first thread of warp 0 of each warpgroup records its parts by default (the one that issues
@@ -217,51 +216,36 @@ def build():
 
 def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", warp=0, lengths=None):
     """One row: b sequences of t tokens, or of ``lengths`` (b = len(lengths), t = the longest), the
-    batch's tiles dealt over b x splits pieces as mla_decode launches them; a kernel from before
-    the deal cuts b sequences of t per sequence."""
+    batch's tiles dealt over b x splits pieces as mla_decode launches them."""
     from benchmarks.bench_decode import SCALE, kernel_and_splits, make_inputs, write_fp8_caches
+    from benchmarks.lab.probe_decode_ragged import tile_pairs
     from mla.kernels.constants import MAX_GRID_YZ
 
-    q, caches, table, lens = make_inputs(b, t, h)
-    if lengths is not None:
-        lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    lengths = [t] * b if lengths is None else lengths
+    q, caches, table, _ = make_inputs(b, t, h)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     scale = None
     if kv_cache_dtype != "auto":  # the same rows in the fp8 layout (bench_decode's fp8 rows)
         caches, scale = write_fp8_caches(kv_cache_dtype, caches, 1)
     cache = caches[0]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     _, _, splits = kernel_and_splits(q, cache, table, lens, 512, t, num_sms, kv_cache_dtype=kv_cache_dtype)
-    # a kernel that also deals pieces takes out, lse and ranges after the counters: None, cut per sequence
-    deals = "std::optional<at::Tensor>& ranges" in instrumented_source()
-    more = ()
-    if deals and lengths is None:
-        lengths = [t] * b
-    if lengths is not None:  # dealt: b x splits pieces of `per` pairs, slots after the b sequences
-        assert deals, "this kernel does not deal pieces"
-        pieces = min(b * splits, MAX_GRID_YZ)
-        pairs = [max(1, (math.ceil(n / 64) + 1) // 2) for n in lengths]
-        tiles = 2 * math.ceil(sum(pairs) / pieces)
-        part_out = torch.empty((b + pieces - 1, h, 512), dtype=torch.float32, device="cuda")
-        part_lse = torch.empty((b + pieces - 1, h), dtype=torch.float32, device="cuda")
-        more = (torch.empty((b, h, 512), dtype=q.dtype, device="cuda"),
-                torch.empty((b, h), dtype=torch.float32, device="cuda"),
-                torch.empty((b, 2), dtype=torch.int32, device="cuda"))
-        launch_splits = pieces
-    else:
-        pieces, tiles, launch_splits = b * splits, math.ceil(math.ceil(t / 64) / splits), splits
-        if splits == 1:  # the kernel writes the answer itself (q's dtype)
-            part_out = torch.empty((b, h, 1, 512), dtype=q.dtype, device="cuda")
-        else:
-            part_out = torch.empty((b, h, splits, 512), dtype=torch.float32, device="cuda")
-        part_lse = torch.empty((b, h, splits), dtype=torch.float32, device="cuda")
+    # b x splits pieces of `per` pairs; a slot a (sequence, piece) after the b sequences' own
+    pieces = min(b * splits, MAX_GRID_YZ)
+    tiles = 2 * math.ceil(sum(tile_pairs(lengths)) / pieces)
+    part_out = torch.empty((b + pieces - 1, h, 512), dtype=torch.float32, device="cuda")
+    part_lse = torch.empty((b + pieces - 1, h), dtype=torch.float32, device="cuda")
+    out = torch.empty((b, h, 512), dtype=q.dtype, device="cuda")
+    lse = torch.empty((b, h), dtype=torch.float32, device="cuda")
+    ranges = torch.empty((b, 2), dtype=torch.int32, device="cuda")
     ctas = math.ceil(h / 64) * pieces
     timing = torch.zeros((ctas, SLOTS), dtype=torch.int64, device="cuda")
-    runs = []
 
     def launch():
-        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), launch_splits, kv_cache_dtype, scale, 1,
-                timing, warp, *more)
+        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), pieces, kv_cache_dtype, scale, 1, timing, warp,
+                out, lse, ranges)
 
+    runs = []
     for x, start, end, ghz, us in stamped_runs(launch, timing, clear, repeats):
         run = dict(span_us=end.max().item(), start_max_us=start.max().item(), end_median_us=end.median().item(),
                    prologue_us=us(0, 1).median().item(), first_s_us=us(1, 2).median().item(),
@@ -282,7 +266,7 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", war
         runs.append(run)
     row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     per_tile = {f"{k[:-7]}_per_tile": row[k] / tiles for k in row if k.endswith("_cycles")}
-    return dict(b=b, t=t, h=h, dealt=deals, kv_cache_dtype=kv_cache_dtype, warp=warp, splits=splits, pieces=pieces,
+    return dict(b=b, t=t, h=h, kv_cache_dtype=kv_cache_dtype, warp=warp, splits=splits, pieces=pieces,
                 tiles_per_cta=tiles, **row, **per_tile)
 
 
