@@ -92,6 +92,8 @@ def _namespace() -> dict:
         "ragged_kernels_table": ragged_kernels_table,
         "kernel_us": kernel_us,
         "RAGGED_KERNELS": RAGGED_KERNELS,
+        "RAGGED_NOW": RAGGED_NOW,
+        "segments_table": segments_table,
         "layer_table": layer_table,
         "prefill_table": prefill_table,
         "prefill_row": prefill_row,
@@ -691,16 +693,21 @@ def query_tokens_table(name: str = "h200-decode-sq.json") -> str:
 
 
 RAGGED_RUNS = ("nvidia-h100-80gb-hbm3-decode-ragged-main.json", "nvidia-h100-80gb-hbm3-decode-ragged-dealall.json")
+# the ragged probe with --kernels in the tree as it is: the one-split merge's rows together
+RAGGED_NOW = "nvidia-h100-80gb-hbm3-decode-ragged-rows.json"
 
 
-def ragged_table(before: str = RAGGED_RUNS[0], after: str = RAGGED_RUNS[1]) -> str:
+def ragged_table(before: str = RAGGED_RUNS[0], after: str = RAGGED_RUNS[1], now: str = RAGGED_NOW) -> str:
     """Markdown: the ragged-batch probe (``benchmarks/lab/probe_decode_ragged.py``) of two trees
     on one machine (by default RAGGED_RUNS: the cut, then the dealt stage 1), case by case: the
     floor of the batch's tokens, both trees' times and FlashMLA's in the second run, in µs, and
-    FlashMLA's time over each tree's."""
+    FlashMLA's time over each tree's; then FlashMLA's over ours in a later run, ``now`` (the
+    tree as it is, on another machine of the same kind)."""
     first = {r["case"]: r for r in result(before)["rows"]}
-    rows = [dict(r, before_us=first[r["case"]]["time_us"], before_fm_us=first[r["case"]]["flashmla_us"])
-            for r in result(after)["rows"] if r["case"] in first]
+    last = {r["case"]: r for r in result(now)["rows"]}
+    rows = [dict(r, before_us=first[r["case"]]["time_us"], before_fm_us=first[r["case"]]["flashmla_us"],
+                 now_ratio=last[r["case"]]["flashmla_over_mla"])
+            for r in result(after)["rows"] if r["case"] in first and r["case"] in last]
     return _table(rows, [
         ("batch (tokens a sequence)", lambda r: r["case"]), ("splits", lambda r: str(r["num_kv_splits"])),
         ("floor (µs)", lambda r: f"{r['floor_us']:,.1f}"),
@@ -709,6 +716,7 @@ def ragged_table(before: str = RAGGED_RUNS[0], after: str = RAGGED_RUNS[1]) -> s
         ("FlashMLA (µs)", lambda r: f"{r['flashmla_us']:,.1f}"),
         ("FlashMLA / cut", lambda r: f"{r['before_fm_us'] / r['before_us']:.2f}"),
         ("FlashMLA / dealt", lambda r: f"**{r['flashmla_over_mla']:.2f}**"),
+        ("FlashMLA / now", lambda r: f"{r['now_ratio']:.2f}"),
     ])
 
 
@@ -728,15 +736,35 @@ def kernel_us(r: dict, who: str, part: str) -> float:
     return sum(us for name, us in r[f"{who}_kernels_us"].items() if part in name)
 
 
-def ragged_kernels_table(name: str = RAGGED_KERNELS) -> str:
-    """Markdown: each kernel's time a call in the ragged probe's ``--kernels`` run: our stage 1
-    and merge beside FlashMLA's decode and combine."""
-    return _table(result(name)["rows"], [
+def ragged_kernels_table(name: str = RAGGED_NOW, before: str = RAGGED_KERNELS) -> str:
+    """Markdown: each kernel's time a call in the ragged probe's ``--kernels`` run ``name``: our
+    stage 1 and merge beside FlashMLA's decode and combine, and the merge in the run ``before``
+    (its one-split rows one after another)."""
+    first = {r["case"]: r for r in result(before)["rows"]}
+    rows = [dict(r, merge_before=kernel_us(first[r["case"]], "mla", "merge_dealt"))
+            for r in result(name)["rows"] if r["case"] in first]
+    return _table(rows, [
         ("batch (tokens a sequence)", lambda r: r["case"]), ("splits", lambda r: str(r["num_kv_splits"])),
         ("stage 1 (µs)", lambda r: f"{kernel_us(r, 'mla', 'mla_decode_sm90_kernel'):,.1f}"),
-        ("merge (µs)", lambda r: f"{kernel_us(r, 'mla', 'merge_dealt'):,.1f}"),
+        ("merge, rows in series (µs)", lambda r: f"{r['merge_before']:,.1f}"),
+        ("merge (µs)", lambda r: f"**{kernel_us(r, 'mla', 'merge_dealt'):,.1f}**"),
         ("FlashMLA decode (µs)", lambda r: f"{kernel_us(r, 'flashmla', 'splitkv_mla'):,.1f}"),
         ("FlashMLA combine (µs)", lambda r: f"{kernel_us(r, 'flashmla', 'combine'):,.1f}"),
+    ])
+
+
+SEGMENTS = "nvidia-h100-80gb-hbm3-decode-sm90-timeline-segments.json"
+
+
+def segments_table(name: str = SEGMENTS) -> str:
+    """Markdown: the wgmma stage 1's timeline by segment (``timeline_decode_sm90.py --cases``):
+    a CTA's segments and each stage's sum over them, in µs, each the median over the CTAs."""
+    return _table(result(name)["rows"], [
+        ("batch (tokens a sequence)", lambda r: r["case"]), ("tiles a CTA", lambda r: str(r["tiles_per_cta"])),
+        ("segments", lambda r: f"{r['segments_median']:.0f}"),
+        ("prologue (µs)", lambda r: f"{r['seg_prologue_us']:.1f}"), ("first S (µs)", lambda r: f"{r['seg_first_s_us']:.1f}"),
+        ("loop (µs)", lambda r: f"{r['seg_loop_us']:.1f}"), ("output (µs)", lambda r: f"{r['seg_output_us']:.1f}"),
+        ("span (µs)", lambda r: f"{r['span_us']:.1f}"),
     ])
 
 

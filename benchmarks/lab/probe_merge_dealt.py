@@ -3,15 +3,15 @@
     PYTHONPATH=. python3 benchmarks/lab/probe_merge_dealt.py --out DIR   # ~1 min on an H100
 
 ``mla_decode``'s wgmma path merges the slots of each sequence that spans several pieces with
-``_mla_decode_merge_dealt_kernel`` (``decode._merge_dealt``); benchmarks/lab/NOTES.md rows
-109-112 say why it is timed alone.
+``_mla_decode_merge_dealt_kernel`` above one split and ``_mla_decode_merge_dealt_rows_kernel`` at
+one (``decode._merge_dealt``); benchmarks/lab/NOTES.md rows 109-114 say why it is timed alone.
 
 Each case of SPLITS lays random slots out as a deal of its batch leaves them (the kernel's rule
 replayed in Python: ``dealt_ranges``): the ragged probe's one-split batches, one of its batches
 above one split, and the decode benchmark's one and sixteen sequences. Each case runs
 ``package`` (``decode._merge_dealt`` as the tree has it: run the probe in a candidate's copy to
-time the candidate's merge), then the tree's kernel at each tiling of TILINGS (in a candidate's
-copy the candidate's kernel: compare tilings within one tree, ``package`` across trees). Every
+time the candidate's merge), then the tree's kernels at each tiling of TILINGS (in a candidate's
+copy the candidate's kernels: compare tilings within one tree, ``package`` across trees). Every
 tiling must merge to the first one's answer on the sequences it merges. Each is timed twice:
 after a clean L2 (``clean_us``), and right after the slots are written again (``hot_us``), as
 stage 1 leaves them for the merge in ``mla_decode`` (one batch's slots are 3-72 MB, an H100's
@@ -30,22 +30,23 @@ import triton
 
 from benchmarks.lab.probe_decode_ragged import cases, tile_pairs
 from benchmarks.timing import bench_us, copy_bandwidth_GBps, write_json
-from mla.kernels.triton_decode import _mla_decode_merge_dealt_kernel
+from mla.kernels.triton_decode import _mla_decode_merge_dealt_kernel, _mla_decode_merge_dealt_rows_kernel
 
 C, ROWS = 512, 128  # DeepSeek-V3's latent and heads
 
-# (BLOCK_R, BLOCK_S, BLOCK_C, warps): the package's one-split and multi-split tilings first
+# (kernel, BLOCK_R, BLOCK_S, BLOCK_C, warps), the kernel "slots" (_mla_decode_merge_dealt_kernel:
+# a row's slots as one tile) or "rows" (_mla_decode_merge_dealt_rows_kernel: rows together, slots
+# one by one): the package's one-split and multi-split tilings first
 TILINGS = [
-    (8, 16, 512, 4),
-    (1, 16, 256, 4),
-    (8, 2, 512, 4),  # as the package's at one split, without its 14 masked slots
-    (8, 4, 512, 4),
-    (2, 2, 512, 2),
-    (1, 4, 512, 4),
-    (1, 2, 512, 4),
-    (1, 4, 128, 1),
-    (1, 64, 64, 4),  # the cut's merge reads all of a row's splits at once (decode._merge)
-    (1, 128, 32, 4),
+    ("rows", 8, 4, 512, 8),
+    ("slots", 1, 16, 256, 4),
+    ("rows", 8, 2, 512, 8),
+    ("rows", 4, 4, 512, 4),
+    ("rows", 1, 16, 256, 4),
+    ("slots", 8, 16, 512, 4),  # rows one after another, as the package's one-split tiling was
+    ("slots", 1, 2, 512, 4),
+    ("slots", 1, 4, 128, 1),
+    ("slots", 1, 64, 64, 4),  # the cut's merge reads all of a row's splits at once (decode._merge)
 ]
 
 # case -> num_kv_splits (mla_decode's, at 128 heads on 132 SMs; the deal takes b x splits
@@ -84,14 +85,15 @@ def merge_call(tiling, part_out, part_lse, ranges, out, lse, num_kv_splits):
         from mla.kernels import decode
 
         return lambda: decode._merge_dealt(part_out, part_lse, ranges, out, lse, num_kv_splits)
-    block_r, block_s, block_c, warps = tiling
+    form, block_r, block_s, block_c, warps = tiling
+    kernel = _mla_decode_merge_dealt_rows_kernel if form == "rows" else _mla_decode_merge_dealt_kernel
     b, rows, c = out.shape
     grid = (b, triton.cdiv(rows, block_r), triton.cdiv(c, block_c))
 
     def call():
-        _mla_decode_merge_dealt_kernel[grid](part_out, part_lse, ranges, out, lse, rows, c, part_out.stride(0), part_out.stride(1),
-                              part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-                              lse.stride(1), BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps)
+        kernel[grid](part_out, part_lse, ranges, out, lse, rows, c, part_out.stride(0), part_out.stride(1),
+                     part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+                     lse.stride(1), BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps)
 
     return call
 
@@ -147,12 +149,12 @@ def main() -> None:
                 torch.testing.assert_close(mine[1], expected[1], rtol=1e-5, atol=1e-5)
             clean, us = bench_us(call), hot_us(call, part_out, part_lse, fresh_out, fresh_lse)
             shape = dict(tiling="package") if tiling == "package" else dict(zip(
-                ("block_r", "block_s", "block_c", "warps"), tiling))
+                ("kernel", "block_r", "block_s", "block_c", "warps"), tiling))
             row = dict(case=name, tree=pathlib.Path.cwd().name, splits=splits, pieces=pieces,
                        sequences_merged=merged, slots_read=slots, bytes=nbytes, **shape, clean_us=clean, hot_us=us,
                        GBps=nbytes / (us * 1e-6) / 1e9)
             rows.append(row)
-            what = "package" if tiling == "package" else "R {} S {:3d} C {:3d} w {}".format(*tiling)
+            what = "package" if tiling == "package" else "{:5} R {} S {:3d} C {:3d} w {}".format(*tiling)
             print(f"{name:>32} merged {merged:3d} slots {slots:4d}  {what:>28}  clean {clean:7.1f} us  hot {us:7.1f} us"
                   f"  {row['GBps']:6.0f} GB/s", flush=True)
     write_json(args.out, "merge-dealt-probe.json",

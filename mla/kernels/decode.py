@@ -27,7 +27,7 @@ from .backends import CUDA_TILES, DECODE_BACKENDS, choose_decode_backend, sm_cou
 from .constants import LOG2E, MAX_GRID_YZ
 from .launch import launch_fitting, on_the_gpu_of_its_first_tensor
 from .triton_decode import (E4M3_HARDWARE, E4M3_INTEGER_OPS, E4M3_INTERPRETER, _mla_decode_merge_dealt_kernel,
-                            _mla_decode_merge_kernel, _mla_decode_split_kernel)
+                            _mla_decode_merge_dealt_rows_kernel, _mla_decode_merge_kernel, _mla_decode_split_kernel)
 
 __all__ = [
     "MAX_QUERY_TOKENS",
@@ -337,18 +337,19 @@ def _merge(part_out, part_lse, out, lse) -> None:
 def _merge_dealt(part_out, part_lse, ranges, out, lse, num_kv_splits) -> None:
     """Stage 2 after dealt pieces: out (b, rows, c), lse (b, rows) <- the slots of each sequence
     that spans several pieces, ``ranges`` (b, 2) its first slot and count; a sequence whole in one
-    piece was written by stage 1. At one split most sequences are whole, so a program takes 8
-    rows and all of c, and most programs only read their sequence's count; a long sequence
-    among short ones may still span many pieces, so the slots are read 16 at a time. Above one
-    split a program takes one row and a chunk of c."""
+    piece was written by stage 1. Above one split a program takes one row and a chunk of c and
+    reads its slots min(16, splits) at a time as one tile. At one split most sequences are whole
+    or span two or three pieces and most programs only read their sequence's count, so the rows
+    kernel takes 8 rows together (a warp each) and all of c, its slots one by one, 4 in flight."""
     b, rows, c = out.shape
     if num_kv_splits == 1:
-        block_r, block_s, merge_block_c = 8, 16, max(16, triton.next_power_of_2(c))
+        kernel, block_r, block_s, warps = _mla_decode_merge_dealt_rows_kernel, 8, 4, 8
+        merge_block_c = max(16, triton.next_power_of_2(c))
     else:
-        block_r, block_s = 1, min(16, triton.next_power_of_2(num_kv_splits))
+        kernel, block_r, block_s, warps = _mla_decode_merge_dealt_kernel, 1, min(16, triton.next_power_of_2(num_kv_splits)), 4
         merge_block_c = max(16, min(triton.next_power_of_2(c), _MERGE_TILE // block_s))
     grid = (b, triton.cdiv(rows, block_r), triton.cdiv(c, merge_block_c))
-    _mla_decode_merge_dealt_kernel[grid](
+    kernel[grid](
         part_out, part_lse, ranges, out, lse,
         rows, c,
         part_out.stride(0), part_out.stride(1),
@@ -358,7 +359,7 @@ def _merge_dealt(part_out, part_lse, ranges, out, lse, num_kv_splits) -> None:
         BLOCK_R=block_r,
         BLOCK_C=merge_block_c,
         BLOCK_S=block_s,
-        num_warps=4,
+        num_warps=warps,
     )
 
 

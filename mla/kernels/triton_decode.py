@@ -440,7 +440,7 @@ def _mla_decode_merge_kernel(
 
 # ---------------------------------------------------------------------------------------------
 # Stage 2 after dealt pieces: one program per (sequence, BLOCK_R query rows, chunk of c) merges
-# the slots of a sequence that spans several pieces
+# the slots of a sequence that spans several pieces; two forms, for many slots and for few
 # ---------------------------------------------------------------------------------------------
 
 
@@ -466,8 +466,9 @@ def _mla_decode_merge_dealt_kernel(
     BLOCK_S: tl.constexpr,  # slots read at a time
 ):
     # A sequence whole in one piece was written by stage 1 itself (its count is 1). The others'
-    # slots are consecutive; they are read BLOCK_S at a time with a running maximum, since a
-    # sequence may span any number of pieces.
+    # slots are consecutive; they are read BLOCK_S at a time, as one (BLOCK_S, BLOCK_C) tile
+    # summed across threads, with a running maximum, since a sequence may span any number of
+    # pieces.
     pid_b = tl.program_id(0).to(tl.int64)
     pid_r = tl.program_id(1)  # a block of query rows: (token, head) pairs
     pid_c = tl.program_id(2)
@@ -506,3 +507,62 @@ def _mla_decode_merge_dealt_kernel(
             if pid_c == 0:
                 lse = tl.where(nonempty, ref + tl.log(total_safe), float("-inf"))
                 tl.store(lse_ptr + pid_b * stride_lb + pid_h * stride_lh, lse)
+
+
+@triton.jit
+def _mla_decode_merge_dealt_rows_kernel(
+    # pointers, sizes and strides as _mla_decode_merge_dealt_kernel's
+    part_out_ptr, part_lse_ptr, ranges_ptr, out_ptr, lse_ptr,
+    num_rows, kv_lora_rank,
+    stride_pos, stride_poh,
+    stride_pls, stride_plh,
+    stride_ob, stride_oh,
+    stride_lb, stride_lh,
+    # meta-parameters
+    BLOCK_R: tl.constexpr,  # query rows this program merges, together
+    BLOCK_C: tl.constexpr,  # the chunk of c this program merges
+    BLOCK_S: tl.constexpr,  # slots loaded at a time
+):
+    # The same merge for sequences over few slots: the BLOCK_R rows go together and the slots one
+    # by one. First each row's largest lse over the sequence's slots, then the slots BLOCK_S at a
+    # time, each its own (BLOCK_R, BLOCK_C) load, unrolled so that the BLOCK_S loads are in flight
+    # together and the sum over slots stays in each thread's registers.
+    pid_b = tl.program_id(0).to(tl.int64)
+    pid_r = tl.program_id(1)  # a block of query rows: (token, head) pairs
+    pid_c = tl.program_id(2)
+    first = tl.load(ranges_ptr + 2 * pid_b)
+    count = tl.load(ranges_ptr + 2 * pid_b + 1)
+    if count > 1:
+        offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask_r = offs_r < num_rows
+        mask_c = offs_c < kv_lora_rank
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        for s0 in range(0, count, BLOCK_S):
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            lse_parts = tl.load(part_lse_ptr + (first + offs_s).to(tl.int64)[:, None] * stride_pls
+                                + offs_r[None, :] * stride_plh, mask=(offs_s < count)[:, None] & mask_r[None, :],
+                                other=float("-inf"))  # (BLOCK_S, BLOCK_R)
+            m = tl.maximum(m, tl.max(lse_parts, 0))
+        ref = tl.where(m == float("-inf"), 0.0, m)  # every slot empty: weights 0 against 0, no NaN
+        # acc, total: sum_s weight_s * out_s and sum_s weight_s, the weights exp(lse_s - ref); an
+        # empty or padding slot weighs 0, a NaN lse makes total NaN (out and lse stay NaN)
+        acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+        total = tl.zeros([BLOCK_R], tl.float32)
+        for s0 in range(0, count, BLOCK_S):
+            for k in tl.static_range(BLOCK_S):
+                ok = offs_r < tl.where(s0 + k < count, num_rows, 0)  # no row of a padding slot
+                slot = (first + s0 + k).to(tl.int64)
+                weight = tl.exp(tl.load(part_lse_ptr + slot * stride_pls + offs_r * stride_plh, mask=ok,
+                                        other=float("-inf")) - ref)  # (BLOCK_R,)
+                part = tl.load(part_out_ptr + slot * stride_pos + offs_r[:, None] * stride_poh + offs_c[None, :],
+                               mask=ok[:, None] & mask_c[None, :], other=0.0)  # (BLOCK_R, BLOCK_C)
+                acc += part * weight[:, None]
+                total += weight
+        nonempty = total != 0.0
+        total_safe = tl.where(nonempty, total, 1.0)
+        tl.store(out_ptr + pid_b * stride_ob + offs_r[:, None] * stride_oh + offs_c[None, :],
+                 (acc / total_safe[:, None]).to(out_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_c[None, :])
+        if pid_c == 0:
+            lse = tl.where(nonempty, ref + tl.log(total_safe), float("-inf"))
+            tl.store(lse_ptr + pid_b * stride_lb + offs_r * stride_lh, lse, mask=mask_r)
