@@ -693,7 +693,7 @@ def query_tokens_table(name: str = "h200-decode-sq.json") -> str:
 
 
 RAGGED_RUNS = ("nvidia-h100-80gb-hbm3-decode-ragged-main.json", "nvidia-h100-80gb-hbm3-decode-ragged-dealall.json")
-# the ragged probe with --kernels in the tree as it is: the one-split merge's rows together
+# the ragged probe with --kernels in the tree of NOTES row 114: the one-split merge's rows together
 RAGGED_NOW = "nvidia-h100-80gb-hbm3-decode-ragged-rows.json"
 
 
@@ -701,8 +701,9 @@ def ragged_table(before: str = RAGGED_RUNS[0], after: str = RAGGED_RUNS[1], now:
     """Markdown: the ragged-batch probe (``benchmarks/lab/probe_decode_ragged.py``) of two trees
     on one machine (by default RAGGED_RUNS: the cut, then the dealt stage 1), case by case: the
     floor of the batch's tokens, both trees' times and FlashMLA's in the second run, in µs, and
-    FlashMLA's time over each tree's; then FlashMLA's over ours in a later run, ``now`` (the
-    tree as it is, on another machine of the same kind)."""
+    FlashMLA's time over each tree's; then FlashMLA's over ours in a later run, ``now`` (by
+    default the tree of NOTES row 114, whose one-split merge takes rows together, on another
+    machine of the same kind)."""
     first = {r["case"]: r for r in result(before)["rows"]}
     last = {r["case"]: r for r in result(now)["rows"]}
     rows = [dict(r, before_us=first[r["case"]]["time_us"], before_fm_us=first[r["case"]]["flashmla_us"],
@@ -746,7 +747,7 @@ def ragged_kernels_table(name: str = RAGGED_NOW, before: str = RAGGED_KERNELS) -
     return _table(rows, [
         ("batch (tokens a sequence)", lambda r: r["case"]), ("splits", lambda r: str(r["num_kv_splits"])),
         ("stage 1 (µs)", lambda r: f"{kernel_us(r, 'mla', 'mla_decode_sm90_kernel'):,.1f}"),
-        ("merge, rows in series (µs)", lambda r: f"{r['merge_before']:,.1f}"),
+        ("merge before row 114 (µs)", lambda r: f"{r['merge_before']:,.1f}"),
         ("merge (µs)", lambda r: f"**{kernel_us(r, 'mla', 'merge_dealt'):,.1f}**"),
         ("FlashMLA decode (µs)", lambda r: f"{kernel_us(r, 'flashmla', 'splitkv_mla'):,.1f}"),
         ("FlashMLA combine (µs)", lambda r: f"{kernel_us(r, 'flashmla', 'combine'):,.1f}"),
@@ -758,9 +759,10 @@ SEGMENTS = "nvidia-h100-80gb-hbm3-decode-sm90-timeline-segments.json"
 
 def segments_table(name: str = SEGMENTS) -> str:
     """Markdown: the wgmma stage 1's timeline by segment (``timeline_decode_sm90.py --cases``):
-    a CTA's segments and each stage's sum over them, in µs, each the median over the CTAs."""
+    a CTA's segments and each stage's sum over them, in µs, each the median over the CTAs; the
+    busiest CTA's tiles, and the span from the first start to the last end."""
     return _table(result(name)["rows"], [
-        ("batch (tokens a sequence)", lambda r: r["case"]), ("tiles a CTA", lambda r: str(r["tiles_per_cta"])),
+        ("batch (tokens a sequence)", lambda r: r["case"]), ("tiles, busiest CTA", lambda r: str(r["tiles_per_cta"])),
         ("segments", lambda r: f"{r['segments_median']:.0f}"),
         ("prologue (µs)", lambda r: f"{r['seg_prologue_us']:.1f}"), ("first S (µs)", lambda r: f"{r['seg_first_s_us']:.1f}"),
         ("loop (µs)", lambda r: f"{r['seg_loop_us']:.1f}"), ("output (µs)", lambda r: f"{r['seg_output_us']:.1f}"),

@@ -562,6 +562,7 @@ def test_merge_dealt_weighs_each_sequences_slots_by_their_lse(num_kv_splits):
     part_lse[firsts[4]:firsts[4] + 33, 3] = float("-inf")  # row 3 sees no token in any piece
     part_lse[firsts[1] + 1, 5] = float("nan")
     part_lse[firsts[4]:firsts[4] + 33] += 300.0
+    part_lse[firsts[4] + 30, 7] += 100.0  # one row's largest lse in a late slot, far above its others
     ranges = torch.tensor(list(zip(firsts, counts)), dtype=torch.int32)
     out = torch.full((b, rows, c), 7.0)
     lse = torch.full((b, rows), 7.0)

@@ -340,13 +340,14 @@ def _merge_dealt(part_out, part_lse, ranges, out, lse, num_kv_splits) -> None:
     piece was written by stage 1. Above one split a program takes one row and a chunk of c and
     reads its slots min(16, splits) at a time as one tile. At one split most sequences are whole
     or span two or three pieces and most programs only read their sequence's count, so the rows
-    kernel takes 8 rows together (a warp each) and all of c, its slots one by one, 4 in flight."""
+    kernel takes 8 rows together (8 warps) and all of c, its slots one by one, 4 in flight."""
     b, rows, c = out.shape
     if num_kv_splits == 1:
         kernel, block_r, block_s, warps = _mla_decode_merge_dealt_rows_kernel, 8, 4, 8
         merge_block_c = max(16, triton.next_power_of_2(c))
     else:
-        kernel, block_r, block_s, warps = _mla_decode_merge_dealt_kernel, 1, min(16, triton.next_power_of_2(num_kv_splits)), 4
+        block_s = min(16, triton.next_power_of_2(num_kv_splits))
+        kernel, block_r, warps = _mla_decode_merge_dealt_kernel, 1, 4
         merge_block_c = max(16, min(triton.next_power_of_2(c), _MERGE_TILE // block_s))
     grid = (b, triton.cdiv(rows, block_r), triton.cdiv(c, merge_block_c))
     kernel[grid](
