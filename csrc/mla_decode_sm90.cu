@@ -1210,6 +1210,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_kernel(
         *reinterpret_cast<float2*>(at + r * soh + 2 * tid) = v;
       }
     }
+    // ---- on to the piece's next segment, if any
     pbase += n_pairs;
     if (!next_segment()) break;
     fence_async_shared();  // the output's shared-memory accesses before the next tiles' copies

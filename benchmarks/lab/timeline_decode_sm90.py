@@ -147,7 +147,7 @@ def instrumented_source(src: str | None = None) -> str:
     src, n_begin = re.subn(r"\n( +)for \(;;\) \{\n( +)begin_segment\(\);\n",
                            rf"\n\1for (;;) {{\n\2if (tid == 0) seg[{n_seg}] = clock64();\n\2begin_segment();\n", src)
     assert n_begin == 1, n_begin
-    src, n_done = re.subn(r"\n( +)pbase \+= n_pairs;\n", rf"""
+    src, n_done = re.subn(r"\n( +)(// ---- on to the piece's next segment[^\n]*)\n", rf"""
 \1if (tid == 0) {{
 \1  seg[0] += 1;
 \1  seg[1] += seg[{n_seg + 1}] - seg[{n_seg}];
@@ -155,7 +155,7 @@ def instrumented_source(src: str | None = None) -> str:
 \1  seg[3] += seg[{n_seg + 2}] - c_loop;
 \1  seg[4] += clock64() - seg[{n_seg + 2}];
 \1}}
-\1pbase += n_pairs;
+\1\2
 """, src)
     assert n_done == 1, n_done
     loop_at = re.search(r"\n +for \(int p = 0; p < n_pairs; \+\+p\) \{", src).start() + 1
