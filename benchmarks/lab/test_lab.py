@@ -196,3 +196,23 @@ def test_ncu_source_counts_sum_the_sass_page(tmp_path):
     assert counts["by_mnemonic"] == {"FSETP.GEU.AND": 16384, "FMUL": 16384, "FMUL.FTZ": 100, "LDS": 7}
     assert counts["guarded"] == {"FMUL": 16384, "LDS": 7}
     assert counts["stall_samples"] == {"wait": 4}
+
+
+def test_deal_model_splits_keep_every_pair():
+    """benchmarks/lab/model_deal.py's splits of a batch's pairs: each keeps every pair, k = 0 is the
+    kernel's even deal, and the balanced split's costliest piece is never above the deal's."""
+    from benchmarks.lab.model_deal import balanced_pieces, dealt_pieces, weighted_pieces
+
+    a, b, s = 9.0, 4.0, 12.0
+    for pairs, pieces in (([64] * 64, 64), ([1024] * 4, 64), ([3, 100, 1, 1, 57, 250, 9], 16), ([16] * 63 + [1024], 64)):
+        deal = dealt_pieces(pairs, pieces)
+        assert len(deal) == pieces and sum(p for p, _ in deal) == sum(pairs)
+        assert deal == weighted_pieces(pairs, pieces, 0)
+        per = -(-sum(pairs) // pieces)
+        assert max(p for p, _ in deal) == per  # the kernel's share, ceil
+        for k in (2, 4):
+            assert sum(p for p, _ in weighted_pieces(pairs, pieces, k)) == sum(pairs)
+        split = balanced_pieces(pairs, pieces, a, b, s)
+        assert len(split) == pieces and sum(p for p, _ in split) == sum(pairs)
+        cost = lambda parts: max(a + b * p + s * (g - 1) for p, g in parts if p)  # noqa: E731
+        assert cost(split) <= cost(deal) + 1e-9
