@@ -697,6 +697,11 @@ RAGGED_RUNS = ("nvidia-h100-80gb-hbm3-decode-ragged-main.json", "nvidia-h100-80g
 RAGGED_NOW = "nvidia-h100-80gb-hbm3-decode-ragged-rows.json"
 
 
+def by_case(name: str) -> dict[str, dict]:
+    """A probe result's rows by their ``case``."""
+    return {r["case"]: r for r in result(name)["rows"]}
+
+
 def ragged_table(before: str = RAGGED_RUNS[0], after: str = RAGGED_RUNS[1], now: str = RAGGED_NOW) -> str:
     """Markdown: the ragged-batch probe (``benchmarks/lab/probe_decode_ragged.py``) of two trees
     on one machine (by default RAGGED_RUNS: the cut, then the dealt stage 1), case by case: the
@@ -704,8 +709,7 @@ def ragged_table(before: str = RAGGED_RUNS[0], after: str = RAGGED_RUNS[1], now:
     FlashMLA's time over each tree's; then FlashMLA's over ours in a later run, ``now`` (by
     default the tree of NOTES row 114, whose one-split merge takes rows together, on another
     machine of the same kind)."""
-    first = {r["case"]: r for r in result(before)["rows"]}
-    last = {r["case"]: r for r in result(now)["rows"]}
+    first, last = by_case(before), by_case(now)
     rows = [dict(r, before_us=first[r["case"]]["time_us"], before_fm_us=first[r["case"]]["flashmla_us"],
                  now_ratio=last[r["case"]]["flashmla_over_mla"])
             for r in result(after)["rows"] if r["case"] in first and r["case"] in last]
@@ -741,13 +745,13 @@ def ragged_kernels_table(name: str = RAGGED_NOW, before: str = RAGGED_KERNELS) -
     """Markdown: each kernel's time a call in the ragged probe's ``--kernels`` run ``name``: our
     stage 1 and merge beside FlashMLA's decode and combine, and the merge in the run ``before``
     (its one-split rows one after another)."""
-    first = {r["case"]: r for r in result(before)["rows"]}
+    first = by_case(before)
     rows = [dict(r, merge_before=kernel_us(first[r["case"]], "mla", "merge_dealt"))
             for r in result(name)["rows"] if r["case"] in first]
     return _table(rows, [
         ("batch (tokens a sequence)", lambda r: r["case"]), ("splits", lambda r: str(r["num_kv_splits"])),
         ("stage 1 (µs)", lambda r: f"{kernel_us(r, 'mla', 'mla_decode_sm90_kernel'):,.1f}"),
-        ("merge before row 114 (µs)", lambda r: f"{r['merge_before']:,.1f}"),
+        ("merge, rows in series (µs)", lambda r: f"{r['merge_before']:,.1f}"),
         ("merge (µs)", lambda r: f"**{kernel_us(r, 'mla', 'merge_dealt'):,.1f}**"),
         ("FlashMLA decode (µs)", lambda r: f"{kernel_us(r, 'flashmla', 'splitkv_mla'):,.1f}"),
         ("FlashMLA combine (µs)", lambda r: f"{kernel_us(r, 'flashmla', 'combine'):,.1f}"),

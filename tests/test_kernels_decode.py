@@ -545,7 +545,6 @@ def test_sm90_dealt_pieces_merge_to_the_reference(s_q, heads, monkeypatch):
         assert_tokens_match(out, lse, ref_out, ref_lse, case["seq_lens"], s_q, TOL[torch.float32])
 
 
-
 @pytest.mark.parametrize("num_kv_splits", [1, 3])  # the one-split tiling (row blocks) and the other (a row a program)
 def test_merge_dealt_weighs_each_sequences_slots_by_their_lse(num_kv_splits):
     # _merge_dealt alone, on slots laid out by hand: sequences over 1, 2, 5, 1 and 33 slots, 18
@@ -1375,7 +1374,7 @@ if "sm90" in ops:
             print("sm90", name, "RAN", flush=True)
         except RuntimeError as e:
             print("sm90", name, "RAISED", str(e).splitlines()[0], flush=True)
-untouched = [t for t in (part_out, part_lse, slots_out, slots_lse, out, lse, ranges)]
+untouched = (part_out, part_lse, slots_out, slots_lse, out, lse, ranges)
 print("untouched", all(bool((t == 7).all()) for t in untouched), flush=True)
 """
 

@@ -30,7 +30,7 @@ import pathlib
 
 import numpy as np
 
-from benchmarks.lab.probe_decode_ragged import cases, tile_pairs
+from benchmarks.lab.probe_decode_ragged import cases, deal_spans, tile_pairs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RUN = ROOT / "benchmarks" / "lab" / "results" / "nvidia-h100-80gb-hbm3-decode-ragged-rows.json"
@@ -42,16 +42,12 @@ def weighted_pieces(pairs: list[int], pieces: int, k: int = 0) -> list[tuple[int
     """Each piece's (pairs, segments) when sequence i costs pairs[i] + k and the pieces split the
     total cost evenly (ceil), each running the pairs that fall in its share of the cost; k = 0 is
     the kernel's deal."""
-    total = sum(pairs) + k * len(pairs)
-    per = -(-total // pieces)
+    per, spans = deal_spans(pairs, pieces, k)
     out = [[0, 0] for _ in range(pieces)]
-    start = 0
-    for n in pairs:
-        lo, hi = start + k, start + k + n  # the sequence's pairs in cost units
+    for lo, hi in spans:
         for z in range(lo // per, (hi - 1) // per + 1):
             out[z][0] += min(hi, (z + 1) * per) - max(lo, z * per)
             out[z][1] += 1
-        start = hi
     return [tuple(p) for p in out]
 
 

@@ -59,6 +59,18 @@ def tile_pairs(lengths: list[int]) -> list[int]:
     return [max(1, ((n + 63) // 64 + 1) // 2) for n in lengths]
 
 
+def deal_spans(pairs: list[int], pieces: int, k: int = 0) -> tuple[int, list[tuple[int, int]]]:
+    """The wgmma stage 1's deal (the kernel's scan): (per, spans). The pieces split the batch's
+    cost evenly, a share ``per`` each (ceil), piece z taking [z per, (z + 1) per); sequence i's
+    pairs lie at spans[i] = [lo, hi) on that scale. A sequence costs its pairs (k = 0, the
+    kernel's rule) or, a lab variant, its pairs and k more before them."""
+    spans, start = [], 0
+    for n in pairs:
+        spans.append((start + k, start + k + n))
+        start += k + n
+    return -(-start // pieces), spans
+
+
 def kernel_times_us(fn, caches, reps=20) -> dict[str, float]:
     """Each kernel's mean GPU time a call (us) when ``fn`` runs eagerly, from torch.profiler:
     stage 1 apart from the merge (the calls follow one another, so L2 is warm)."""

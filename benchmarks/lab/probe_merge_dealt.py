@@ -28,7 +28,7 @@ import statistics
 import torch
 import triton
 
-from benchmarks.lab.probe_decode_ragged import cases, tile_pairs
+from benchmarks.lab.probe_decode_ragged import cases, deal_spans, tile_pairs
 from benchmarks.timing import bench_us, copy_bandwidth_GBps, write_json
 from mla.kernels.triton_decode import _mla_decode_merge_dealt_kernel, _mla_decode_merge_dealt_rows_kernel
 
@@ -68,14 +68,8 @@ SPLITS = {
 def dealt_ranges(lengths: list[int], pieces: int) -> list[tuple[int, int]]:
     """Each sequence's (first slot, pieces) as the wgmma stage 1 deals the batch's tile pairs of
     64-token tiles (an empty sequence counts one pair) over ``pieces`` equal pieces."""
-    pairs = tile_pairs(lengths)
-    per = -(-sum(pairs) // pieces)
-    ranges, first_pair = [], 0
-    for i, n in enumerate(pairs):
-        first, last = first_pair // per, (first_pair + n - 1) // per
-        ranges.append((i + first, last - first + 1))
-        first_pair += n
-    return ranges
+    per, spans = deal_spans(tile_pairs(lengths), pieces)
+    return [(i + lo // per, (hi - 1) // per - lo // per + 1) for i, (lo, hi) in enumerate(spans)]
 
 
 def merge_call(tiling, part_out, part_lse, ranges, out, lse, num_kv_splits):
