@@ -43,7 +43,9 @@ segment's, while stamp 0 is the CTA's start, so ``prologue_us`` (stamps 0 to 1) 
 piece's earlier segments as well (``seg_prologue_us`` is the prologues alone). Every row runs
 dealt, as ``mla_decode`` launches the kernel; a CTA that returns early (a piece with no pair left) is left out. ``--cases`` adds batches of
 ``probe_decode_ragged.cases()`` (e.g. ``--no-shapes --cases "64 x 8192 (uniform);64: 4096, 62 x
-8192, 12288"``: the same pairs a piece in one segment and in two).
+8192, 12288"``: the same pairs a piece in one segment and in two). ``--s-q 1,2`` runs each shape
+and case with one and two new tokens a sequence (the s_q x h query rows in the 64-row tiles, as
+``mla_decode`` packs them); ``--shapes 64x4096x128,...`` replaces SHAPES.
 The first thread of warp 0 of each warpgroup records its parts by default (the one that issues
 the copies); ``--warps 0,3`` adds a row recorded by warp 3's, whose barrier waits show how long
 the other warps wait for the issuing one. Medians over CTAs, then over 5 repetitions;
@@ -214,15 +216,16 @@ def build():
                 extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
 
 
-def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", warp=0, lengths=None):
+def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", warp=0, lengths=None, s_q=1):
     """One row: b sequences of t tokens, or of ``lengths`` (b = len(lengths), t = the longest), the
-    batch's tiles dealt over b x splits pieces as mla_decode launches them."""
+    batch's tiles dealt over b x splits pieces as mla_decode launches them; with s_q new tokens a
+    sequence, its s_q x h query rows token-major in the kernel's 64-row tiles."""
     from benchmarks.bench_decode import SCALE, kernel_and_splits, make_inputs, write_fp8_caches
     from benchmarks.lab.probe_decode_ragged import tile_pairs
     from mla.kernels.constants import MAX_GRID_YZ
 
     lengths = [t] * b if lengths is None else lengths
-    q, caches, table, _ = make_inputs(b, t, h)
+    q, caches, table, _ = make_inputs(b, t, h, s_q=s_q)
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     scale = None
     if kv_cache_dtype != "auto":  # the same rows in the fp8 layout (bench_decode's fp8 rows)
@@ -230,19 +233,21 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", war
     cache = caches[0]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     _, _, splits = kernel_and_splits(q, cache, table, lens, 512, t, num_sms, kv_cache_dtype=kv_cache_dtype)
+    rows = s_q * h
+    q = q.reshape(b, rows, q.shape[-1])  # (b, s_q·h, c + r), row = token x h + head
     # b x splits pieces of `per` pairs; a slot a (sequence, piece) after the b sequences' own
     pieces = min(b * splits, MAX_GRID_YZ)
     tiles = 2 * math.ceil(sum(tile_pairs(lengths)) / pieces)
-    part_out = torch.empty((b + pieces - 1, h, 512), dtype=torch.float32, device="cuda")
-    part_lse = torch.empty((b + pieces - 1, h), dtype=torch.float32, device="cuda")
-    out = torch.empty((b, h, 512), dtype=q.dtype, device="cuda")
-    lse = torch.empty((b, h), dtype=torch.float32, device="cuda")
+    part_out = torch.empty((b + pieces - 1, rows, 512), dtype=torch.float32, device="cuda")
+    part_lse = torch.empty((b + pieces - 1, rows), dtype=torch.float32, device="cuda")
+    out = torch.empty((b, rows, 512), dtype=q.dtype, device="cuda")
+    lse = torch.empty((b, rows), dtype=torch.float32, device="cuda")
     ranges = torch.empty((b, 2), dtype=torch.int32, device="cuda")
-    ctas = math.ceil(h / 64) * pieces
+    ctas = math.ceil(rows / 64) * pieces
     timing = torch.zeros((ctas, SLOTS), dtype=torch.int64, device="cuda")
 
     def launch():
-        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), pieces, kv_cache_dtype, scale, 1, timing, warp,
+        mod.run(q, cache, table, lens, part_out, part_lse, float(SCALE), pieces, kv_cache_dtype, scale, s_q, timing, warp,
                 out, lse, ranges)
 
     runs = []
@@ -266,7 +271,7 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", war
         runs.append(run)
     row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     per_tile = {f"{k[:-7]}_per_tile": row[k] / tiles for k in row if k.endswith("_cycles")}
-    return dict(b=b, t=t, h=h, kv_cache_dtype=kv_cache_dtype, warp=warp, splits=splits, pieces=pieces,
+    return dict(b=b, t=t, h=h, s_q=s_q, kv_cache_dtype=kv_cache_dtype, warp=warp, splits=splits, pieces=pieces,
                 tiles_per_cta=tiles, **row, **per_tile)
 
 
@@ -286,6 +291,10 @@ def main(argv=None):
                         help="batches of probe_decode_ragged.cases() to run dealt after the shapes, ';'-separated "
                              "names (e.g. '64 x 8192 (uniform);64: 4096, 62 x 8192, 12288')")
     parser.add_argument("--no-shapes", action="store_true", help="the --cases only, not SHAPES")
+    parser.add_argument("--shapes", type=lambda v: [tuple(int(n) for n in x.split("x")) for x in v.split(",")],
+                        default=list(SHAPES), help="BxTxH,... instead of SHAPES")
+    parser.add_argument("--s-q", type=lambda v: [int(n) for n in v.split(",")], default=[1],
+                        help="new tokens a sequence, comma-separated: each shape and case at each (default 1)")
     args = parser.parse_args(argv)
     from benchmarks.lab.probe_decode_ragged import cases
 
@@ -302,13 +311,13 @@ def main(argv=None):
     load_extension()  # the package's own build, which bench_decode's helpers use (minutes if not cached)
     print(f"the package's extension loaded at {time.time() - t0:.0f} s", flush=True)
     rows = []
-    runs = [(kind, shape, None, w) for kind in args.layouts for shape in ([] if args.no_shapes else SHAPES)
-            for w in args.warps]
-    runs += [(kind, (len(cases()[name]), max(cases()[name]), 128), name, w) for kind in args.layouts
-             for name in args.cases for w in args.warps]
-    for kind, (b, t, h), name, warp in runs:
+    runs = [(kind, shape, None, w, s_q) for kind in args.layouts for shape in ([] if args.no_shapes else args.shapes)
+            for s_q in args.s_q for w in args.warps]
+    runs += [(kind, (len(cases()[name]), max(cases()[name]), 128), name, w, s_q) for kind in args.layouts
+             for name in args.cases for s_q in args.s_q for w in args.warps]
+    for kind, (b, t, h), name, warp, s_q in runs:
         rows.append(one_shape(mod, b, t, h, kv_cache_dtype=kind, warp=warp,
-                              lengths=None if name is None else cases()[name]))
+                              lengths=None if name is None else cases()[name], s_q=s_q))
         if name is not None:
             rows[-1]["case"] = name
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
