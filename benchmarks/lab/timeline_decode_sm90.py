@@ -45,7 +45,8 @@ dealt, as ``mla_decode`` launches the kernel; a CTA that returns early (a piece 
 ``probe_decode_ragged.cases()`` (e.g. ``--no-shapes --cases "64 x 8192 (uniform);64: 4096, 62 x
 8192, 12288"``: the same pairs a piece in one segment and in two). ``--s-q 1,2`` runs each shape
 and case with one and two new tokens a sequence (the s_q x h query rows in the 64-row tiles, as
-``mla_decode`` packs them); ``--shapes 64x4096x128,...`` replaces SHAPES.
+``mla_decode`` packs them); ``--shapes 64x4096x128,...`` replaces SHAPES; ``--pieces 0,66`` runs
+each at the pieces ``mla_decode`` deals over and at 66 (a second segment in some CTAs).
 The first thread of warp 0 of each warpgroup records its parts by default (the one that issues
 the copies); ``--warps 0,3`` adds a row recorded by warp 3's, whose barrier waits show how long
 the other warps wait for the issuing one. Medians over CTAs, then over 5 repetitions;
@@ -216,10 +217,12 @@ def build():
                 extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
 
 
-def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", warp=0, lengths=None, s_q=1):
+def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", warp=0, lengths=None, s_q=1,
+              pieces=0):
     """One row: b sequences of t tokens, or of ``lengths`` (b = len(lengths), t = the longest), the
     batch's tiles dealt over b x splits pieces as mla_decode launches them; with s_q new tokens a
-    sequence, its s_q x h query rows token-major in the kernel's 64-row tiles."""
+    sequence, its s_q x h query rows token-major in the kernel's 64-row tiles; ``pieces`` > 0 deals
+    the tiles over that many pieces instead."""
     from benchmarks.bench_decode import SCALE, kernel_and_splits, make_inputs, write_fp8_caches
     from benchmarks.lab.probe_decode_ragged import tile_pairs
     from mla.kernels.constants import MAX_GRID_YZ
@@ -236,7 +239,7 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", war
     rows = s_q * h
     q = q.reshape(b, rows, q.shape[-1])  # (b, s_q·h, c + r), row = token x h + head
     # b x splits pieces of `per` pairs; a slot a (sequence, piece) after the b sequences' own
-    pieces = min(b * splits, MAX_GRID_YZ)
+    pieces = pieces or min(b * splits, MAX_GRID_YZ)
     tiles = 2 * math.ceil(sum(tile_pairs(lengths)) / pieces)
     part_out = torch.empty((b + pieces - 1, rows, 512), dtype=torch.float32, device="cuda")
     part_lse = torch.empty((b + pieces - 1, rows), dtype=torch.float32, device="cuda")
@@ -295,6 +298,9 @@ def main(argv=None):
                         default=list(SHAPES), help="BxTxH,... instead of SHAPES")
     parser.add_argument("--s-q", type=lambda v: [int(n) for n in v.split(",")], default=[1],
                         help="new tokens a sequence, comma-separated: each shape and case at each (default 1)")
+    parser.add_argument("--pieces", type=lambda v: [int(n) for n in v.split(",")], default=[0],
+                        help="pieces the tiles are dealt over, comma-separated: each shape and case at each "
+                             "(default 0: b x the split count mla_decode plans)")
     args = parser.parse_args(argv)
     from benchmarks.lab.probe_decode_ragged import cases
 
@@ -311,13 +317,14 @@ def main(argv=None):
     load_extension()  # the package's own build, which bench_decode's helpers use (minutes if not cached)
     print(f"the package's extension loaded at {time.time() - t0:.0f} s", flush=True)
     rows = []
-    runs = [(kind, shape, None, w, s_q) for kind in args.layouts for shape in ([] if args.no_shapes else args.shapes)
-            for s_q in args.s_q for w in args.warps]
-    runs += [(kind, (len(cases()[name]), max(cases()[name]), 128), name, w, s_q) for kind in args.layouts
-             for name in args.cases for s_q in args.s_q for w in args.warps]
-    for kind, (b, t, h), name, warp, s_q in runs:
+    every = [(s_q, pieces, w) for s_q in args.s_q for pieces in args.pieces for w in args.warps]
+    runs = [(kind, shape, None, *more) for kind in args.layouts
+            for shape in ([] if args.no_shapes else args.shapes) for more in every]
+    runs += [(kind, (len(cases()[name]), max(cases()[name]), 128), name, *more) for kind in args.layouts
+             for name in args.cases for more in every]
+    for kind, (b, t, h), name, s_q, pieces, warp in runs:
         rows.append(one_shape(mod, b, t, h, kv_cache_dtype=kind, warp=warp,
-                              lengths=None if name is None else cases()[name], s_q=s_q))
+                              lengths=None if name is None else cases()[name], s_q=s_q, pieces=pieces))
         if name is not None:
             rows[-1]["case"] = name
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
