@@ -216,3 +216,22 @@ def test_deal_model_splits_keep_every_pair():
         assert len(split) == pieces and sum(p for p, _ in split) == sum(pairs)
         cost = lambda parts: max(a + b * p + s * (g - 1) for p, g in parts if p)  # noqa: E731
         assert cost(split) <= cost(deal) + 1e-9
+
+
+def test_clock_probe_reads_nvidia_smis_samples_into_windows():
+    """probe_clock.py parses nvidia-smi's CSV (a line cut short and an [N/A] field skipped) and
+    averages the samples that fall in each timed window."""
+    from benchmarks.lab.probe_clock import parse_samples, window_means
+
+    text = ("2026/12/07 12:00:00.000, 1980, 650.50, 60\n"
+            "2026/12/07 12:00:00.020, 1700, 700.00, 62\n"
+            "2026/12/07 12:00:00.040, [N/A], 690.00, 62\n"
+            "2026/12/07 12:00:01.000, 1500, 400.00, 61\n"
+            "2026/12/07 12:00:01.0")
+    samples = parse_samples(text)
+    assert [s["sm_mhz"] for s in samples] == [1980.0, 1700.0, 1500.0]
+    t0 = samples[0]["t"]
+    assert abs(samples[1]["t"] - t0 - 0.02) < 1e-6
+    first = window_means(samples, t0, t0 + 0.5)
+    assert first["samples"] == 2 and first["sm_mhz"] == 1840.0 and first["power_w"] == 675.25
+    assert window_means(samples, t0 + 2, t0 + 3) == dict(samples=0, sm_mhz=None, power_w=None, temp_c=None)
