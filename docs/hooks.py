@@ -697,6 +697,11 @@ RAGGED_RUNS = ("nvidia-h100-80gb-hbm3-decode-ragged-main.json", "nvidia-h100-80g
 RAGGED_NOW = "nvidia-h100-80gb-hbm3-decode-ragged-rows.json"
 
 
+# the first columns of the tables of probe rows by batch
+CASE_COLUMN = ("batch (tokens a sequence)", lambda r: r["case"])
+SPLITS_COLUMN = ("splits", lambda r: str(r["num_kv_splits"]))
+
+
 def by_case(name: str) -> dict[str, dict]:
     """A probe result's rows by their ``case``."""
     return {r["case"]: r for r in result(name)["rows"]}
@@ -714,7 +719,7 @@ def ragged_table(before: str = RAGGED_RUNS[0], after: str = RAGGED_RUNS[1], now:
                  now_ratio=last[r["case"]]["flashmla_over_mla"])
             for r in result(after)["rows"] if r["case"] in first and r["case"] in last]
     return _table(rows, [
-        ("batch (tokens a sequence)", lambda r: r["case"]), ("splits", lambda r: str(r["num_kv_splits"])),
+        CASE_COLUMN, SPLITS_COLUMN,
         ("floor (µs)", lambda r: f"{r['floor_us']:,.1f}"),
         ("cut (µs)", lambda r: f"{r['before_us']:,.1f}"),
         ("dealt (µs)", lambda r: f"{r['time_us']:,.1f}"),
@@ -749,7 +754,7 @@ def ragged_kernels_table(name: str = RAGGED_NOW, before: str = RAGGED_KERNELS) -
     rows = [dict(r, merge_before=kernel_us(first[r["case"]], "mla", "merge_dealt"))
             for r in result(name)["rows"] if r["case"] in first]
     return _table(rows, [
-        ("batch (tokens a sequence)", lambda r: r["case"]), ("splits", lambda r: str(r["num_kv_splits"])),
+        CASE_COLUMN, SPLITS_COLUMN,
         ("stage 1 (µs)", lambda r: f"{kernel_us(r, 'mla', 'mla_decode_sm90_kernel'):,.1f}"),
         ("merge, rows in series (µs)", lambda r: f"{r['merge_before']:,.1f}"),
         ("merge (µs)", lambda r: f"**{kernel_us(r, 'mla', 'merge_dealt'):,.1f}**"),
@@ -766,7 +771,7 @@ def segments_table(name: str = SEGMENTS) -> str:
     a CTA's segments and each stage's sum over them, in µs, each the median over the CTAs; the
     busiest CTA's tiles, and the span from the first start to the last end."""
     return _table(result(name)["rows"], [
-        ("batch (tokens a sequence)", lambda r: r["case"]), ("tiles, busiest CTA", lambda r: str(r["tiles_per_cta"])),
+        CASE_COLUMN, ("tiles, busiest CTA", lambda r: str(r["tiles_per_cta"])),
         ("segments", lambda r: f"{r['segments_median']:.0f}"),
         ("prologue (µs)", lambda r: f"{r['seg_prologue_us']:.1f}"), ("first S (µs)", lambda r: f"{r['seg_first_s_us']:.1f}"),
         ("loop (µs)", lambda r: f"{r['seg_loop_us']:.1f}"), ("output (µs)", lambda r: f"{r['seg_output_us']:.1f}"),
