@@ -11,7 +11,9 @@ back-to-back measurements, ours then FlashMLA's then ours again, while ``nvidia-
 SM clock and the power every 20 ms; each window's samples give its mean clock and power. A
 stage-1 kernel's cycles do not change with the clock, so if the clock under ours is lower than
 under FlashMLA's by about the gap, the gap is the power each draws, not the schedule. Writes
-``DIR/clock-probe.json`` (the windows and every sample) and prints a table.
+``DIR/clock-probe.json`` (the windows and every sample) and prints a table. After each shape's
+windows, each kernel's time a call under torch.profiler (eager calls, ``probe_decode_ragged``'s
+``kernel_times_us``) shows what the call holds besides stage 1: the merge and any copy.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from benchmarks.bench_decode import (C, cache_copies, decode_call, flashmla_fn, flashmla_status, kernel_and_splits,
                                      make_inputs, parse_query_lengths, parse_shapes)
+from benchmarks.lab.probe_decode_ragged import kernel_times_us
 from benchmarks.timing import bench_us, graphed, write_json
 
 SAMPLE_MS = 20
@@ -78,7 +81,7 @@ def main(argv=None) -> None:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     sampler = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
                                 f"--loop-ms={SAMPLE_MS}"], stdout=subprocess.PIPE, text=True)
-    windows = []
+    windows, kernels = [], []
     try:
         for b, t, h in args.shapes:
             for s_q in args.s_q:
@@ -91,6 +94,11 @@ def main(argv=None) -> None:
                 for name, fn in calls:
                     windows.append(dict(b=b, t=t, h=h, s_q=s_q, **timed_window(name, fn, caches, args.seconds)))
                     time.sleep(1.0)  # the clock recovers between windows
+                for name, fn in calls[:-1]:  # each kernel's share of a call: stage 1, the merge, any copy
+                    times = kernel_times_us(fn, caches)
+                    kernels.append(dict(b=b, t=t, h=h, s_q=s_q, kernel=name, kernels_us=times))
+                    for key, us in times.items():
+                        print(f"{b}x{t}x{h} s_q {s_q} {name:8s} {us:8.1f} us  {key[:70]}", flush=True)
                 del q, caches
     finally:
         sampler.terminate()
@@ -103,7 +111,7 @@ def main(argv=None) -> None:
                             for k, n in (("sm_mhz", 7), ("power_w", 8), ("temp_c", 6)))
         print(f"{w['b']:>4} {w['t']:>7} {w['h']:>4} {w['s_q']:>3} {w['kernel']:>10} {w['time_us']:9.1f} {mhz} {watts} {temp}")
     write_json(args.out, "clock-probe.json", dict(device=torch.cuda.get_device_name(0), sample_ms=SAMPLE_MS,
-                                                  windows=windows, samples=samples))
+                                                  windows=windows, kernels=kernels, samples=samples))
 
 
 if __name__ == "__main__":
