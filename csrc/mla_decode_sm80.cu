@@ -27,7 +27,7 @@
 //   rounding p to the products' type.
 // On sm_89 and later the fp8 products run in fp16 whatever q's dtype (MmaType): e4m3 becomes
 // fp16 in one instruction a pair, where bf16 takes four, and with the conversions that few the
-// loop is no longer bound by them. bf16 q enters them times a power of two that brings the CTA's
+// loop is not bound by them. bf16 q enters them times a power of two that brings the CTA's
 // largest |q| into fp16's range (exact), fp8_ds_mla's p x scale times a power of two set a tile
 // at a time (fp16_range_scale).
 // So on fp8_ds_mla the result is the attention over the dequantised cache with the scales

@@ -247,7 +247,7 @@ def test_slot_mapping_and_gather_name_the_bad_argument():
     before = snapshot(cache)
     one = torch.tensor([0])
     cases = [  # (call, what the error must say)
-        # a negative position used to map silently to slot 0's page
+        # a negative position must not map silently to slot 0's page
         (lambda: cache.slot_mapping(one, torch.tensor([-1])),
          r"positions of real tokens must be >= 0, got \[-1\]"),
         (lambda: cache.slot_mapping(torch.tensor([2, 0]), torch.tensor([0, 1])),
