@@ -91,6 +91,8 @@ def _namespace() -> dict:
         "ragged_change": ragged_change,
         "ragged_kernels_table": ragged_kernels_table,
         "kernel_us": kernel_us,
+        "clock_probe_us": clock_probe_us,
+        "CLOCK_PROBE": CLOCK_PROBE,
         "RAGGED_KERNELS": RAGGED_KERNELS,
         "RAGGED_NOW": RAGGED_NOW,
         "segments_table": segments_table,
@@ -740,10 +742,24 @@ def ragged_change(case: str, field: str = "time_us") -> float:
 RAGGED_KERNELS = "nvidia-h100-80gb-hbm3-decode-ragged-kernels.json"
 
 
+def _kernels_named(times: dict[str, float], part: str) -> float:
+    """The summed time a call (µs) of the kernels in ``times`` whose name holds ``part``."""
+    return sum(us for name, us in times.items() if part in name)
+
+
 def kernel_us(r: dict, who: str, part: str) -> float:
     """From a ragged-probe row run with ``--kernels``: the time a call (µs) of ``who``'s
     ("mla" or "flashmla") kernel whose name holds ``part``."""
-    return sum(us for name, us in r[f"{who}_kernels_us"].items() if part in name)
+    return _kernels_named(r[f"{who}_kernels_us"], part)
+
+
+CLOCK_PROBE = "nvidia-h100-80gb-hbm3-decode-clock-probe-sq12.json"
+
+
+def clock_probe_us(s_q: int, who: str, part: str, b: int = 128, t: int = 8192, name: str = CLOCK_PROBE) -> float:
+    """From the clock probe's run ``name`` (128 heads): the time a call (µs) of ``who``'s ("mla"
+    or "flashmla") kernel whose name holds ``part``, at b sequences of t tokens and s_q new ones."""
+    return _kernels_named(row(name, key="kernels", b=b, t=t, h=128, s_q=s_q, kernel=who)["kernels_us"], part)
 
 
 def ragged_kernels_table(name: str = RAGGED_NOW, before: str = RAGGED_KERNELS) -> str:

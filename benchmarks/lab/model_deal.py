@@ -20,9 +20,11 @@ fitted (a grid, least squares) to the stage-1 kernel times of a ragged-probe run
 table gives each batch's measured time, the model's for the kernel's deal, the model's for a few
 ``k`` and for the balanced split; ``RUN-model-deal.json`` under DIR holds it with the fit.
 
-The fit matches the deal's times but not what a change of split does: the weighted deal of
-NOTES row 120 (k = 3 where the even cut crowds starts into a piece) took a third of the
-predicted stage-1 saving or less, so ``s`` is not a segment's own time on its CTA.
+The fit matches the deal's times but not what a change of split does: a deal weighted with
+k = 3 where the even cut crowds starts into a piece (``candidates/dealweighted.patch``) takes a
+third of the predicted stage-1 saving or less
+(``lab/results/nvidia-h100-80gb-hbm3-decode-ragged-ab28.json``), so ``s`` is not a segment's own
+time on its CTA.
 """
 
 from __future__ import annotations

@@ -3,14 +3,12 @@ times them: whether a gap between the two lies in the clock the GPU holds under 
 
     PYTHONPATH=.peers:. python3 benchmarks/lab/probe_clock.py --shapes 128x8192x128 --s-q 1,2,4 --out DIR
 
-NOTES row 121: at 128 x 8,192 x 128 the wgmma kernel's span in the timeline (five calls, 1.72-1.77
-GHz) grows with the new tokens as FlashMLA's benchmark time does, while our benchmark time runs
-4%, 13% and 14% above that span at s_q 1, 2, 4. This probe times each call with the benchmark's
-``bench_us`` (one call in a CUDA graph after a clean L2, do_bench's loop) for ``--seconds`` of
-back-to-back measurements, ours then FlashMLA's then ours again, while ``nvidia-smi`` samples the
-SM clock and the power every 20 ms; each window's samples give its mean clock and power. A
-stage-1 kernel's cycles do not change with the clock, so if the clock under ours is lower than
-under FlashMLA's by about the gap, the gap is the power each draws, not the schedule. Writes
+It times each call with the benchmark's ``bench_us`` (one call in a CUDA graph after a clean L2,
+do_bench's loop) for ``--seconds`` of back-to-back measurements, ours then FlashMLA's then ours
+again, while ``nvidia-smi`` samples the SM clock and the power every 20 ms; each window's samples
+give its mean clock and power. A stage-1 kernel's cycles do not change with the clock, so if the
+clock under ours is lower than under FlashMLA's by about the gap, the gap is the power each
+draws, not the schedule. Writes
 ``DIR/clock-probe.json`` (the windows and every sample) and prints a table. After each shape's
 windows, each kernel's time a call under torch.profiler (eager calls, ``probe_decode_ragged``'s
 ``kernel_times_us``) shows what the call holds besides stage 1: the merge and any copy.

@@ -279,7 +279,7 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", war
 
 
 def main(argv=None):
-    from benchmarks.bench_decode import parse_kv_cache_dtypes
+    from benchmarks.bench_decode import parse_kv_cache_dtypes, parse_query_lengths, parse_shapes
     from benchmarks.timing import write_json
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -294,9 +294,8 @@ def main(argv=None):
                         help="batches of probe_decode_ragged.cases() to run dealt after the shapes, ';'-separated "
                              "names (e.g. '64 x 8192 (uniform);64: 4096, 62 x 8192, 12288')")
     parser.add_argument("--no-shapes", action="store_true", help="the --cases only, not SHAPES")
-    parser.add_argument("--shapes", type=lambda v: [tuple(int(n) for n in x.split("x")) for x in v.split(",")],
-                        default=list(SHAPES), help="BxTxH,... instead of SHAPES")
-    parser.add_argument("--s-q", type=lambda v: [int(n) for n in v.split(",")], default=[1],
+    parser.add_argument("--shapes", type=parse_shapes, default=list(SHAPES), help="BxTxH,... instead of SHAPES")
+    parser.add_argument("--s-q", type=parse_query_lengths, default=[1],
                         help="new tokens a sequence, comma-separated: each shape and case at each (default 1)")
     parser.add_argument("--pieces", type=lambda v: [int(n) for n in v.split(",")], default=[0],
                         help="pieces the tiles are dealt over, comma-separated: each shape and case at each "
