@@ -93,6 +93,10 @@ def _namespace() -> dict:
         "kernel_us": kernel_us,
         "clock_probe_us": clock_probe_us,
         "CLOCK_PROBE": CLOCK_PROBE,
+        "NCU_SQ2": NCU_SQ2,
+        "ncu_metric": ncu_metric,
+        "EXCESS_PROBE": EXCESS_PROBE,
+        "PIECES_PROBE": PIECES_PROBE,
         "RAGGED_KERNELS": RAGGED_KERNELS,
         "RAGGED_NOW": RAGGED_NOW,
         "segments_table": segments_table,
@@ -760,6 +764,20 @@ def clock_probe_us(s_q: int, who: str, part: str, b: int = 128, t: int = 8192, n
     """From the clock probe's run ``name`` (128 heads): the time a call (µs) of ``who``'s ("mla"
     or "flashmla") kernel whose name holds ``part``, at b sequences of t tokens and s_q new ones."""
     return _kernels_named(row(name, key="kernels", b=b, t=t, h=128, s_q=s_q, kernel=who)["kernels_us"], part)
+
+
+NCU_SQ2 = "nvidia-h100-80gb-hbm3-ncu-64x4096x128-sq2.json"  # ncu_decode.sh at s_q 2, ours and FlashMLA's
+EXCESS_PROBE = "nvidia-h100-80gb-hbm3-decode-bench-excess-probe.json"  # probe_bench_excess.py
+PIECES_PROBE = "nvidia-h100-80gb-hbm3-decode-pieces-probe.json"  # probe_pieces.py
+
+
+def ncu_metric(subject: str, metric: str, name: str = NCU_SQ2) -> float:
+    """Nsight Compute's ``metric`` for ``subject`` ("mla-auto", "flashmla-auto") in the summary
+    ``name`` that ``ncu_decode.py --summarize`` wrote."""
+    subjects = result(name)["subjects"]
+    if metric not in subjects.get(subject, {}):
+        raise PluginError(f"ncu_metric: {name} has no {metric!r} for {subject!r}")
+    return subjects[subject][metric]
 
 
 def ragged_kernels_table(name: str = RAGGED_NOW, before: str = RAGGED_KERNELS) -> str:

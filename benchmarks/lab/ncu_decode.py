@@ -1,11 +1,12 @@
 """One decode call per process, for Nsight Compute to count (``benchmarks/lab/ncu_decode.sh``).
 
     PYTHONPATH=. python3 benchmarks/lab/ncu_decode.py --who mla --kv-cache-dtype fp8_e4m3 --shape 64x4096x128
-    PYTHONPATH=.peers:. python3 benchmarks/lab/ncu_decode.py --who flashmla --shape 64x4096x128
+    PYTHONPATH=.peers:. python3 benchmarks/lab/ncu_decode.py --who flashmla --shape 64x4096x128 --s-q 2
 
 Runs ``--calls`` calls (default 3) of ``mla_decode`` (its stage 1 and split count as the decode
-benchmark plans them) or of FlashMLA's dense decode, on the decode benchmark's inputs, and waits
-for them. The wrapper has ncu skip the first calls and count the last one's stage-1 kernel, so
+benchmark plans them) or of FlashMLA's dense decode, on the decode benchmark's inputs with
+``--s-q`` new tokens a sequence, and waits for them. The wrapper has ncu skip the first calls
+and count the last one's stage-1 kernel, so
 the counts come from a warm call whose build and metadata are done. Prints the kernel and split
 count it ran. ``--summarize DIR --out FILE`` reads the wrapper's files in DIR (no GPU needed)
 and writes them as one JSON file: each subject's metrics, by name, as numbers, and where the
@@ -69,6 +70,7 @@ def main(argv=None):
     parser.add_argument("--who", choices=("mla", "flashmla"), default="mla")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3", "fp8_ds_mla"))
     parser.add_argument("--shape", default="64x4096x128", help="BxTxH")
+    parser.add_argument("--s-q", dest="s_q", type=int, default=1, help="new tokens a sequence (default 1)")
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--summarize", metavar="DIR", help="write DIR's metric and source files as JSON (--out) and stop")
     parser.add_argument("--out", help="the JSON file --summarize writes")
@@ -87,7 +89,7 @@ def main(argv=None):
                                          write_fp8_caches)
 
     (b, t, h), = parse_shapes(args.shape)
-    q, caches, table, lens = make_inputs(b, t, h)
+    q, caches, table, lens = make_inputs(b, t, h, s_q=args.s_q)
     cache, scale = caches[0], None
     if args.who == "flashmla":
         if args.kv_cache_dtype != "auto":
@@ -106,7 +108,7 @@ def main(argv=None):
     for _ in range(args.calls):
         fn(cache)
     torch.cuda.synchronize()
-    print(f"{args.shape} {args.kv_cache_dtype}: {what}, {args.calls} calls", flush=True)
+    print(f"{args.shape} s_q {args.s_q} {args.kv_cache_dtype}: {what}, {args.calls} calls", flush=True)
 
 
 if __name__ == "__main__":

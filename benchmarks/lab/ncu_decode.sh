@@ -9,7 +9,7 @@
 # from it: the SASS, each instruction with its executed counts, as CSV (SUBJECT-source.csv).
 # SUBJECTS picks the subjects (default: all four, FlashMLA where it imports), PASSES the first
 # two passes (default "sections metrics"; "" for the source pass alone), EXTRA_METRICS more
-# metric names for the metrics pass (space-separated).
+# metric names for the metrics pass (space-separated), S_Q the new tokens a sequence (default 1).
 #   bash benchmarks/lab/ncu_decode.sh OUT_DIR [BxTxH]
 #   SOURCE=1 PASSES= SUBJECTS="mla:auto flashmla:auto" bash benchmarks/lab/ncu_decode.sh OUT_DIR
 # Run from the repository root on the GPU machine with PYTHONPATH=.peers:. (FlashMLA is skipped
@@ -49,7 +49,7 @@ for s in $subjects; do
     # shellcheck disable=SC2086  # ncu's arguments, split as written
     ncu --clock-control none -k "regex:mla_decode_sm90_kernel|mla_decode_sm80|flash_fwd_splitkv_mla_kernel" \
       --launch-skip 2 --launch-count 1 $what \
-      python3 benchmarks/lab/ncu_decode.py --who "$who" --kv-cache-dtype "$kind" --shape "$shape" \
+      python3 benchmarks/lab/ncu_decode.py --who "$who" --kv-cache-dtype "$kind" --shape "$shape" --s-q "${S_Q:-1}" \
       > "$out/$name-$pass.txt" 2>&1
     echo "$name $pass rc=$?"
     if [ "$pass" = source ]; then

@@ -22,6 +22,7 @@ import datetime
 import io
 import statistics
 import subprocess
+import tempfile
 import time
 
 import torch
@@ -48,6 +49,27 @@ def parse_samples(text: str) -> list[dict]:
         except ValueError:  # a line cut short as the sampler stops, or a field nvidia-smi left "[N/A]"
             continue
     return samples
+
+
+class ClockSampler:
+    """``nvidia-smi`` sampling QUERY every SAMPLE_MS into a temporary file (a pipe left unread
+    fills after ~30 s and stops the sampler) for the life of the ``with`` block; ``samples`` then
+    holds ``parse_samples`` of what it wrote."""
+
+    def __enter__(self):
+        self._file = tempfile.TemporaryFile(mode="w+")
+        self._proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
+                                       f"--loop-ms={SAMPLE_MS}"], stdout=self._file, text=True)
+        self.samples: list[dict] = []
+        return self
+
+    def __exit__(self, *exc):
+        self._proc.terminate()
+        self._proc.wait(timeout=10)
+        self._file.seek(0)
+        self.samples = parse_samples(self._file.read())
+        self._file.close()
+        return False
 
 
 def window_means(samples: list[dict], start: float, end: float) -> dict:
@@ -77,10 +99,8 @@ def main(argv=None) -> None:
     flashmla_ok, why = flashmla_status()
     print(f"FlashMLA: {why}")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    sampler = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
-                                f"--loop-ms={SAMPLE_MS}"], stdout=subprocess.PIPE, text=True)
     windows, kernels = [], []
-    try:
+    with ClockSampler() as sampler:
         for b, t, h in args.shapes:
             for s_q in args.s_q:
                 q, caches, table, lens = make_inputs(b, t, h, s_q=s_q, copies=cache_copies(b, t))
@@ -98,10 +118,7 @@ def main(argv=None) -> None:
                     for key, us in times.items():
                         print(f"{b}x{t}x{h} s_q {s_q} {name:8s} {us:8.1f} us  {key[:70]}", flush=True)
                 del q, caches
-    finally:
-        sampler.terminate()
-        text, _ = sampler.communicate(timeout=10)
-    samples = parse_samples(text)
+    samples = sampler.samples
     print(f"{'b':>4} {'t':>7} {'h':>4} {'s_q':>3} {'kernel':>10} {'time us':>9} {'SM MHz':>7} {'power W':>8} {'temp C':>6}")
     for w in windows:
         w.update(window_means(samples, w["start"], w["end"]))

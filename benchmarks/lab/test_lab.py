@@ -235,3 +235,26 @@ def test_clock_probe_reads_nvidia_smis_samples_into_windows():
     first = window_means(samples, t0, t0 + 0.5)
     assert first["samples"] == 2 and first["sm_mhz"] == 1840.0 and first["power_w"] == 675.25
     assert window_means(samples, t0 + 2, t0 + 3) == dict(samples=0, sm_mhz=None, power_w=None, temp_c=None)
+
+
+def test_clock_sampler_keeps_sampling_past_a_pipes_size(tmp_path, monkeypatch):
+    """ClockSampler collects every line nvidia-smi writes, more than a pipe holds (64 KiB): a pipe
+    read only at the end fills after ~30 s of 20 ms samples and blocks the sampler, so a longer
+    probe's later windows would have no clock."""
+    import os
+    import time
+
+    from benchmarks.lab.probe_clock import ClockSampler
+
+    fake = tmp_path / "nvidia-smi"  # 3,000 samples of ~80 bytes, as fast as it can write them
+    fake.write_text("#!/usr/bin/env python3\n"
+                    "import sys, time\n"
+                    "for i in range(3000):\n"
+                    "    sys.stdout.write(f'2026/12/07 12:00:{i // 50:02d}.{(i % 50) * 20:03d}, 1700, 600.00, 60{40 * \" \"}\\n')\n"
+                    "sys.stdout.flush()\n"
+                    "time.sleep(30)\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with ClockSampler() as sampler:
+        time.sleep(2.0)
+    assert len(sampler.samples) == 3000  # ~230 KiB: past what a pipe holds
