@@ -1,6 +1,6 @@
 """One table of `python -m mla bench decode` (or `bench concat`) runs side by side: each
 subfolder of DIR holds one run's JSON (named VERSION-ROUND, e.g. main-1, fp8three-1, main-2,
-...), and each row of the table is a (b, t, h, cache dtype) (concat: a (tokens, cache dtype))
+...), and each row of the table is a (b, t, h, s_q, cache dtype) (concat: a (tokens, cache dtype))
 with every run's time_us, each version's median over its rounds, each candidate's median over
 main's, and the split counts the versions planned (decode).
 
@@ -15,7 +15,7 @@ import pathlib
 import statistics
 
 
-DECODE_KEY = ("b", "t", "h", "kv_cache_dtype")
+DECODE_KEY = ("b", "t", "h", "s_q", "kv_cache_dtype")  # a run without s_q (older JSON) has 1
 CONCAT_KEY = ("tokens", "kv_cache_dtype")
 
 
@@ -34,7 +34,7 @@ def load_runs(root: pathlib.Path) -> dict[str, dict]:
             data = json.loads(files[0].read_text())
             rows = data["rows"] + data.get("fp8_rows", [])
             fields = CONCAT_KEY if "tokens" in rows[0] else DECODE_KEY
-            runs[folder.name] = {tuple(r[f] for f in fields): r for r in rows}
+            runs[folder.name] = {tuple(r.get(f, 1) if f == "s_q" else r[f] for f in fields): r for r in rows}
     return runs
 
 
@@ -45,7 +45,7 @@ def version_of(run: str) -> str:
 
 
 def summarise(runs: dict[str, dict]) -> list[dict]:
-    """A dict a (b, t, h, dtype): every run's time, each version's median and splits, and each
+    """A dict a (b, t, h, s_q, dtype): every run's time, each version's median and splits, and each
     candidate's median over main's."""
     versions = sorted({version_of(r) for r in runs}, key=lambda v: (v != "main", v))
     table = []
@@ -78,14 +78,14 @@ def main() -> None:
     table = summarise(runs)
     names = list(runs)
     concat = "tokens" in table[0]
-    head = f"{'tokens':>7}" if concat else f"{'b':>4} {'t':>7} {'h':>4}"
+    head = f"{'tokens':>7}" if concat else f"{'b':>4} {'t':>7} {'h':>4} {'s_q':>3}"
     print(f"{head} {'dtype':>10} " + " ".join(f"{n:>12}" for n in names)
           + "   candidate / main (median)" + ("" if concat else "   splits"))
     for e in table:
         cells = " ".join(f"{e['runs'][n]:12.1f}" if n in e["runs"] else f"{'-':>12}" for n in names)
         ratios = ", ".join(f"{v} {r:.3f}" for v, r in e["over_main"].items())
         splits = "" if concat else "   " + "/".join(f"{v} {s}" for v, s in e["splits"].items())
-        where = f"{e['tokens']:>7}" if concat else f"{e['b']:>4} {e['t']:>7} {e['h']:>4}"
+        where = f"{e['tokens']:>7}" if concat else f"{e['b']:>4} {e['t']:>7} {e['h']:>4} {e['s_q']:>3}"
         print(f"{where} {e['kv_cache_dtype']:>10} {cells}   {ratios}{splits}")
     if args.json:
         args.json.write_text(json.dumps({"runs": names, "rows": table}, indent=1))

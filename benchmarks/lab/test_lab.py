@@ -138,6 +138,26 @@ def test_ab_table_reads_runs_by_version_and_round(tmp_path):
     assert entry["median_us"] == {"main": 105.0, "fp8three": 85.0}
     assert entry["over_main"] == {"fp8three": 85.0 / 105.0}
     assert entry["splits"] == {"main": 4, "fp8three": 6}
+    assert entry["s_q"] == 1  # a row without s_q (an older run) has one new token
+
+
+def test_ab_table_keeps_each_query_length_apart(tmp_path):
+    """ab_table.py: a run of `bench decode --s-q 1,2` has a row a (shape, s_q), each compared
+    with main's row of the same s_q, not the last one read."""
+    import json
+
+    from benchmarks.lab.ab_table import load_runs, summarise
+
+    def run(name, times):
+        (tmp_path / name).mkdir()
+        rows = [dict(b=64, t=4096, h=128, s_q=s_q, kv_cache_dtype="auto", time_us=us, config={})
+                for s_q, us in times.items()]
+        (tmp_path / name / "gpu-decode.json").write_text(json.dumps({"rows": rows}))
+
+    run("main-1", {1: 100.0, 2: 200.0})
+    run("new-1", {1: 90.0, 2: 220.0})
+    table = summarise(load_runs(tmp_path))
+    assert [(e["s_q"], e["over_main"]["new"]) for e in table] == [(1, 0.9), (2, 1.1)]
 
 
 def test_ab_table_reads_concat_runs(tmp_path):

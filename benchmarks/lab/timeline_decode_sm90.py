@@ -194,9 +194,9 @@ def instrumented_source(src: str | None = None) -> str:
     src, n_args = re.subn(r"(const std::optional<at::Tensor>& kv_scale, int64_t q_tokens)([,)])",
                           r"\1, at::Tensor& timing, int64_t timing_warp\2", src)
     assert n_args == 1, n_args
-    # the launch's last argument
-    src, n_launch = re.subn(r"scale_ptr\);",
-                            r"scale_ptr, (long long*)timing.data_ptr<int64_t>(), int(timing_warp));", src)
+    # the launch's last argument (a kernel<<<...>>>(...) call, or cudaLaunchKernelEx(...) inside a check)
+    src, n_launch = re.subn(r"scale_ptr(\)+;)",
+                            r"scale_ptr, (long long*)timing.data_ptr<int64_t>(), int(timing_warp)\1", src)
     assert n_launch == 1, n_launch
     src = src[: src.index("TORCH_LIBRARY_IMPL")]
     src = src.replace("namespace {\n", "", 1).replace("}  // namespace\n\n", "", 1)
