@@ -94,6 +94,8 @@ def _namespace() -> dict:
         "clock_probe_us": clock_probe_us,
         "CLOCK_PROBE": CLOCK_PROBE,
         "NCU_SQ2": NCU_SQ2,
+        "NCU_SQ2_L2": NCU_SQ2_L2,
+        "CLUSTER_AB": CLUSTER_AB,
         "ncu_metric": ncu_metric,
         "EXCESS_PROBE": EXCESS_PROBE,
         "PIECES_PROBE": PIECES_PROBE,
@@ -767,6 +769,8 @@ def clock_probe_us(s_q: int, who: str, part: str, b: int = 128, t: int = 8192, n
 
 
 NCU_SQ2 = "nvidia-h100-80gb-hbm3-ncu-64x4096x128-sq2.json"  # ncu_decode.sh at s_q 2, ours and FlashMLA's
+NCU_SQ2_L2 = "nvidia-h100-80gb-hbm3-ncu-64x4096x128-sq2-source.json"  # the same, L2 sectors and source pages
+CLUSTER_AB = "nvidia-h100-80gb-hbm3-decode-ab30-cluster.json"  # a sequence's head blocks as one cluster
 EXCESS_PROBE = "nvidia-h100-80gb-hbm3-decode-bench-excess-probe.json"  # probe_bench_excess.py
 PIECES_PROBE = "nvidia-h100-80gb-hbm3-decode-pieces-probe.json"  # probe_pieces.py
 
