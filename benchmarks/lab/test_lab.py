@@ -278,3 +278,32 @@ def test_clock_sampler_keeps_sampling_past_a_pipes_size(tmp_path, monkeypatch):
     with ClockSampler() as sampler:
         time.sleep(2.0)
     assert len(sampler.samples) == 3000  # ~230 KiB: past what a pipe holds
+
+
+def test_bench_excess_probe_touches_one_word_a_stride():
+    """probe_bench_excess.py's clean+tlb way reads one 4-byte word every 64 KiB of the cache (each
+    page translated, almost nothing of it brought into L2): the words it sums are those."""
+    import pytest
+    import torch
+
+    from benchmarks.lab.probe_bench_excess import before_call, touch_every
+
+    words = torch.arange(3 * 65536, dtype=torch.int32)  # 768 KiB: words 0, 16384, 32768, ...
+    assert touch_every(words).item() == sum(range(0, 3 * 65536, 16384))
+    bf16 = torch.ones(4, 64, 576, dtype=torch.bfloat16)  # read as int32 pairs of bf16 ones
+    pair = torch.tensor([1.0, 1.0], dtype=torch.bfloat16).view(torch.int32).item()
+    assert touch_every(bf16, 4096).item() == pair * (bf16.numel() * 2 // 4096)
+    with pytest.raises(ValueError, match="way must be one of"):
+        before_call("cold", bf16, None, None)
+
+
+def test_pieces_probe_counts_pieces_that_fill_whole_waves():
+    """probe_pieces.py's piece counts: P x head blocks a multiple of the SM count, up to about b
+    pieces (past b a piece holds less than a sequence)."""
+    from benchmarks.lab.probe_pieces import whole_wave_pieces
+
+    assert whole_wave_pieces(128, 2, 132) == [66, 132]
+    assert whole_wave_pieces(128, 4, 132) == [33, 66, 99, 132]
+    assert whole_wave_pieces(128, 8, 132) == [33, 66, 99, 132]  # 16.5 pieces a wave: two waves at 33
+    assert whole_wave_pieces(64, 2, 132) == [66]
+    assert whole_wave_pieces(16, 2, 132) == []  # no count up to 2b fills a wave
