@@ -97,6 +97,7 @@ def _namespace() -> dict:
         "NCU_SQ2_L2": NCU_SQ2_L2,
         "CLUSTER_AB": CLUSTER_AB,
         "ncu_metric": ncu_metric,
+        "ncu_top_site_share": ncu_top_site_share,
         "EXCESS_PROBE": EXCESS_PROBE,
         "PIECES_PROBE": PIECES_PROBE,
         "RAGGED_KERNELS": RAGGED_KERNELS,
@@ -782,6 +783,13 @@ def ncu_metric(subject: str, metric: str, name: str = NCU_SQ2) -> float:
     if metric not in subjects.get(subject, {}):
         raise PluginError(f"ncu_metric: {name} has no {metric!r} for {subject!r}")
     return subjects[subject][metric]
+
+
+def ncu_top_site_share(subject: str, name: str = NCU_SQ2_L2) -> float:
+    """The share of ``subject``'s stall samples at its most-sampled instruction, in the source
+    page summary ``name`` (``ncu_decode.py``'s ``top_sites``)."""
+    source = result(name)["sources"][subject]
+    return source["top_sites"][0]["samples"] / sum(source["stall_samples"].values())
 
 
 def ragged_kernels_table(name: str = RAGGED_NOW, before: str = RAGGED_KERNELS) -> str:

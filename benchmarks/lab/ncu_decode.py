@@ -37,18 +37,22 @@ def summarize(folder: str) -> dict:
     return out
 
 
-def source_counts(path, top: int = 40) -> dict:
+def source_counts(path, top: int = 40, sites: int = 12) -> dict:
     """A SourceCounters CSV (the kernel's name, a header row, then one row a SASS instruction) to
     its executed warp instructions: the total, by opcode (HGMMA, FMUL) and by opcode with its
     modifiers (FSETP.GEU.AND), the `top` most executed, and of those the ones under a guard
     predicate (@P0, @!P2; executed whether or not the predicate holds) by opcode with modifiers;
-    where the page has the warp-state sampling columns, the samples summed by stall reason."""
+    where the page has the warp-state sampling columns, the samples summed by stall reason and
+    the `sites` instructions with the most samples (offset from the page's first instruction,
+    SASS, executed count, samples by reason, and the last mbarrier or barrier instruction in the
+    16 before it: what a wait loop's branch waits on)."""
     rows = list(csv.reader(pathlib.Path(path).read_text().splitlines()))
     header = next(r for r in rows if "Instructions Executed" in r)
     at, sass = header.index("Instructions Executed"), header.index("Source")
     reasons = [(i, h) for i, h in enumerate(header) if h.startswith("stall_") and not h.endswith("(Not Issued)")]
     by_op, by_mnemonic, guarded, total = collections.Counter(), collections.Counter(), collections.Counter(), 0
-    stalls = collections.Counter()
+    stalls, sampled, first, recent = collections.Counter(), [], None, collections.deque(maxlen=16)
+    address = header.index("Address") if "Address" in header else None
     for row in rows[rows.index(header) + 1:]:
         if len(row) <= max(at, sass) or not row[at].replace(",", "").isdigit():
             continue
@@ -59,10 +63,19 @@ def source_counts(path, top: int = 40) -> dict:
         by_mnemonic[mnemonic] += n
         guarded[mnemonic] += n if guard else 0
         total += n
-        for i, reason in reasons:
-            stalls[reason.removeprefix("stall_")] += int(row[i].replace(",", "") or 0) if i < len(row) else 0
+        here = {reason.removeprefix("stall_"): int(row[i].replace(",", "") or 0) if i < len(row) else 0
+                for i, reason in reasons}
+        stalls.update(here)
+        if address is not None and reasons:
+            first = int(row[address], 16) if first is None else first
+            waits_on = next((x for x in reversed(recent) if x.startswith(("SYNCS", "BAR"))), None)
+            sampled.append(dict(offset=hex(int(row[address], 16) - first), sass=row[sass].strip(), executed=n,
+                                samples=sum(here.values()), by_reason={k: v for k, v in here.items() if v},
+                                after=waits_on))
+        recent.append(mnemonic and row[sass].strip()[guard.end() if guard else 0:])
     return dict(total=total, by_opcode=dict(by_op.most_common()), by_mnemonic=dict(by_mnemonic.most_common(top)),
-                guarded={m: n for m, n in guarded.most_common(top) if n}, stall_samples=dict(stalls.most_common()))
+                guarded={m: n for m, n in guarded.most_common(top) if n}, stall_samples=dict(stalls.most_common()),
+                top_sites=sorted(sampled, key=lambda site: -site["samples"])[:sites])
 
 
 def main(argv=None):

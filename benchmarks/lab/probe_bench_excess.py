@@ -3,11 +3,11 @@ FlashMLA's, timed five ways, each for seconds while ``nvidia-smi`` samples the S
 
     PYTHONPATH=.peers:. python3 benchmarks/lab/probe_bench_excess.py --shapes 128x8192x128 --s-q 1,2,4 --out DIR
 
-The benchmark times one call in a CUDA graph after a clean L2 (``bench_us``); a call's kernels
-run back to back under torch.profiler take 2-13% less (``probe_clock.py``'s kernel times), ours
-up to 4 points more than FlashMLA's. The ways, each a window of ``--seconds``:
+The benchmark times one call in a CUDA graph after a clean L2 (``bench_us``); the kernels of a
+call timed under torch.profiler (``probe_clock.py``) take less. This separates what the timing
+adds from what the kernels take. The ways, each a window of ``--seconds``:
 
-- ``clean``: the benchmark's own (``bench_us``: a 256 MiB read, then the graph);
+- ``clean``: the benchmark's own, as ``bench_us`` times it (a 256 MiB read, then the graph);
 - ``clean+tlb``: after the clear, one 4-byte read every 64 KiB of the cache (its address
   translations warm, a few hundred KiB of L2 taken);
 - ``clean+table``: after the clear, the block table and seq_lens read (in L2 again);

@@ -216,6 +216,27 @@ def test_ncu_source_counts_sum_the_sass_page(tmp_path):
     assert counts["by_mnemonic"] == {"FSETP.GEU.AND": 16384, "FMUL": 16384, "FMUL.FTZ": 100, "LDS": 7}
     assert counts["guarded"] == {"FMUL": 16384, "LDS": 7}
     assert counts["stall_samples"] == {"wait": 4}
+    top, second = counts["top_sites"][:2]  # most samples first, offsets from the page's first row
+    assert (top["offset"], top["samples"], top["by_reason"], top["after"]) == ("0x0", 3, {"wait": 3}, None)
+    assert (second["offset"], second["sass"], second["samples"]) == ("0x10", "@!P2  FMUL R193, R193, 0.5", 1)
+
+
+def test_ncu_source_counts_name_what_a_wait_loop_waits_on(tmp_path):
+    """source_counts' top sites carry the last mbarrier or barrier instruction before them, so a
+    wait loop's branch (where the samples land) names the mbarrier it polls."""
+    from benchmarks.lab.ncu_decode import source_counts
+
+    path = tmp_path / "mla-auto-source.csv"
+    path.write_text(
+        '"Address","Source","Instructions Executed","stall_long_sb"\n'
+        '"0x100","      SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR28+0x18], R8","64","0"\n'
+        '"0x110","      UMOV UR9, 0x40000040","64","0"\n'
+        '"0x120","@!P1  BRA 0x200","64","9"\n'
+        '"0x130","      FMUL R1, R2, R3","64","2"\n')
+    top, second = source_counts(path)["top_sites"][:2]
+    assert (top["offset"], top["samples"]) == ("0x20", 9)
+    assert top["after"] == "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR28+0x18], R8"
+    assert second["after"] == "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR28+0x18], R8"  # within 16 rows
 
 
 def test_deal_model_splits_keep_every_pair():
