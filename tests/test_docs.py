@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from html.parser import HTMLParser
@@ -436,6 +437,71 @@ def test_notebooks_render_offline_with_math(notebook_site, browser):
     assert not errors, errors
 
 
+class _OpenRequests:
+    """The requests a page has made and not yet seen finish or fail.
+
+    Stands in for Playwright's "networkidle", which waits for the same thing but, when a page
+    does not settle, times out without saying what it waited for (twice on a busy 2-core
+    machine, 120 s each, on a page that settles in under a second alone); this one names the
+    requests still open when it gives up.
+    """
+
+    def __init__(self, page):
+        self.open: dict[int, str] = {}
+        page.on("request", lambda r: self.open.__setitem__(id(r), r.url))
+        page.on("requestfinished", lambda r: self.open.pop(id(r), None))
+        page.on("requestfailed", lambda r: self.open.pop(id(r), None))
+
+    def settle(self, page, seconds: float, quiet: float = 0.5) -> list[str]:
+        """Wait until no request has been open for `quiet` seconds; the URLs still open after
+        `seconds`, or [] once settled. Playwright's events arrive while its wait runs."""
+        deadline = time.monotonic() + seconds
+        quiet_since = time.monotonic()
+        while time.monotonic() < deadline:
+            if self.open:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= quiet:
+                return []
+            page.wait_for_timeout(50)
+        return sorted(self.open.values())
+
+
+class _FakePage:
+    """Just enough of a Playwright page for _OpenRequests: handlers, and a wait that delivers
+    the events scheduled for its moment."""
+
+    def __init__(self, script):
+        self.handlers: dict[str, list] = {}
+        self.script = script  # [(waits before delivery, event, request)]
+        self.waits = 0
+
+    def on(self, event, handler):
+        self.handlers.setdefault(event, []).append(handler)
+
+    def wait_for_timeout(self, ms):
+        time.sleep(ms / 1000)
+        self.waits += 1
+        for at, event, request in self.script:
+            if at == self.waits:
+                for handler in self.handlers.get(event, []):
+                    handler(request)
+
+
+class _Req:
+    def __init__(self, url):
+        self.url = url
+
+
+def test_open_requests_names_what_never_finished():
+    index, font, hung = _Req("search_index.json"), _Req("font.woff"), _Req("hung.js")
+    page = _FakePage([(1, "request", index), (1, "request", font), (2, "request", hung),
+                      (3, "requestfinished", index), (4, "requestfailed", font)])
+    assert _OpenRequests(page).settle(page, seconds=0.5, quiet=0.2) == ["hung.js"]
+    page = _FakePage([(1, "request", index), (3, "requestfinished", index)])
+    assert _OpenRequests(page).settle(page, seconds=5, quiet=0.1) == []
+    assert page.waits > 3  # it waited for the finish, then for the quiet
+
+
 def test_pages_in_the_browser(site, server, browser):
     pages = _pages(site)
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
@@ -450,6 +516,7 @@ def test_pages_in_the_browser(site, server, browser):
     page.on("pageerror", lambda e: problems.append(f"{current['url']}: page error: {e}"))
     page.on("requestfailed", lambda r: problems.append(
         f"{current['url']}: request failed: {r.url} ({r.failure})"))
+    open_requests = _OpenRequests(page)
     page.on("response", lambda r: r.status >= 400 and problems.append(
         f"{current['url']}: {r.status} for {r.url}"))
     links: set[str] = set()
@@ -487,7 +554,8 @@ def test_pages_in_the_browser(site, server, browser):
             page.screenshot(path=str(SCREENSHOTS / name), full_page=True)
         # the page's own requests done (the search index among them) before the next page is
         # asked for: a request the next navigation cuts off would read as a failed one
-        page.wait_for_load_state("networkidle")
+        left_open = open_requests.settle(page, seconds=120)
+        assert not left_open, f"{path}: requests still open after 120 s: {left_open}"
     page.close()
     assert math_pages >= 5, f"only {math_pages} pages with math"
     for link in sorted(links):
