@@ -99,6 +99,7 @@ def _namespace() -> dict:
         "ncu_metric": ncu_metric,
         "ncu_top_site_share": ncu_top_site_share,
         "EXCESS_PROBE": EXCESS_PROBE,
+        "warming_shift": warming_shift,
         "PIECES_PROBE": PIECES_PROBE,
         "RAGGED_KERNELS": RAGGED_KERNELS,
         "RAGGED_NOW": RAGGED_NOW,
@@ -790,6 +791,17 @@ def ncu_top_site_share(subject: str, name: str = NCU_SQ2_L2) -> float:
     page summary ``name`` (``ncu_decode.py``'s ``top_sites``)."""
     source = result(name)["sources"][subject]
     return source["top_sites"][0]["samples"] / sum(source["stall_samples"].values())
+
+
+def warming_shift(name: str = EXCESS_PROBE) -> float:
+    """The largest relative change of a call's time, ours or FlashMLA's, when the excess probe
+    warms the address translations or the block table after the L2 clear (``clean+tlb``,
+    ``clean+table`` against ``clean``)."""
+    windows = result(name)["windows"]
+    same = ("b", "t", "h", "s_q", "kernel")
+    clean = {tuple(w[k] for k in same): w["time_us"] for w in windows if w["way"] == "clean"}
+    return max(abs(w["time_us"] / clean[tuple(w[k] for k in same)] - 1)
+               for w in windows if w["way"] in ("clean+tlb", "clean+table"))
 
 
 def ragged_kernels_table(name: str = RAGGED_NOW, before: str = RAGGED_KERNELS) -> str:

@@ -16,7 +16,6 @@ windows, each kernel's time a call under torch.profiler (eager calls, ``probe_de
 
 from __future__ import annotations
 
-import argparse
 import csv
 import datetime
 import io
@@ -27,8 +26,8 @@ import time
 
 import torch
 
-from benchmarks.bench_decode import (C, cache_copies, decode_call, flashmla_fn, flashmla_status, kernel_and_splits,
-                                     make_inputs, parse_query_lengths, parse_shapes)
+from benchmarks.bench_decode import C, cache_copies, decode_call, flashmla_fn, kernel_and_splits, make_inputs
+from benchmarks.lab.probe_args import decode_probe_parser, flashmla_and_sms
 from benchmarks.lab.probe_decode_ragged import kernel_times_us
 from benchmarks.timing import bench_us, graphed, write_json
 
@@ -90,15 +89,8 @@ def timed_window(name: str, fn, caches, seconds: float) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", type=parse_shapes, default=[(128, 8192, 128)], help="BxTxH,... (default 128x8192x128)")
-    parser.add_argument("--s-q", dest="s_q", type=parse_query_lengths, default=[1, 2, 4])
-    parser.add_argument("--seconds", type=float, default=4.0, help="each window's length (default 4)")
-    parser.add_argument("--out", default="benchmarks/lab/results")
-    args = parser.parse_args(argv)
-    flashmla_ok, why = flashmla_status()
-    print(f"FlashMLA: {why}")
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    args = decode_probe_parser(__doc__, [(128, 8192, 128)], seconds=4.0).parse_args(argv)
+    flashmla_ok, _, num_sms = flashmla_and_sms()
     windows, kernels = [], []
     with ClockSampler() as sampler:
         for b, t, h in args.shapes:

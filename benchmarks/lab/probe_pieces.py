@@ -15,12 +15,10 @@ output against main's, and writes ``DIR/pieces-probe.json``.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from benchmarks.bench_decode import (C, SCALE, cache_copies, decode_call, flashmla_fn, flashmla_status,
-                                     kernel_and_splits, make_inputs, parse_query_lengths, parse_shapes)
+from benchmarks.bench_decode import C, SCALE, cache_copies, decode_call, flashmla_fn, kernel_and_splits, make_inputs
+from benchmarks.lab.probe_args import decode_probe_parser, flashmla_and_sms
 from benchmarks.timing import bench_us, graphed, write_json
 
 
@@ -57,14 +55,8 @@ def dealt_call(q, block_table, seq_lens, pieces: int):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", type=parse_shapes, default=[(128, 8192, 128), (64, 4096, 128)])
-    parser.add_argument("--s-q", dest="s_q", type=parse_query_lengths, default=[1, 2, 4])
-    parser.add_argument("--out", default="benchmarks/lab/results")
-    args = parser.parse_args(argv)
-    flashmla_ok, why = flashmla_status()
-    print(f"FlashMLA: {why}", flush=True)
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    args = decode_probe_parser(__doc__, [(128, 8192, 128), (64, 4096, 128)]).parse_args(argv)
+    flashmla_ok, _, num_sms = flashmla_and_sms()
     rows = []
     print(f"{'b':>4} {'t':>6} {'h':>4} {'s_q':>3} {'pieces':>7} {'CTAs':>5} {'waves':>6} {'us':>8} {'/ main':>7} "
           f"{'FM / it':>8} {'max diff':>9}", flush=True)

@@ -328,3 +328,15 @@ def test_pieces_probe_counts_pieces_that_fill_whole_waves():
     assert whole_wave_pieces(128, 8, 132) == [33, 66, 99, 132]  # 16.5 pieces a wave: two waves at 33
     assert whole_wave_pieces(64, 2, 132) == [66]
     assert whole_wave_pieces(16, 2, 132) == []  # no count up to 2b fills a wave
+
+
+def test_decode_probes_parse_their_shared_arguments():
+    from benchmarks.lab.probe_args import decode_probe_parser
+
+    args = decode_probe_parser("Doc.\nmore", [(128, 8192, 128)], seconds=1.5).parse_args([])
+    assert (args.shapes, args.s_q, args.seconds, args.out) == ([(128, 8192, 128)], [1, 2, 4], 1.5,
+                                                               "benchmarks/lab/results")
+    args = decode_probe_parser("Doc.", [(128, 8192, 128)]).parse_args(
+        ["--shapes", "64x4096x128,4x131072x128", "--s-q", "2", "--out", "x"])
+    assert (args.shapes, args.s_q, args.out) == ([(64, 4096, 128), (4, 131072, 128)], [2], "x")
+    assert not hasattr(args, "seconds")  # a probe without windows takes no --seconds
