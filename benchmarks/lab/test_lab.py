@@ -340,3 +340,28 @@ def test_decode_probes_parse_their_shared_arguments():
         ["--shapes", "64x4096x128,4x131072x128", "--s-q", "2", "--out", "x"])
     assert (args.shapes, args.s_q, args.out) == ([(64, 4096, 128), (4, 131072, 128)], [2], "x")
     assert not hasattr(args, "seconds")  # a probe without windows takes no --seconds
+
+
+def test_head_block_spread_reads_each_pieces_rows_together():
+    """timeline_decode_sm90.head_block_spread groups the timing rows a piece at a time (its head
+    blocks consecutive) and tells the first wave's pieces from the later ones by their first start."""
+    import torch
+
+    from benchmarks.lab.timeline_decode_sm90 import SLOTS, head_block_spread
+
+    rows = torch.zeros((3 * 4, SLOTS), dtype=torch.int64)
+    # (piece, head block): start and loop end in ns; piece 2's head block 3 never reached its end
+    starts = [[0, 0, 100, 0], [10_000, 12_000, 11_000, 10_500], [20_000, 20_000, 20_000, 21_000]]
+    ends = [[50_000, 50_500, 50_000, 51_000], [60_000, 65_000, 61_000, 60_000], [70_000] * 4]
+    for p in range(3):
+        for x in range(4):
+            rows[4 * p + x, 0], rows[4 * p + x, 6] = starts[p][x], ends[p][x]
+            rows[4 * p + x, 8] = 0 if (p, x) == (2, 3) else ends[p][x] + 1
+    got = head_block_spread(rows, 4)
+    assert got["hb_late_pieces"] == 1  # piece 1 (piece 2 left out, piece 0 in the first wave)
+    assert got["hb_start_spread_late_us"] == 2.0 and got["hb_start_spread_max_us"] == 2.0
+    assert abs(got["hb_start_spread_us"] - 0.1) < 1e-9  # pieces 0 and 1: torch's median takes the lower
+    assert got["hb_loop_end_spread_late_us"] == 5.0 and got["hb_loop_end_spread_max_us"] == 5.0
+    # one head block: no spread; a launch of one wave: no late piece
+    assert head_block_spread(rows[:4], 4)["hb_start_spread_late_us"] is None
+    assert head_block_spread(rows[:4], 1)["hb_start_spread_max_us"] == 0.0

@@ -50,7 +50,9 @@ each at the pieces ``mla_decode`` deals over and at 66 (a second segment in some
 The first thread of warp 0 of each warpgroup records its parts by default (the one that issues
 the copies); ``--warps 0,3`` adds a row recorded by warp 3's, whose barrier waits show how long
 the other warps wait for the issuing one. Medians over CTAs, then over 5 repetitions;
-``*_per_tile`` divides a warpgroup's loop by the CTA's tiles (cycles).
+``*_per_tile`` divides a warpgroup's loop by the CTA's tiles (cycles). ``hb_*`` say how far apart
+the CTAs of one piece (its head blocks, which read the same tiles) start and end their loops,
+over every piece and over the later waves' (``head_block_spread``).
 
 Writes the rows of one run to ``--out-name`` (``h200-decode-sm90-timeline-rows.json``). The
 committed ``h200-decode-sm90-timeline.json`` (NOTES rows 46-48) gathers four runs by hand under
@@ -217,6 +219,34 @@ def build():
                 extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
 
 
+def head_block_spread(timing: torch.Tensor, head_blocks: int, late_us: float = 2.0) -> dict:
+    """How far apart the CTAs of one piece start and end their loops: the timing rows as the
+    kernel wrote them (row (z x gridDim.y + y) x head_blocks + x; a dealt launch has one y, so a
+    piece's head blocks are consecutive rows), columns 0 and 6 the start's and the loop end's
+    globaltimer (ns). For each piece whose head blocks all reached their last stamp: the last
+    start less the first, and the same for the loop ends (us). Medians and largest over every
+    piece, and over the ``late`` pieces, those whose first CTA started ``late_us`` or more after
+    the launch's first (the later waves, where a piece's CTAs start as SMs come free rather than
+    together). The CTAs of a piece read the same tiles: where they start apart, a tile's later
+    readers find it in L2 instead of sharing the first one's request (NOTES row 125)."""
+    x = timing.cpu().double()
+    pieces = x.shape[0] // head_blocks
+    x = x[:pieces * head_blocks].reshape(pieces, head_blocks, -1)
+    whole = (x[:, :, 8] != 0).all(dim=1)
+    start, loop_end = x[whole][:, :, 0] / 1e3, x[whole][:, :, 6] / 1e3
+    first = start.min()
+    late = start.min(dim=1).values - first >= late_us
+    out = {}
+    for name, stamps in (("start", start), ("loop_end", loop_end)):
+        spread = stamps.max(dim=1).values - stamps.min(dim=1).values
+        for which, sel in (("", slice(None)), ("_late", late)):
+            v = spread[sel]
+            out[f"hb_{name}_spread{which}_us"] = v.median().item() if v.numel() else None
+            out[f"hb_{name}_spread{which}_max_us"] = v.max().item() if v.numel() else None
+    out["hb_late_pieces"] = int(late.sum())
+    return out
+
+
 def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", warp=0, lengths=None, s_q=1,
               pieces=0):
     """One row: b sequences of t tokens, or of ``lengths`` (b = len(lengths), t = the longest), the
@@ -258,7 +288,7 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", war
         run = dict(span_us=end.max().item(), start_max_us=start.max().item(), end_median_us=end.median().item(),
                    prologue_us=us(0, 1).median().item(), first_s_us=us(1, 2).median().item(),
                    loop_us=us(2, 3).median().item(), epilogue_us=us(3, 4).median().item(), ghz=ghz,
-                   sms=len(set(x[:, 10].tolist())))
+                   sms=len(set(x[:, 10].tolist())), **head_block_spread(timing, math.ceil(rows / 64)))
         seg = x[:, SEGMENTS_AT:SEGMENTS_AT + len(SEGMENT_PARTS)].double()
         run["segments_median"], run["segments_max"] = seg[:, 0].median().item(), seg[:, 0].max().item()
         for k, name in enumerate(SEGMENT_PARTS[1:], 1):  # a CTA's sum over its segments
@@ -272,7 +302,8 @@ def one_shape(mod, b, t, h, repeats=5, clear="clean", kv_cache_dtype="auto", war
             for name, v in parts.items():
                 run[f"wg{wg}_{name}_cycles"] = v.median().item()
         runs.append(run)
-    row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    row = {k: statistics.median(r[k] for r in runs if r[k] is not None) if any(r[k] is not None for r in runs)
+           else None for k in runs[0]}
     per_tile = {f"{k[:-7]}_per_tile": row[k] / tiles for k in row if k.endswith("_cycles")}
     return dict(b=b, t=t, h=h, s_q=s_q, kv_cache_dtype=kv_cache_dtype, warp=warp, splits=splits, pieces=pieces,
                 tiles_per_cta=tiles, **row, **per_tile)
