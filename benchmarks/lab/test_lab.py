@@ -365,3 +365,5 @@ def test_head_block_spread_reads_each_pieces_rows_together():
     # one head block: no spread; a launch of one wave: no late piece
     assert head_block_spread(rows[:4], 4)["hb_start_spread_late_us"] is None
     assert head_block_spread(rows[:4], 1)["hb_start_spread_max_us"] == 0.0
+    # no piece whole (a launch whose pieces all returned early): every figure None, no error
+    assert head_block_spread(rows[8:], 4)["hb_start_spread_us"] is None

@@ -234,7 +234,7 @@ def head_block_spread(timing: torch.Tensor, head_blocks: int, late_us: float = 2
     x = x[:pieces * head_blocks].reshape(pieces, head_blocks, -1)
     whole = (x[:, :, 8] != 0).all(dim=1)
     start, loop_end = x[whole][:, :, 0] / 1e3, x[whole][:, :, 6] / 1e3
-    first = start.min()
+    first = start.min() if start.numel() else 0.0
     late = start.min(dim=1).values - first >= late_us
     out = {}
     for name, stamps in (("start", start), ("loop_end", loop_end)):
