@@ -220,15 +220,17 @@ def build():
 
 
 def head_block_spread(timing: torch.Tensor, head_blocks: int, late_us: float = 2.0) -> dict:
-    """How far apart the CTAs of one piece start and end their loops: the timing rows as the
-    kernel wrote them (row (z x gridDim.y + y) x head_blocks + x; a dealt launch has one y, so a
-    piece's head blocks are consecutive rows), columns 0 and 6 the start's and the loop end's
-    globaltimer (ns). For each piece whose head blocks all reached their last stamp: the last
-    start less the first, and the same for the loop ends (us). Medians and largest over every
-    piece, and over the ``late`` pieces, those whose first CTA started ``late_us`` or more after
-    the launch's first (the later waves, where a piece's CTAs start as SMs come free rather than
-    together). The CTAs of a piece read the same tiles: where they start apart, a tile's later
-    readers find it in L2 instead of sharing the first one's request (NOTES row 125)."""
+    """How far apart the CTAs of one piece start, and end their (last segment's) pair loop: the
+    timing rows as the kernel wrote them (row (z x gridDim.y + y) x head_blocks + x; a dealt
+    launch has one y, so a piece's head blocks are consecutive rows), columns 0 and 6 the CTA's
+    start and the loop end as globaltimer ns (ticks of 0.256 us on the H100 and H200). For each
+    piece whose head blocks all reached their last stamp: the last start less the first, and
+    the same for the loop ends (us). Medians and largest over every piece, and over the
+    ``late`` pieces, those whose first CTA started ``late_us`` or more after the launch's first
+    (the later waves, where a piece's CTAs start as SMs come free rather than together; a piece
+    that straddles the first wave's end counts with the first wave and likely carries the
+    largest spread). The CTAs of a piece read the same tiles: apart, a tile's later readers may
+    find it in L2 instead of sharing the first one's request (NOTES row 125)."""
     x = timing.cpu().double()
     pieces = x.shape[0] // head_blocks
     x = x[:pieces * head_blocks].reshape(pieces, head_blocks, -1)
