@@ -25,10 +25,10 @@ def decode_probe_parser(doc: str, shapes: list[tuple[int, int, int]],
     return parser
 
 
-def flashmla_and_sms() -> tuple[bool, str, int]:
+def flashmla_and_sms() -> tuple[bool, int]:
     """Whether FlashMLA's decode imports (printed with why), and the GPU's SM count."""
     import torch
 
     ok, why = flashmla_status()
     print(f"FlashMLA: {why}", flush=True)
-    return ok, why, torch.cuda.get_device_properties(0).multi_processor_count
+    return ok, torch.cuda.get_device_properties(0).multi_processor_count

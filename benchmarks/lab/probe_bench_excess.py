@@ -77,7 +77,7 @@ def timed_window(call, before, seconds: float, batch: int = 10) -> dict:
 
 def main(argv=None) -> None:
     args = decode_probe_parser(__doc__, [(128, 8192, 128)], seconds=1.5).parse_args(argv)
-    flashmla_ok, _, num_sms = flashmla_and_sms()
+    flashmla_ok, num_sms = flashmla_and_sms()
     windows = []
     with ClockSampler() as sampler:
         for b, t, h in args.shapes:

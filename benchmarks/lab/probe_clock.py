@@ -90,7 +90,7 @@ def timed_window(name: str, fn, caches, seconds: float) -> dict:
 
 def main(argv=None) -> None:
     args = decode_probe_parser(__doc__, [(128, 8192, 128)], seconds=4.0).parse_args(argv)
-    flashmla_ok, _, num_sms = flashmla_and_sms()
+    flashmla_ok, num_sms = flashmla_and_sms()
     windows, kernels = [], []
     with ClockSampler() as sampler:
         for b, t, h in args.shapes:

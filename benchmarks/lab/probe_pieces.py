@@ -56,7 +56,7 @@ def dealt_call(q, block_table, seq_lens, pieces: int):
 
 def main(argv=None) -> None:
     args = decode_probe_parser(__doc__, [(128, 8192, 128), (64, 4096, 128)]).parse_args(argv)
-    flashmla_ok, _, num_sms = flashmla_and_sms()
+    flashmla_ok, num_sms = flashmla_and_sms()
     rows = []
     print(f"{'b':>4} {'t':>6} {'h':>4} {'s_q':>3} {'pieces':>7} {'CTAs':>5} {'waves':>6} {'us':>8} {'/ main':>7} "
           f"{'FM / it':>8} {'max diff':>9}", flush=True)
