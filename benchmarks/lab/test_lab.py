@@ -367,3 +367,9 @@ def test_head_block_spread_reads_each_pieces_rows_together():
     assert head_block_spread(rows[:4], 1)["hb_start_spread_max_us"] == 0.0
     # no piece whole (a launch whose pieces all returned early): every figure None, no error
     assert head_block_spread(rows[8:], 4)["hb_start_spread_us"] is None
+    # the timer's own values, ns since 1970: a spread of one 256 ns tick stays 0.256 us
+    epoch = rows.clone()
+    epoch[:, [0, 6]] += 1_796_659_756_123_456_768
+    epoch[1, 0] += 256
+    assert abs(head_block_spread(epoch, 4)["hb_start_spread_max_us"] - 2.0) < 1e-9
+    assert abs(head_block_spread(epoch[:4], 4)["hb_start_spread_max_us"] - 0.256) < 1e-9

@@ -231,12 +231,16 @@ def head_block_spread(timing: torch.Tensor, head_blocks: int, late_us: float = 2
     that straddles the first wave's end counts with the first wave and likely carries the
     largest spread). The CTAs of a piece read the same tiles: apart, a tile's later readers may
     find it in L2 instead of sharing the first one's request (NOTES row 125)."""
-    x = timing.cpu().double()
+    x = timing.cpu()
     pieces = x.shape[0] // head_blocks
     x = x[:pieces * head_blocks].reshape(pieces, head_blocks, -1)
     whole = (x[:, :, 8] != 0).all(dim=1)
-    start, loop_end = x[whole][:, :, 0] / 1e3, x[whole][:, :, 6] / 1e3
-    first = start.min() if start.numel() else 0.0
+    # relative to the first start while still int64: the timer counts ns since 1970 (~1.8e18),
+    # where a double's step is 256 ns, and 0.25 us once in us
+    base = x[whole][:, :, 0].min() if whole.any() else 0
+    start = (x[whole][:, :, 0] - base).double() / 1e3
+    loop_end = (x[whole][:, :, 6] - base).double() / 1e3
+    first = 0.0
     late = start.min(dim=1).values - first >= late_us
     out = {}
     for name, stamps in (("start", start), ("loop_end", loop_end)):
