@@ -238,10 +238,9 @@ def head_block_spread(timing: torch.Tensor, head_blocks: int, late_us: float = 2
     # relative to the first start while still int64: the timer counts ns since 1970 (~1.8e18),
     # where a double's step is 256 ns, and 0.25 us once in us
     base = x[whole][:, :, 0].min() if whole.any() else 0
-    start = (x[whole][:, :, 0] - base).double() / 1e3
+    start = (x[whole][:, :, 0] - base).double() / 1e3  # us after the launch's first CTA
     loop_end = (x[whole][:, :, 6] - base).double() / 1e3
-    first = 0.0
-    late = start.min(dim=1).values - first >= late_us
+    late = start.min(dim=1).values >= late_us
     out = {}
     for name, stamps in (("start", start), ("loop_end", loop_end)):
         spread = stamps.max(dim=1).values - stamps.min(dim=1).values
